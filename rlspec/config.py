@@ -1,0 +1,246 @@
+"""Structured configs: the only home of defaults. YAML under conf/ selects groups and overrides
+values; `validate` checks what types cannot, naming the offending key."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+# `${asset:tiny/policy}` names a model or dataset shipped inside the package.
+OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel), replace=True)
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message starts with the dotted key."""
+
+
+@dataclass
+class ModelConfig:
+    # A local Hugging Face checkpoint directory or a hub ID (e.g. Qwen/Qwen3-8B-Base).
+    path: str = "${asset:tiny/policy}"
+    # Tokenizer directory or hub ID; None means the model's own.
+    tokenizer: Optional[str] = None
+    # Hub revision for hub IDs.
+    revision: Optional[str] = None
+    # Longest prompt + response the engines are sized for.
+    max_model_len: int = 256
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DatasetConfig:
+    # 'synthetic' (rlspec's generator), a .jsonl/.json/.parquet/.csv file, a directory written by
+    # datasets' save_to_disk, or a hub dataset ID (e.g. BytedTsinghua-SIA/DAPO-Math-17k).
+    source: str = "synthetic"
+    split: str = "train"
+    # Row layout: auto | plain {prompt, answer} | dapo (DAPO-Math-17k) | aime {problem|question, answer}.
+    schema: str = "auto"
+    # Keep at most this many rows (None: all).
+    limit: Optional[int] = None
+    # Synthetic source only: rows to generate and the seed that draws them.
+    num_rows: int = 20000
+    seed: int = 0
+
+
+@dataclass
+class SyntheticConfig:
+    min_digits: int = 2
+    max_digits: int = 3
+
+
+@dataclass
+class DataConfig:
+    train: DatasetConfig = field(default_factory=DatasetConfig)
+    val: DatasetConfig = field(default_factory=lambda: DatasetConfig(split="test", num_rows=256, seed=1))
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    # Prompt template: rl_zero (plain text for base models), rl_think (chat template), raw.
+    template: str = "rl_zero"
+    # Prompts longer than this many tokens are bad rows.
+    max_prompt_tokens: int = 128
+    # What to do with a malformed row: 'skip' (count it and go on) or 'error' (stop, naming file and row).
+    on_bad_row: str = "skip"
+    shuffle: bool = True
+
+
+@dataclass
+class AlgoConfig:
+    # Advantage estimator from rlspec.algo registry: grpo (group mean/std) or loo (leave-one-out).
+    advantage: str = "grpo"
+    # Divide advantages by the group's reward std (GRPO); off gives Dr. GRPO-style advantages.
+    normalize_std: bool = True
+    # Policy loss from the registry: grpo (PPO clipped surrogate).
+    loss: str = "grpo"
+    # Loss aggregation: token_mean (every token of the batch weighs the same, DAPO) or seq_mean.
+    loss_agg: str = "token_mean"
+    clip_low: float = 0.2
+    # Clip-higher (DAPO): a larger upper clip keeps low-probability tokens learnable.
+    clip_high: float = 0.28
+    # k3 KL penalty to the reference (initial) policy; 0 disables it and the reference model.
+    kl_coef: float = 0.0
+    # Dynamic sampling (DAPO): drop groups whose rewards all agree and refill from new prompts.
+    dynamic_sampling: bool = False
+    # Extra generation rounds dynamic sampling may spend filling one step's batch.
+    dynamic_sampling_max_rounds: int = 3
+    # Overlong filtering (DAPO): truncated responses get no loss.
+    overlong_filter: bool = False
+
+
+@dataclass
+class GenerationConfig:
+    num_prompts_per_step: int = 32
+    # Group size G: samples per prompt.
+    num_generations_per_prompt: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    # Validation decoding temperature (0: greedy).
+    val_temperature: float = 0.0
+    # Engine dtype: float32 keeps the train/inference mismatch near zero on CPU; bfloat16 on GPU.
+    dtype: str = "float32"
+    # vLLM KV cache on CPU, GiB (VLLM_CPU_KVCACHE_SPACE).
+    cpu_kv_cache_gib: int = 1
+    gpu_memory_utilization: float = 0.6
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class SpeculationConfig:
+    # none | draft_model | eagle3 | mtp | ngram (speculative rollouts land with issue #3).
+    method: str = "none"
+    num_speculative_tokens: int = 3
+    # Draft checkpoint (draft_model, eagle3); None for ngram / mtp.
+    model: Optional[str] = None
+
+
+@dataclass
+class ClusterConfig:
+    # Ray address of an existing cluster; None starts a local one.
+    address: Optional[str] = None
+    # CPUs Ray may schedule on a local cluster (None: all of this machine's).
+    num_cpus: Optional[int] = None
+    # CUDA devices per actor (0 on CPU machines).
+    gpus_per_generator: float = 0.0
+    gpus_per_learner: float = 0.0
+    gpus_per_logprob_worker: float = 0.0
+    # Data-parallel learner ranks (DeepSpeed world size).
+    learner_world_size: int = 1
+    # Torch threads per actor; the synchronous loop runs one stage at a time, so each may use all.
+    threads_per_actor: int = 2
+    # Upper bound on any single wait for an actor; a dead or stuck actor ends the run.
+    actor_timeout_s: float = 900.0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 40
+    seed: int = 0
+    # Validate every N steps (and before the first and after the last); 0 only at start and end.
+    val_every: int = 10
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    # Samples per learner forward/backward; gradient accumulation covers the rest of the batch.
+    micro_batch_size: int = 64
+    zero_stage: int = 1
+    # Save the final policy (Hugging Face format) to <run dir>/final.
+    save_final: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    # wandb: offline (default, no network), online, or disabled.
+    wandb_mode: str = "offline"
+    wandb_project: str = "rlspec"
+    wandb_entity: Optional[str] = None
+    progress_bar: bool = True
+    plot: bool = True
+
+
+@dataclass
+class RLSpecConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="rlspec_schema", node=RLSpecConfig)
+
+
+SPEC_METHODS = ("none", "draft_model", "eagle3", "mtp", "ngram", "suffix")
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def validate(cfg: RLSpecConfig) -> None:
+    """Cross-field and value checks; raises ConfigError naming the key."""
+    from rlspec.algo import ADVANTAGES, LOSS_AGGREGATIONS, LOSSES
+    from rlspec.data.templates import TEMPLATES
+
+    g, a, t, c = cfg.generation, cfg.algo, cfg.trainer, cfg.cluster
+    _check(bool(cfg.model.path), "model.path", "must name a checkpoint directory or hub ID")
+    _check(cfg.model.max_model_len > 0, "model.max_model_len", "must be > 0")
+    _check(cfg.data.template in TEMPLATES, "data.template", f"{cfg.data.template!r} not in {sorted(TEMPLATES)}")
+    _check(cfg.data.on_bad_row in ("skip", "error"), "data.on_bad_row", "must be 'skip' or 'error'")
+    _check(0 < cfg.data.max_prompt_tokens < cfg.model.max_model_len, "data.max_prompt_tokens",
+           f"must be in (0, model.max_model_len={cfg.model.max_model_len})")
+    for split in ("train", "val"):
+        ds = getattr(cfg.data, split)
+        _check(ds.schema in ("auto", "plain", "dapo", "aime"), f"data.{split}.schema",
+               "must be auto, plain, dapo or aime")
+        _check(ds.limit is None or ds.limit > 0, f"data.{split}.limit", "must be > 0 or null")
+    s = cfg.data.synthetic
+    _check(1 <= s.min_digits <= s.max_digits, "data.synthetic.min_digits", "must be in [1, max_digits]")
+    _check(a.advantage in ADVANTAGES, "algo.advantage", f"{a.advantage!r} not in {sorted(ADVANTAGES)}")
+    _check(a.loss in LOSSES, "algo.loss", f"{a.loss!r} not in {sorted(LOSSES)}")
+    _check(a.loss_agg in LOSS_AGGREGATIONS, "algo.loss_agg", f"{a.loss_agg!r} not in {sorted(LOSS_AGGREGATIONS)}")
+    _check(0 <= a.clip_low < 1, "algo.clip_low", "must be in [0, 1)")
+    _check(a.clip_high >= 0, "algo.clip_high", "must be >= 0")
+    _check(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+    _check(a.dynamic_sampling_max_rounds >= 0, "algo.dynamic_sampling_max_rounds", "must be >= 0")
+    _check(g.num_prompts_per_step > 0, "generation.num_prompts_per_step", "must be > 0")
+    _check(g.num_generations_per_prompt >= 2, "generation.num_generations_per_prompt",
+           "GRPO needs at least 2 samples per prompt")
+    _check(g.max_new_tokens > 0, "generation.max_new_tokens", "must be > 0")
+    _check(cfg.data.max_prompt_tokens + g.max_new_tokens <= cfg.model.max_model_len,
+           "generation.max_new_tokens", f"data.max_prompt_tokens + max_new_tokens must fit "
+           f"model.max_model_len={cfg.model.max_model_len}")
+    _check(g.temperature > 0, "generation.temperature", "must be > 0 for RL rollouts")
+    _check(g.val_temperature >= 0, "generation.val_temperature", "must be >= 0")
+    _check(0 < g.top_p <= 1, "generation.top_p", "must be in (0, 1]")
+    _check(g.top_k == -1 or g.top_k > 0, "generation.top_k", "must be -1 (off) or > 0")
+    _check(g.dtype in ("float32", "bfloat16", "float16"), "generation.dtype", "must be float32, bfloat16 or float16")
+    sp = cfg.speculation
+    _check(sp.method in SPEC_METHODS, "speculation.method", f"{sp.method!r} not in {list(SPEC_METHODS)}")
+    _check(sp.method == "none", "speculation.method",
+           "speculative rollouts are not implemented yet (issue #3); use speculation=none")
+    _check(c.learner_world_size >= 1, "cluster.learner_world_size", "must be >= 1")
+    _check(c.threads_per_actor >= 1, "cluster.threads_per_actor", "must be >= 1")
+    _check(c.actor_timeout_s > 0, "cluster.actor_timeout_s", "must be > 0")
+    _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")
+    _check(t.val_every >= 0, "trainer.val_every", "must be >= 0")
+    _check(t.lr > 0, "trainer.lr", "must be > 0")
+    _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", "must be 0, 1, 2 or 3")
+    samples = g.num_prompts_per_step * g.num_generations_per_prompt
+    per_rank = samples // c.learner_world_size
+    _check(samples % c.learner_world_size == 0, "cluster.learner_world_size",
+           f"must divide the batch of {samples} samples")
+    _check(t.micro_batch_size > 0 and per_rank % t.micro_batch_size == 0, "trainer.micro_batch_size",
+           f"must divide the {per_rank} samples each learner rank gets per step")
+    _check(cfg.logging.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
+           "must be offline, online or disabled")

@@ -1,0 +1,54 @@
+"""DeepSpeed engine set-up for the learner: ZeRO stage from config, gloo on CPU, NCCL on GPU."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rlspec.config import TrainerConfig
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0" if not torch.cuda.is_available() else os.environ.get("LOCAL_RANK", "0"),
+                      WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    import logging
+
+    import deepspeed
+    import deepspeed.ops
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+    # The shared-memory comm op JIT-compiles for ~40 s on first use and gloo serves CPU runs well.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               auto_mpi_discovery=False, verbose=False)
+
+
+def ds_config(t: TrainerConfig, samples_per_step: int, world_size: int) -> dict:
+    gas = samples_per_step // (t.micro_batch_size * world_size)
+    cfg = {
+        "train_batch_size": samples_per_step,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "zero_allow_untested_optimizer": True,  # a client torch AdamW: no fused-op JIT build
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if torch.cuda.is_available():
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def make_engine(model: torch.nn.Module, t: TrainerConfig, samples_per_step: int, world_size: int):
+    """(engine, scheduler): AdamW as a client optimizer (no fused-op JIT build), linear warmup."""
+    import deepspeed
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,
+                            weight_decay=t.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    warm = max(t.warmup_steps, 0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+    engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                               config=ds_config(t, samples_per_step, world_size))
+    return engine, sched

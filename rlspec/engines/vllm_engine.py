@@ -1,0 +1,49 @@
+"""vLLM engine set-up and in-place weight refit. The engine runs in-process (no engine
+sub-process), so a refit is a plain `reload_weights` call on the same tensors' memory."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterable
+
+import torch
+
+from rlspec.config import GenerationConfig
+
+
+def engine_env(gen: GenerationConfig) -> None:
+    """Environment vLLM reads at import/start; set before `import vllm`."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(gen.cpu_kv_cache_gib))
+    os.environ.setdefault("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "0"))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: int,
+             tokenizer: str | None = None, speculative_config: dict | None = None):
+    engine_env(gen)
+    from vllm import LLM
+
+    kwargs = dict(
+        model=model_path, tokenizer=tokenizer or model_path, dtype=gen.dtype, seed=seed,
+        max_model_len=max_model_len, enforce_eager=gen.enforce_eager,
+        tensor_parallel_size=gen.tensor_parallel_size,
+        # Returned log-probs are those of the distribution actually sampled from (temperature,
+        # top-k/top-p applied): the behaviour policy an RL trainer needs.
+        logprobs_mode="processed_logprobs",
+        disable_log_stats=False,  # spec-decode counters come from get_metrics()
+        enable_prefix_caching=False,
+    )
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization
+    if speculative_config:
+        kwargs["speculative_config"] = speculative_config
+    return LLM(**kwargs)
+
+
+def reload_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
+    """Copy Hugging Face-named weights into the running engine; returns seconds taken."""
+    t0 = time.perf_counter()
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+    llm.reset_prefix_cache()
+    return time.perf_counter() - t0

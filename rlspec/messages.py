@@ -1,0 +1,75 @@
+"""Typed messages between the driver and the actors. Every rollout carries its policy version."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """Generator output for one request of P prompts x n samples (N = P * n, prompt-major)."""
+    prompt_ids: list[list[int]]      # [N][P_i]
+    response_ids: list[list[int]]    # [N][R_i]
+    logprobs: list[list[float]]      # [N][R_i] behaviour log-probs of the sampled tokens
+    truncated: list[bool]            # [N] stopped by the length limit
+    policy_version: int              # weights version that sampled every token here
+    seconds: float = 0.0             # wall time inside the engine
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.response_ids))
+
+    def select(self, idx: list[int]) -> "RolloutBatch":
+        return RolloutBatch([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
+                            [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
+                            self.policy_version, self.seconds)
+
+    @staticmethod
+    def concat(parts: list["RolloutBatch"]) -> "RolloutBatch":
+        if len({p.policy_version for p in parts}) > 1:
+            raise ValueError("cannot concatenate rollouts of different policy versions")
+        return RolloutBatch(
+            [x for p in parts for x in p.prompt_ids], [x for p in parts for x in p.response_ids],
+            [x for p in parts for x in p.logprobs], [x for p in parts for x in p.truncated],
+            parts[0].policy_version, sum(p.seconds for p in parts))
+
+
+@dataclass
+class TrainBatch:
+    """Padded tensors for log-prob recompute and the update. T = longest prompt + response - 1;
+    position t holds the token predicted from positions <= t (targets are input_ids shifted)."""
+    input_ids: torch.Tensor          # [N, T+1] prompt + response, right-padded
+    attention_mask: torch.Tensor     # [N, T+1]
+    loss_mask: torch.Tensor          # [N, T] 1 on response tokens that carry loss
+    advantages: torch.Tensor         # [N]
+    behaviour_logprobs: torch.Tensor  # [N, T] from the Generator (0 off the response)
+    old_logprobs: torch.Tensor | None = None  # [N, T] recomputed by the LogprobWorker
+    ref_logprobs: torch.Tensor | None = None  # [N, T] reference policy, when KL is on
+    policy_version: int = 0
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def shard(self, rank: int, world: int) -> "TrainBatch":
+        sl = slice(rank * len(self) // world, (rank + 1) * len(self) // world)
+        pick = lambda t: None if t is None else t[sl]  # noqa: E731
+        return TrainBatch(self.input_ids[sl], self.attention_mask[sl], self.loss_mask[sl],
+                          self.advantages[sl], self.behaviour_logprobs[sl], pick(self.old_logprobs),
+                          pick(self.ref_logprobs), self.policy_version)
+
+
+@dataclass
+class StepRecord:
+    """One step's figures, as written to summary.json's `records`."""
+    step: int
+    policy_version: int
+    loss: float
+    reward_mean: float
+    accuracy: float
+    stage_seconds: dict[str, float]
+    step_seconds: float
+    generated_tokens: int
+    tokens_per_second: float
+    logprob_mismatch: float
+    extra: dict[str, float] = field(default_factory=dict)

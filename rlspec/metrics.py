@@ -1,0 +1,159 @@
+"""Step timing and run reporting: progress bar, wandb, summary.json, stage table and plot."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+from rlspec.messages import StepRecord
+
+STAGES = ("data", "prep", "generation", "logprob", "train")
+
+
+class StageTimer:
+    """Accumulates wall seconds per stage; a stage may be entered several times in one step."""
+
+    def __init__(self):
+        self.seconds = {s: 0.0 for s in STAGES}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] += time.perf_counter() - t0
+
+
+class RunLog:
+    def __init__(self, run_dir: str, cfg_dict: dict, total_steps: int, progress_bar: bool,
+                 wandb_mode: str, wandb_project: str, wandb_entity: str | None):
+        self.run_dir = Path(run_dir)
+        self.records: list[StepRecord] = []
+        self.val: list[tuple[int, float]] = []
+        self.notes: dict = {}
+        self.t0 = time.perf_counter()
+        self.bar = None
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, desc="grpo", unit="step", dynamic_ncols=True)
+        self.wandb = None
+        if wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self.wandb = wandb.init(project=wandb_project, entity=wandb_entity, mode=wandb_mode,
+                                    dir=str(self.run_dir), config=cfg_dict,
+                                    settings=wandb.Settings(console="off"))
+
+    def step(self, rec: StepRecord) -> None:
+        self.records.append(rec)
+        self.write_summary()  # after every step, so a crash loses at most the step in flight
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{rec.reward_mean:.3f}", gen_s=f"{rec.stage_seconds['generation']:.1f}",
+                                 tok_s=f"{rec.tokens_per_second:.0f}", refresh=False)
+        if self.wandb is not None:
+            flat = {k: v for k, v in asdict(rec).items() if isinstance(v, (int, float))}
+            flat.update({f"stage/{k}_s": v for k, v in rec.stage_seconds.items()})
+            flat.update({f"stage/{k}_share": v / rec.step_seconds for k, v in rec.stage_seconds.items()})
+            flat.update(rec.extra)
+            self.wandb.log(flat, step=rec.step)
+
+    def validation(self, step: int, accuracy: float, n: int) -> None:
+        self.val.append((step, accuracy))
+        self.write_summary()
+        self.write(f"validation @ step {step}: held-out accuracy {accuracy:.3f} on {n} problems")
+        if self.wandb is not None:
+            self.wandb.log({"val/accuracy": accuracy}, step=step)
+
+    def write(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def summary(self) -> dict:
+        n = max(len(self.records), 1)
+        stage = {s: sum(r.stage_seconds[s] for r in self.records) / n for s in STAGES}
+        gen_tokens = sum(r.generated_tokens for r in self.records)
+        gen_secs = sum(r.stage_seconds["generation"] for r in self.records)
+        return {
+            "steps": len(self.records),
+            "wall_seconds": time.perf_counter() - self.t0,
+            "val_accuracy": [a for _, a in self.val],
+            "val_steps": [s for s, _ in self.val],
+            "stage_seconds": stage,
+            "stage_share": {s: v / max(sum(stage.values()), 1e-9) for s, v in stage.items()},
+            "step_seconds": sum(r.step_seconds for r in self.records) / n,
+            "tokens_per_second": gen_tokens / max(gen_secs, 1e-9),
+            **self.notes,
+            "records": [{**asdict(r), **{f"{k}_seconds": v for k, v in r.stage_seconds.items()}}
+                        for r in self.records],
+        }
+
+    def write_summary(self) -> dict:
+        s = self.summary()
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(s, indent=1) + "\n")
+        tmp.replace(self.run_dir / "summary.json")
+        return s
+
+    def finish(self, plot: bool) -> dict:
+        if self.bar is not None:
+            self.bar.close()
+        s = self.write_summary()
+        print(stage_table(s), flush=True)
+        if plot and self.records:
+            plot_run(s, self.run_dir / "reward_and_stages.png")
+        if self.wandb is not None:
+            self.wandb.summary.update({k: v for k, v in s.items() if isinstance(v, (int, float))})
+            self.wandb.finish()
+        return s
+
+
+def stage_table(s: dict) -> str:
+    rows = [f"{'stage':<12}{'s/step':>9}{'share':>8}"]
+    for k in STAGES:
+        rows.append(f"{k:<12}{s['stage_seconds'][k]:>9.2f}{100 * s['stage_share'][k]:>7.1f}%")
+    rows.append(f"{'step':<12}{s['step_seconds']:>9.2f}")
+    rows.append(f"generation {s['tokens_per_second']:.0f} tokens/s over {s['steps']} steps, "
+                f"wall {s['wall_seconds']:.0f}s")
+    if s["val_accuracy"]:
+        v = s["val_accuracy"]
+        rows.append(f"held-out accuracy {v[0]:.3f} -> {v[-1]:.3f} ({100 * (v[-1] - v[0]):+.1f} points)")
+    return "\n".join(rows)
+
+
+def plot_run(s: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = s["records"]
+    steps = [r["step"] for r in recs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(steps, [r["reward_mean"] for r in recs], label="train reward")
+    if s["val_accuracy"]:
+        a.plot(s["val_steps"], s["val_accuracy"], "o-", label="held-out accuracy")
+    a.set_xlabel("step")
+    a.set_ylim(0, 1)
+    a.legend()
+    a.set_title("reward")
+    bottom = [0.0] * len(recs)
+    for k in STAGES:
+        share = [r["stage_seconds"][k] / r["step_seconds"] for r in recs]
+        b.bar(steps, share, bottom=bottom, label=k, width=1.0)
+        bottom = [x + y for x, y in zip(bottom, share)]
+    b.set_xlabel("step")
+    b.set_ylabel("share of step")
+    b.set_title("stage shares")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,47 @@
+"""Model and tokenizer resolution: a local checkpoint directory or a hub ID, the same code path
+for rlspec's tiny assets and for Qwen3-8B. Runs before any actor starts, so a missing model
+fails fast with the config key and path named."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ModelError(ValueError):
+    """A model or tokenizer cannot be found or loaded."""
+
+
+def resolve_checkpoint(name: str, key: str, revision: str | None = None) -> str:
+    """Local directory for `name` (a directory path or a hub ID); raises ModelError naming `key`."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists() and not (path / "tokenizer.json").exists() \
+                and not (path / "tokenizer_config.json").exists():
+            raise ModelError(f"{key}={name!r}: directory has no config.json or tokenizer files")
+        return str(path.resolve())
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise ModelError(f"{key}={name!r}: no such checkpoint directory (and not a hub ID of the "
+                         "form 'org/name')")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, revision=revision,
+                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                 "*.jinja", "*.py"])
+    except Exception as e:  # noqa: BLE001 - offline, missing repo, auth: one clear message
+        raise ModelError(
+            f"{key}={name!r} is not a local directory and could not be fetched from the Hugging "
+            f"Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). If this "
+            "machine is offline, download the checkpoint elsewhere and set "
+            f"{key}=/path/to/checkpoint.") from None
+
+
+def load_tokenizer(path: str, key: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"{key}={path!r}: tokenizer could not be loaded ({type(e).__name__}: {e})") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

@@ -1,0 +1,144 @@
+"""Synchronous GRPO: every step runs the five stages in order and refits the Generator before
+the next step samples, so every rollout is on-policy (policy lag 0).
+
+    data -> prep -> generation -> (reward, advantages: prep) -> logprob -> train (+ refit)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rlspec.algo import compute_advantages, overlong_mask, zero_variance_groups
+from rlspec.batching import build_train_batch
+from rlspec.config import RLSpecConfig
+from rlspec.data.loading import Prompt, PromptSampler, PromptSet
+from rlspec.messages import RolloutBatch, StepRecord
+from rlspec.metrics import RunLog, StageTimer
+from rlspec.rewards.math import math_reward
+from rlspec.workers.cluster import Actors, wait
+
+
+@dataclass
+class Context:
+    cfg: RLSpecConfig
+    actors: Actors
+    tokenizer: object
+    train: PromptSet
+    val: PromptSet
+    log: RunLog
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """Sampling seed of one step, a function of (seed, step) only: no hidden global state."""
+    return (seed * 1_000_003 + step * 7_919 + salt * 104_729) % (2**31 - 1)
+
+
+def score(tokenizer, rollouts: RolloutBatch, answers: list[str]) -> torch.Tensor:
+    """[N] rewards; answers holds the ground truth of each sample's prompt."""
+    texts = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
+    return torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)])
+
+
+def generate(ctx: Context, prompts: list[Prompt], seed: int, timer: StageTimer):
+    """Rollouts and rewards [P, G] for `prompts`."""
+    g = ctx.cfg.generation
+    with timer("generation"):
+        ro = wait(ctx.actors.gen("generate", [p.token_ids for p in prompts], g.num_generations_per_prompt,
+                                 g.temperature, g.max_new_tokens, seed, g.top_p, g.top_k),
+                  ctx.actors.timeout_s)
+    with timer("prep"):
+        answers = [p.answer for p in prompts for _ in range(g.num_generations_per_prompt)]
+        rewards = score(ctx.tokenizer, ro, answers).view(len(prompts), -1)
+    return ro, rewards
+
+
+def collect_groups(ctx: Context, sampler: PromptSampler, step: int, timer: StageTimer):
+    """One step's rollouts [P*G] and rewards [P, G], with dynamic sampling when enabled: groups
+    whose rewards all agree are replaced by fresh prompts for up to max_rounds extra rounds; if the
+    batch still is not full, dropped groups fill it with sample weight 0 (kept for shape only)."""
+    cfg = ctx.cfg
+    P, G = cfg.generation.num_prompts_per_step, cfg.generation.num_generations_per_prompt
+    with timer("data"):
+        prompts = sampler.next_batch(P)
+    ro, rewards = generate(ctx, prompts, step_seed(cfg.trainer.seed, step), timer)
+    stats = {"groups_dropped": 0.0, "sampling_rounds": 1.0}
+    if not cfg.algo.dynamic_sampling:
+        return ro, rewards, torch.ones(P), stats
+    keep, spare = [], []
+    for rnd in range(cfg.algo.dynamic_sampling_max_rounds + 1):
+        if rnd:
+            with timer("data"):
+                prompts = sampler.next_batch(P)
+            ro, rewards = generate(ctx, prompts, step_seed(cfg.trainer.seed, step, rnd), timer)
+            stats["sampling_rounds"] += 1
+        flat = zero_variance_groups(rewards)
+        for i in range(P):
+            (spare if flat[i] else keep).append((ro.select(list(range(i * G, (i + 1) * G))), rewards[i]))
+        if len(keep) >= P:
+            break
+    stats["groups_dropped"] = float(len(spare))
+    weight = torch.tensor([1.0] * min(len(keep), P) + [0.0] * max(P - len(keep), 0))
+    chosen = (keep + spare)[:P]
+    ro = RolloutBatch.concat([c[0] for c in chosen])
+    return ro, torch.stack([c[1] for c in chosen]), weight, stats
+
+
+def validate(ctx: Context, step: int) -> float:
+    g = ctx.cfg.generation
+    ro = wait(ctx.actors.gen("generate", [p.token_ids for p in ctx.val.prompts], 1, g.val_temperature,
+                             g.max_new_tokens, step_seed(ctx.cfg.trainer.seed, step, salt=99)),
+              ctx.actors.timeout_s)
+    acc = score(ctx.tokenizer, ro, [p.answer for p in ctx.val.prompts]).mean().item()
+    ctx.log.validation(step, acc, len(ctx.val))
+    return acc
+
+
+def train_step(ctx: Context, sampler: PromptSampler, step: int) -> StepRecord:
+    cfg, actors = ctx.cfg, ctx.actors
+    timer, t0 = StageTimer(), time.perf_counter()
+    ro, rewards, group_weight, stats = collect_groups(ctx, sampler, step, timer)
+    G = cfg.generation.num_generations_per_prompt
+    with timer("prep"):
+        adv = compute_advantages(cfg.algo.advantage, rewards, cfg.algo.normalize_std).flatten()  # [N]
+        weight = group_weight.repeat_interleave(G)  # [N]
+        if cfg.algo.overlong_filter:
+            weight = weight * overlong_mask(torch.tensor(ro.truncated))
+        batch = build_train_batch(ro, adv, weight, ctx.tokenizer.pad_token_id)
+    with timer("logprob"):
+        batch.old_logprobs, batch.ref_logprobs = wait(actors.lp("compute_logprobs", batch), actors.timeout_s)
+    with timer("train"):
+        world = len(actors.learners)
+        num_tokens, num_seqs = float(batch.loss_mask.sum()), float((weight > 0).sum())
+        shards = [(batch.shard(r, world), num_tokens, num_seqs) for r in range(world)]
+        metrics = wait(actors.learn_sharded("train_step", shards), actors.timeout_s)[0]
+        refit_t0 = time.perf_counter()
+        weights = actors.learn("full_weights")
+        version = step
+        wait([*weights[1:], actors.gen("push_weights", weights[0].ref, version),
+              actors.lp("push_weights", weights[0].ref, version)], actors.timeout_s)
+        refit_s = time.perf_counter() - refit_t0
+    resp = batch.loss_mask != 0
+    mismatch = (batch.behaviour_logprobs - batch.old_logprobs).abs()[resp].mean().item() if resp.any() else 0.0
+    step_s = time.perf_counter() - t0
+    return StepRecord(
+        step=step, policy_version=version, loss=metrics["loss"], reward_mean=rewards.mean().item(),
+        accuracy=(rewards == 1).float().mean().item(), stage_seconds=dict(timer.seconds), step_seconds=step_s,
+        generated_tokens=ro.num_tokens, tokens_per_second=ro.num_tokens / max(ro.seconds, 1e-9),
+        logprob_mismatch=mismatch,
+        extra={**{f"train/{k}": v for k, v in metrics.items()}, **stats, "refit_seconds": refit_s,
+               "response_length": ro.num_tokens / len(ro.response_ids),
+               "truncated_frac": sum(ro.truncated) / len(ro.truncated),
+               "behaviour_version": float(ro.policy_version)})
+
+
+def run(ctx: Context) -> dict:
+    cfg = ctx.cfg
+    sampler = PromptSampler(ctx.train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+    validate(ctx, 0)
+    for step in range(1, cfg.trainer.max_steps + 1):
+        ctx.log.step(train_step(ctx, sampler, step))
+        if step == cfg.trainer.max_steps or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0):
+            validate(ctx, step)
+    return ctx.log.summary()

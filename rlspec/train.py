@@ -1,0 +1,94 @@
+"""rlspec entry point (Hydra).
+
+    python -m rlspec.train                                   # embedded CPU default (tiny_cpu)
+    python -m rlspec.train +experiment=rl_zero_qwen3_8b      # a paper experiment
+    python -m rlspec.train trainer.max_steps=5 generation.temperature=0.8
+
+Exit codes: 0 done; 1 an actor failed (named in the message); 2 bad config, model or data.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from rlspec.config import ConfigError, RLSpecConfig, register_configs, validate
+from rlspec.data.loading import DataError, PromptSet, load_prompts
+from rlspec.models import ModelError, load_tokenizer, resolve_checkpoint
+from rlspec.workers.cluster import ActorFailure
+
+DEFAULT_EXPERIMENT = "tiny_cpu"
+EXIT_ACTOR_FAILURE, EXIT_BAD_INPUT = 1, 2
+log = logging.getLogger("rlspec")
+
+register_configs()
+
+
+def with_default_experiment(argv: list[str]) -> list[str]:
+    """Select +experiment=tiny_cpu when the command line names no experiment."""
+    if any(a.lstrip("+~").startswith("experiment=") for a in argv):
+        return argv
+    # Hydra's overrides are one contiguous run of positional arguments: join it.
+    at = next((i for i, a in enumerate(argv) if "=" in a and not a.startswith("-")), len(argv))
+    return [*argv[:at], f"+experiment={DEFAULT_EXPERIMENT}", *argv[at:]]
+
+
+def load_data(cfg: RLSpecConfig, tokenizer) -> tuple[PromptSet, PromptSet]:
+    d = cfg.data
+    sets = [load_prompts(getattr(d, k), d.synthetic, key=f"data.{k}", tokenizer=tokenizer, template=d.template,
+                         max_prompt_tokens=d.max_prompt_tokens, on_bad_row=d.on_bad_row)
+            for k in ("train", "val")]
+    for key, ps in zip(("data.train", "data.val"), sets):
+        skipped = f", skipped {sum(ps.skipped.values())} bad rows {dict(ps.skipped)}" if ps.skipped else ""
+        print(f"{key}: {len(ps)} prompts from {ps.source}{skipped}", flush=True)
+    return sets[0], sets[1]
+
+
+def train(cfg: RLSpecConfig, run_dir: str) -> dict:
+    """Resolve models and data (failing before Ray starts), then run the loop on Ray actors."""
+    from rlspec.metrics import RunLog
+    from rlspec.sync_loop import Context, run
+    from rlspec.workers.cluster import RayCluster, launch_actors, wait
+
+    validate(cfg)
+    model_dir = resolve_checkpoint(cfg.model.path, "model.path", cfg.model.revision)
+    tok_dir = resolve_checkpoint(cfg.model.tokenizer, "model.tokenizer") if cfg.model.tokenizer else model_dir
+    tokenizer = load_tokenizer(tok_dir, "model.tokenizer" if cfg.model.tokenizer else "model.path",
+                               cfg.model.trust_remote_code)
+    train_set, val_set = load_data(cfg, tokenizer)
+    runlog = RunLog(run_dir, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
+                    cfg.trainer.max_steps, cfg.logging.progress_bar, cfg.logging.wandb_mode,
+                    cfg.logging.wandb_project, cfg.logging.wandb_entity)
+    with RayCluster(cfg):
+        actors = launch_actors(cfg, model_dir, tok_dir)
+        runlog.notes["bad_rows"] = {"train": dict(train_set.skipped), "val": dict(val_set.skipped)}
+        run(Context(cfg, actors, tokenizer, train_set, val_set, runlog))
+        if cfg.trainer.save_final:
+            final = os.path.join(run_dir, "final")
+            wait(actors.learn("save_pretrained", final, tok_dir), actors.timeout_s)
+            runlog.notes["final_policy"] = final
+        summary = runlog.finish(cfg.logging.plot)
+    print(f"run directory: {run_dir}", flush=True)
+    return summary
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(dcfg: DictConfig) -> None:
+    cfg: RLSpecConfig = OmegaConf.to_object(dcfg)
+    try:
+        train(cfg, HydraConfig.get().runtime.output_dir)
+    except (ConfigError, ModelError, DataError) as e:
+        print(f"rlspec: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except ActorFailure as e:
+        print(f"rlspec: actor failure: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_ACTOR_FAILURE)
+
+
+if __name__ == "__main__":
+    sys.argv = [sys.argv[0], *with_default_experiment(sys.argv[1:])]
+    main()

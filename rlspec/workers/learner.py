@@ -1,0 +1,88 @@
+"""Learner: one DeepSpeed rank running the GRPO update over micro-batches."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from rlspec.algo import policy_loss
+from rlspec.algo.logprobs import sequence_logprobs
+from rlspec.algo.losses import LossInputs
+from rlspec.config import AlgoConfig, TrainerConfig
+from rlspec.engines.deepspeed_engine import init_distributed, make_engine
+from rlspec.messages import TrainBatch
+from rlspec.workers.logprob import load_causal_lm
+
+
+class Learner:
+    def __init__(self, model_path: str, algo: AlgoConfig, trainer: TrainerConfig, temperature: float,
+                 samples_per_step: int, rank: int, world_size: int, master_addr: str, master_port: int,
+                 threads: int, trust_remote_code: bool = False):
+        torch.set_num_threads(threads)
+        torch.manual_seed(trainer.seed)
+        init_distributed(rank, world_size, master_addr, master_port)
+        self.algo, self.trainer, self.temperature = algo, trainer, temperature
+        self.rank, self.world_size = rank, world_size
+        model = load_causal_lm(model_path, trust_remote_code=trust_remote_code)
+        model.config.use_cache = False
+        self.engine, self.sched = make_engine(model, trainer, samples_per_step, world_size)
+        self.policy_version = 0
+
+    def train_step(self, batch: TrainBatch, num_tokens: float, num_seqs: float) -> dict[str, float]:
+        """One optimizer step over this rank's shard. num_tokens / num_seqs are the whole step's
+        loss-carrying token and sequence counts (all ranks), the loss's denominators."""
+        t0 = time.perf_counter()
+        self.engine.train()
+        mbs, sums = self.trainer.micro_batch_size, defaultdict(float)
+        n_micro = len(batch) // mbs
+        for i in range(0, len(batch), mbs):
+            sl = slice(i, i + mbs)
+            logp, ent = sequence_logprobs(self.engine, batch.input_ids[sl], batch.attention_mask[sl],
+                                          self.temperature, with_entropy=True)
+            x = LossInputs(logp=logp, old_logp=batch.old_logprobs[sl], advantages=batch.advantages[sl],
+                           mask=batch.loss_mask[sl],
+                           ref_logp=None if batch.ref_logprobs is None else batch.ref_logprobs[sl])
+            loss, metrics = policy_loss(self.algo.loss, x, clip_low=self.algo.clip_low,
+                                        clip_high=self.algo.clip_high, kl_coef=self.algo.kl_coef,
+                                        agg=self.algo.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+            # The denominators are global, so micro-batch losses add up to the step's loss; DeepSpeed
+            # averages gradients over ranks, hence the world-size factor.
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            self.engine.step()
+            sums["loss"] += loss.item()
+            for k, v in metrics.items():
+                sums[k] += float(v)
+            m = x.mask.float()
+            sums["entropy"] += float((ent * m).sum() / max(num_tokens, 1.0))
+        out = dict(sums)
+        out["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        out["lr"] = float(self.sched.get_last_lr()[0])
+        out["micro_batches"] = float(n_micro)
+        out["seconds"] = time.perf_counter() - t0
+        self.policy_version += 1
+        return out
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Hugging Face-named full weights (gathered under ZeRO-3), fp32 on CPU; empty off rank 0."""
+        import deepspeed
+
+        params = dict(self.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None,
+                                               enabled=self.trainer.zero_stage == 3):
+            if self.rank != 0:
+                return {}
+            return {k: v.detach().to("cpu", torch.float32).clone() for k, v in params.items()}
+
+    def save_pretrained(self, path: str, tokenizer_dir: str | None = None) -> None:
+        """Write the current policy in Hugging Face format (rank 0)."""
+        weights = self.full_weights()
+        if self.rank != 0:
+            return
+        self.engine.module.save_pretrained(path, state_dict=weights)
+        if tokenizer_dir:
+            from transformers import AutoTokenizer
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+
+    def ping(self) -> int:
+        return self.policy_version

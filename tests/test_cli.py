@@ -1,0 +1,53 @@
+"""The real entry point, end to end, in a subprocess."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+
+SMALL = ["trainer.max_steps=2", "trainer.val_every=1", "generation.num_prompts_per_step=4",
+         "generation.num_generations_per_prompt=4", "trainer.micro_batch_size=8", "data.train.num_rows=64",
+         "data.val.num_rows=16", "generation.max_new_tokens=40", "logging.wandb_mode=offline"]
+
+
+def test_two_step_run_writes_summary_plot_and_final_policy(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "rlspec.train", *SMALL, f"hydra.run.dir={tmp_path}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["steps"] == 2 and len(s["val_accuracy"]) == 3  # before step 1, after steps 1 and 2
+    assert set(s["stage_seconds"]) == {"data", "prep", "generation", "logprob", "train"}
+    assert s["tokens_per_second"] > 0 and s["wall_seconds"] > 0
+    for r in s["records"]:
+        assert {"step", "loss", "reward_mean", "policy_version", "generation_seconds"} <= set(r)
+    assert [r["policy_version"] for r in s["records"]] == [1, 2]
+    assert (tmp_path / "reward_and_stages.png").stat().st_size > 0
+    assert "held-out accuracy" in p.stdout and "generation" in p.stdout
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    AutoTokenizer.from_pretrained(tmp_path / "final")
+
+
+def test_killed_generator_ends_run_naming_it(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "rlspec.train", *SMALL, "trainer.max_steps=50",
+                             "logging.progress_bar=false", f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        for line in proc.stdout:
+            if "validation @ step 0" in line or time.time() > deadline:
+                break
+        subprocess.run(["pkill", "-9", "-f", "ray::Generator"], check=False)
+        t0 = time.time()
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-2000:]
+    assert "actor failure: generator died" in err
+    assert time.time() - t0 < 120

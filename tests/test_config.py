@@ -1,0 +1,64 @@
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from conftest import ROOT, compose
+from rlspec.config import ConfigError, validate
+
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+
+
+def test_default_is_tiny_cpu():
+    cfg = compose()
+    assert Path(cfg.model.path) == ROOT / "rlspec" / "assets" / "tiny" / "policy"
+    assert cfg.data.train.source == "synthetic"
+    validate(cfg)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(name):
+    cfg = compose([f"+experiment={name}"])
+    validate(cfg)
+
+
+def test_every_group_option_composes():
+    """Keys and types of every group file match the schema (validation is per experiment)."""
+    for group in sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir() and p.name != "experiment"):
+        for opt in group.glob("*.yaml"):
+            compose([f"{group.name}={opt.stem}"])
+
+
+def test_paper_experiments_select_paper_models():
+    assert compose(["+experiment=rl_zero_qwen3_8b"]).model.path == "Qwen/Qwen3-8B-Base"
+    think = compose(["+experiment=rl_think_qwen3_8b"])
+    assert think.model.path == "Qwen/Qwen3-8B" and think.data.template == "rl_think"
+
+
+def test_misspelled_key_fails_naming_it():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["trainer.max_stepz=3"])
+    assert "max_stepz" in str(e.value.__cause__ or e.value)
+
+
+def test_wrong_type_fails_naming_key():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["trainer.max_steps=many"])
+    assert "max_steps" in str(e.value.__cause__ or e.value)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("generation.num_generations_per_prompt=1", "generation.num_generations_per_prompt"),
+    ("algo.advantage=ppo", "algo.advantage"),
+    ("algo.loss_agg=mean", "algo.loss_agg"),
+    ("algo.clip_low=1.5", "algo.clip_low"),
+    ("trainer.micro_batch_size=7", "trainer.micro_batch_size"),
+    ("data.template=chatml", "data.template"),
+    ("data.on_bad_row=ignore", "data.on_bad_row"),
+    ("generation.max_new_tokens=1000", "generation.max_new_tokens"),
+    ("logging.wandb_mode=sometimes", "logging.wandb_mode"),
+    ("generation.temperature=0", "generation.temperature"),
+])
+def test_invalid_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(compose([override]))

@@ -1,0 +1,38 @@
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from rlspec.models import ModelError, resolve_checkpoint
+
+
+def test_local_checkpoint_resolves(tiny_policy):
+    assert resolve_checkpoint(tiny_policy, "model.path") == tiny_policy
+
+
+def test_missing_path_is_named():
+    with pytest.raises(ModelError, match=r"model\.path='/no/such/ckpt'"):
+        resolve_checkpoint("/no/such/ckpt", "model.path")
+
+
+def test_hub_id_offline_fails_clearly():
+    with pytest.raises(ModelError, match=r"model\.path='Qwen/Qwen3-8B-Base' is not a local directory.*offline"):
+        resolve_checkpoint("Qwen/Qwen3-8B-Base", "model.path")
+
+
+def test_cli_missing_model_fails_before_ray_starts(tmp_path):
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "rlspec.train", "model.path=/no/such/model",
+                        f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "model.path='/no/such/model'" in p.stderr
+    assert "ray" not in p.stdout.lower() + p.stderr.lower().replace("ray_", "")
+    assert time.time() - t0 < 60
+
+
+def test_cli_misspelled_key_fails_naming_it(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "rlspec.train", "trainer.max_stepz=3",
+                        f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "max_stepz" in p.stderr
