@@ -112,7 +112,9 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int) -> StepRecord:
         world = len(actors.learners)
         num_tokens, num_seqs = float(batch.loss_mask.sum()), float((weight > 0).sum())
         shards = [(batch.shard(r, world), num_tokens, num_seqs) for r in range(world)]
-        metrics = wait(actors.learn_sharded("train_step", shards), actors.timeout_s)[0]
+        per_rank = wait(actors.learn_sharded("train_step", shards), actors.timeout_s)
+        metrics = {k: sum(r[0][k] for r in per_rank) for k in per_rank[0][0]}  # global denominators
+        metrics.update(per_rank[0][1])
         refit_t0 = time.perf_counter()
         weights = actors.learn("full_weights")
         version = step

@@ -51,3 +51,19 @@ def test_killed_generator_ends_run_naming_it(tmp_path):
     assert proc.returncode == 1, err[-2000:]
     assert "actor failure: generator died" in err
     assert time.time() - t0 < 120
+
+
+def test_dapo_with_kl_on_two_zero3_learner_ranks(tmp_path):
+    """DAPO (dynamic sampling, overlong filter) + k3 KL + two DeepSpeed ranks under ZeRO-3."""
+    p = subprocess.run([sys.executable, "-m", "rlspec.train", *SMALL, "trainer.max_steps=3", "trainer.val_every=0",
+                        "algo=dapo", "algo.kl_coef=0.01", "cluster.learner_world_size=2", "trainer.zero_stage=3",
+                        "logging.wandb_mode=disabled", f"hydra.run.dir={tmp_path}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = json.loads((tmp_path / "summary.json").read_text())["records"]
+    for r in recs:
+        # On-policy: the LogprobWorker's refit weights equal the learner's, so the ratio is 1.
+        assert abs(r["extra"]["train/ratio_mean"] - 1.0) < 1e-3
+        assert r["extra"]["sampling_rounds"] >= 1
+    assert recs[0]["extra"]["train/kl"] == pytest.approx(0.0, abs=1e-9)  # policy == reference
+    assert recs[-1]["extra"]["train/kl"] > 0.0

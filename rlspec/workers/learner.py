@@ -29,9 +29,10 @@ class Learner:
         self.engine, self.sched = make_engine(model, trainer, samples_per_step, world_size)
         self.policy_version = 0
 
-    def train_step(self, batch: TrainBatch, num_tokens: float, num_seqs: float) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, num_tokens: float, num_seqs: float) -> tuple[dict, dict]:
         """One optimizer step over this rank's shard. num_tokens / num_seqs are the whole step's
-        loss-carrying token and sequence counts (all ranks), the loss's denominators."""
+        loss-carrying token and sequence counts (all ranks), the loss's denominators.
+        Returns (partial sums that add up over ranks to the step's loss and metrics, rank stats)."""
         t0 = time.perf_counter()
         self.engine.train()
         mbs, sums = self.trainer.micro_batch_size, defaultdict(float)
@@ -55,13 +56,11 @@ class Learner:
                 sums[k] += float(v)
             m = x.mask.float()
             sums["entropy"] += float((ent * m).sum() / max(num_tokens, 1.0))
-        out = dict(sums)
-        out["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
-        out["lr"] = float(self.sched.get_last_lr()[0])
-        out["micro_batches"] = float(n_micro)
-        out["seconds"] = time.perf_counter() - t0
+        stats = {"grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+                 "lr": float(self.sched.get_last_lr()[0]), "micro_batches": float(n_micro),
+                 "seconds": time.perf_counter() - t0}
         self.policy_version += 1
-        return out
+        return dict(sums), stats
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Hugging Face-named full weights (gathered under ZeRO-3), fp32 on CPU; empty off rank 0."""
