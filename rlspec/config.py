@@ -111,11 +111,21 @@ class GenerationConfig:
 
 @dataclass
 class SpeculationConfig:
-    # none | draft_model | eagle3 | mtp | ngram (speculative rollouts land with issue #3).
+    # none | draft_model (a small LM) | eagle3 (a draft head) | mtp (the target's own MTP layers)
+    # | ngram (prompt lookup) | suffix. Verification is lossless rejection sampling in vLLM.
     method: str = "none"
+    # Draft length k (tokens proposed per verification).
     num_speculative_tokens: int = 3
-    # Draft checkpoint (draft_model, eagle3); None for ngram / mtp.
+    # Draft checkpoint directory or hub ID (draft_model, eagle3); must be None for ngram, mtp, suffix.
     model: Optional[str] = None
+    # How the draft proposes: 'probabilistic' samples from the draft's distribution and accepts
+    # with min(1, p/q); 'greedy' proposes the draft's argmax (one-hot q). Both keep the target's
+    # distribution; at temperature > 0 probabilistic accepts far more.
+    draft_sample_method: str = "probabilistic"
+    draft_tensor_parallel_size: Optional[int] = None
+    # n-gram prompt lookup window.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
 
 @dataclass
@@ -227,8 +237,15 @@ def validate(cfg: RLSpecConfig) -> None:
     _check(g.dtype in ("float32", "bfloat16", "float16"), "generation.dtype", "must be float32, bfloat16 or float16")
     sp = cfg.speculation
     _check(sp.method in SPEC_METHODS, "speculation.method", f"{sp.method!r} not in {list(SPEC_METHODS)}")
-    _check(sp.method == "none", "speculation.method",
-           "speculative rollouts are not implemented yet (issue #3); use speculation=none")
+    if sp.method != "none":
+        _check(sp.num_speculative_tokens >= 1, "speculation.num_speculative_tokens", "k must be >= 1")
+        needs_model = sp.method in ("draft_model", "eagle3")
+        _check(needs_model == (sp.model is not None), "speculation.model",
+               f"method {sp.method} {'needs a draft checkpoint' if needs_model else 'takes no draft checkpoint'}")
+        _check(sp.draft_sample_method in ("greedy", "probabilistic"), "speculation.draft_sample_method",
+               "must be greedy or probabilistic")
+        _check(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculation.prompt_lookup_min",
+               "must be in [1, prompt_lookup_max]")
     _check(c.learner_world_size >= 1, "cluster.learner_world_size", "must be >= 1")
     _check(c.threads_per_actor >= 1, "cluster.threads_per_actor", "must be >= 1")
     _check(c.actor_timeout_s > 0, "cluster.actor_timeout_s", "must be > 0")

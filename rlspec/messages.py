@@ -7,6 +7,39 @@ import torch
 
 
 @dataclass
+class SpecStats:
+    """Speculative-decoding counters over one generate call (differences of vLLM's counters)."""
+    drafts: int = 0                   # verification steps that had a draft
+    draft_tokens: int = 0             # tokens proposed
+    accepted_tokens: int = 0          # proposed tokens the target accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k] accepted at draft position i
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verification: accepted drafts plus the one the target adds."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def acceptance_per_pos(self) -> list[float]:
+        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_pos]
+
+    def __sub__(self, other: "SpecStats") -> "SpecStats":
+        return self + SpecStats(-other.drafts, -other.draft_tokens, -other.accepted_tokens,
+                                [-a for a in other.accepted_per_pos])
+
+    def __add__(self, other: "SpecStats") -> "SpecStats":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
+        return SpecStats(self.drafts + other.drafts, self.draft_tokens + other.draft_tokens,
+                         self.accepted_tokens + other.accepted_tokens,
+                         [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))])
+
+
+@dataclass
 class RolloutBatch:
     """Generator output for one request of P prompts x n samples (N = P * n, prompt-major)."""
     prompt_ids: list[list[int]]      # [N][P_i]
@@ -15,6 +48,7 @@ class RolloutBatch:
     truncated: list[bool]            # [N] stopped by the length limit
     policy_version: int              # weights version that sampled every token here
     seconds: float = 0.0             # wall time inside the engine
+    spec: SpecStats | None = None    # speculation counters for this call (None: no speculation)
 
     @property
     def num_tokens(self) -> int:
@@ -23,7 +57,7 @@ class RolloutBatch:
     def select(self, idx: list[int]) -> "RolloutBatch":
         return RolloutBatch([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
                             [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
-                            self.policy_version, self.seconds)
+                            self.policy_version, self.seconds, self.spec)
 
     @staticmethod
     def concat(parts: list["RolloutBatch"]) -> "RolloutBatch":
@@ -32,7 +66,7 @@ class RolloutBatch:
         return RolloutBatch(
             [x for p in parts for x in p.prompt_ids], [x for p in parts for x in p.response_ids],
             [x for p in parts for x in p.logprobs], [x for p in parts for x in p.truncated],
-            parts[0].policy_version, sum(p.seconds for p in parts))
+            parts[0].policy_version)  # per-call seconds and spec counters are totalled by the caller
 
 
 @dataclass
@@ -72,4 +106,7 @@ class StepRecord:
     generated_tokens: int
     tokens_per_second: float
     logprob_mismatch: float
+    # Speculation (None without it): tokens per verification, and the raw counters.
+    acceptance_length: float | None = None
+    spec: dict | None = None  # drafts, drafted_tokens, accepted_tokens, acceptance_per_pos [k]
     extra: dict[str, float] = field(default_factory=dict)

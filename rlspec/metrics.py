@@ -55,13 +55,19 @@ class RunLog:
         self.write_summary()  # after every step, so a crash loses at most the step in flight
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(reward=f"{rec.reward_mean:.3f}", gen_s=f"{rec.stage_seconds['generation']:.1f}",
-                                 tok_s=f"{rec.tokens_per_second:.0f}", refresh=False)
+            post = dict(reward=f"{rec.reward_mean:.3f}", gen_s=f"{rec.stage_seconds['generation']:.1f}",
+                        tok_s=f"{rec.tokens_per_second:.0f}")
+            if rec.acceptance_length is not None:
+                post["acc_len"] = f"{rec.acceptance_length:.2f}"
+            self.bar.set_postfix(**post, refresh=False)
         if self.wandb is not None:
             flat = {k: v for k, v in asdict(rec).items() if isinstance(v, (int, float))}
             flat.update({f"stage/{k}_s": v for k, v in rec.stage_seconds.items()})
             flat.update({f"stage/{k}_share": v / rec.step_seconds for k, v in rec.stage_seconds.items()})
             flat.update(rec.extra)
+            if rec.spec is not None:
+                flat.update({f"spec/accept_pos{i}": v for i, v in enumerate(rec.spec["acceptance_per_pos"])})
+                flat.update({f"spec/{k}": v for k, v in rec.spec.items() if not isinstance(v, list)})
             self.wandb.log(flat, step=rec.step)
 
     def validation(self, step: int, accuracy: float, n: int) -> None:

@@ -14,7 +14,7 @@ from rlspec.algo import compute_advantages, overlong_mask, zero_variance_groups
 from rlspec.batching import build_train_batch
 from rlspec.config import RLSpecConfig
 from rlspec.data.loading import Prompt, PromptSampler, PromptSet
-from rlspec.messages import RolloutBatch, StepRecord
+from rlspec.messages import RolloutBatch, SpecStats, StepRecord
 from rlspec.metrics import RunLog, StageTimer
 from rlspec.rewards.math import math_reward
 from rlspec.workers.cluster import Actors, wait
@@ -41,20 +41,35 @@ def score(tokenizer, rollouts: RolloutBatch, answers: list[str]) -> torch.Tensor
     return torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)])
 
 
-def generate(ctx: Context, prompts: list[Prompt], seed: int, timer: StageTimer):
+@dataclass
+class GenTotals:
+    """All generate calls of one step, including groups dynamic sampling dropped."""
+    tokens: int = 0
+    seconds: float = 0.0
+    spec: SpecStats | None = None
+
+    def add(self, ro: RolloutBatch) -> None:
+        self.tokens += ro.num_tokens
+        self.seconds += ro.seconds
+        if ro.spec is not None:
+            self.spec = ro.spec if self.spec is None else self.spec + ro.spec
+
+
+def generate(ctx: Context, prompts: list[Prompt], seed: int, timer: StageTimer, totals: GenTotals):
     """Rollouts and rewards [P, G] for `prompts`."""
     g = ctx.cfg.generation
     with timer("generation"):
         ro = wait(ctx.actors.gen("generate", [p.token_ids for p in prompts], g.num_generations_per_prompt,
                                  g.temperature, g.max_new_tokens, seed, g.top_p, g.top_k),
                   ctx.actors.timeout_s)
+    totals.add(ro)
     with timer("prep"):
         answers = [p.answer for p in prompts for _ in range(g.num_generations_per_prompt)]
         rewards = score(ctx.tokenizer, ro, answers).view(len(prompts), -1)
     return ro, rewards
 
 
-def collect_groups(ctx: Context, sampler: PromptSampler, step: int, timer: StageTimer):
+def collect_groups(ctx: Context, sampler: PromptSampler, step: int, timer: StageTimer, totals: GenTotals):
     """One step's rollouts [P*G] and rewards [P, G], with dynamic sampling when enabled: groups
     whose rewards all agree are replaced by fresh prompts for up to max_rounds extra rounds; if the
     batch still is not full, dropped groups fill it with sample weight 0 (kept for shape only)."""
@@ -62,7 +77,7 @@ def collect_groups(ctx: Context, sampler: PromptSampler, step: int, timer: Stage
     P, G = cfg.generation.num_prompts_per_step, cfg.generation.num_generations_per_prompt
     with timer("data"):
         prompts = sampler.next_batch(P)
-    ro, rewards = generate(ctx, prompts, step_seed(cfg.trainer.seed, step), timer)
+    ro, rewards = generate(ctx, prompts, step_seed(cfg.trainer.seed, step), timer, totals)
     stats = {"groups_dropped": 0.0, "sampling_rounds": 1.0}
     if not cfg.algo.dynamic_sampling:
         return ro, rewards, torch.ones(P), stats
@@ -71,7 +86,7 @@ def collect_groups(ctx: Context, sampler: PromptSampler, step: int, timer: Stage
         if rnd:
             with timer("data"):
                 prompts = sampler.next_batch(P)
-            ro, rewards = generate(ctx, prompts, step_seed(cfg.trainer.seed, step, rnd), timer)
+            ro, rewards = generate(ctx, prompts, step_seed(cfg.trainer.seed, step, rnd), timer, totals)
             stats["sampling_rounds"] += 1
         flat = zero_variance_groups(rewards)
         for i in range(P):
@@ -97,8 +112,8 @@ def validate(ctx: Context, step: int) -> float:
 
 def train_step(ctx: Context, sampler: PromptSampler, step: int) -> StepRecord:
     cfg, actors = ctx.cfg, ctx.actors
-    timer, t0 = StageTimer(), time.perf_counter()
-    ro, rewards, group_weight, stats = collect_groups(ctx, sampler, step, timer)
+    timer, totals, t0 = StageTimer(), GenTotals(), time.perf_counter()
+    ro, rewards, group_weight, stats = collect_groups(ctx, sampler, step, timer, totals)
     G = cfg.generation.num_generations_per_prompt
     with timer("prep"):
         adv = compute_advantages(cfg.algo.advantage, rewards, cfg.algo.normalize_std).flatten()  # [N]
@@ -124,11 +139,16 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int) -> StepRecord:
     resp = batch.loss_mask != 0
     mismatch = (batch.behaviour_logprobs - batch.old_logprobs).abs()[resp].mean().item() if resp.any() else 0.0
     step_s = time.perf_counter() - t0
+    spec = totals.spec
     return StepRecord(
         step=step, policy_version=version, loss=metrics["loss"], reward_mean=rewards.mean().item(),
         accuracy=(rewards == 1).float().mean().item(), stage_seconds=dict(timer.seconds), step_seconds=step_s,
-        generated_tokens=ro.num_tokens, tokens_per_second=ro.num_tokens / max(ro.seconds, 1e-9),
+        generated_tokens=totals.tokens, tokens_per_second=totals.tokens / max(totals.seconds, 1e-9),
         logprob_mismatch=mismatch,
+        acceptance_length=None if spec is None else spec.acceptance_length,
+        spec=None if spec is None else {"drafts": spec.drafts, "drafted_tokens": spec.draft_tokens,
+                                        "accepted_tokens": spec.accepted_tokens,
+                                        "acceptance_per_pos": spec.acceptance_per_pos},
         extra={**{f"train/{k}": v for k, v in metrics.items()}, **stats, "refit_seconds": refit_s,
                "response_length": ro.num_tokens / len(ro.response_ids),
                "truncated_frac": sum(ro.truncated) / len(ro.truncated),

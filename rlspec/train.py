@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlspec.config import ConfigError, RLSpecConfig, register_configs, validate
 from rlspec.data.loading import DataError, PromptSet, load_prompts
 from rlspec.models import ModelError, load_tokenizer, resolve_checkpoint
+from rlspec.speculation import check_draft
 from rlspec.workers.cluster import ActorFailure
 
 DEFAULT_EXPERIMENT = "tiny_cpu"
@@ -57,6 +58,8 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
     validate(cfg)
     model_dir = resolve_checkpoint(cfg.model.path, "model.path", cfg.model.revision)
     tok_dir = resolve_checkpoint(cfg.model.tokenizer, "model.tokenizer") if cfg.model.tokenizer else model_dir
+    draft_dir = resolve_checkpoint(cfg.speculation.model, "speculation.model") if cfg.speculation.model else None
+    check_draft(cfg.speculation, model_dir, draft_dir)
     tokenizer = load_tokenizer(tok_dir, "model.tokenizer" if cfg.model.tokenizer else "model.path",
                                cfg.model.trust_remote_code)
     train_set, val_set = load_data(cfg, tokenizer)
@@ -64,7 +67,7 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
                     cfg.trainer.max_steps, cfg.logging.progress_bar, cfg.logging.wandb_mode,
                     cfg.logging.wandb_project, cfg.logging.wandb_entity)
     with RayCluster(cfg):
-        actors = launch_actors(cfg, model_dir, tok_dir)
+        actors = launch_actors(cfg, model_dir, tok_dir, draft_dir)
         runlog.notes["bad_rows"] = {"train": dict(train_set.skipped), "val": dict(val_set.skipped)}
         run(Context(cfg, actors, tokenizer, train_set, val_set, runlog))
         if cfg.trainer.save_final:

@@ -8,7 +8,6 @@ speculation is then not lossless. We register plain-torch kernels through vLLM's
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -96,7 +95,8 @@ def _probe_expand(kernel) -> str | None:
     kernel(out, torch.tensor([0.5, 0.0, 2.0]), torch.tensor([2, 2, 4], dtype=torch.int32),
            0, 1, 128)
     want = torch.tensor([0.5, 0.5, 2.0, 2.0])
-    return None if torch.equal(out, want) else f"float expand gave {out.tolist()}, want {want.tolist()}"
+    return None if torch.equal(out, want) else \
+        f"float expand gave {out.tolist()}, want {want.tolist()}"
 
 
 def _probe_reject(kernel) -> str | None:
@@ -123,17 +123,17 @@ def _cpu_without_triton() -> bool:
     return bool(current_platform.is_cpu()) and not HAS_TRITON
 
 
-@contextlib.contextmanager
-def _captured_registrations():
-    """Within the block, `register_kernels` only records its mappings (in call order)."""
+def _dry_run(hook) -> dict:
+    """The kernel overrides `hook()` would leave registered (last wins); registers nothing."""
     from vllm.triton_utils import dispatcher
-    calls: list[dict] = []
+    final: dict = {}
     real = dispatcher.register_kernels
-    dispatcher.register_kernels = lambda overrides: calls.append(dict(overrides))
+    dispatcher.register_kernels = final.update   # the platform imports it at call time
     try:
-        yield calls
+        hook()
     finally:
         dispatcher.register_kernels = real
+    return final
 
 
 def _platform_hook():
@@ -148,12 +148,10 @@ def needs_fix() -> bool:
     """True iff the platform (CPU, no Triton) registers stand-ins that fail our probes."""
     if not _cpu_without_triton():
         return False
+    from vllm.platforms import current_platform
+    current_platform.import_kernels()       # loads the C++ ops (torch.ops._C) the stand-ins call
     cls, original = _platform_hook()
-    with _captured_registrations() as calls:
-        original(cls)
-    stand_ins: dict = {}
-    for mapping in calls:
-        stand_ins.update(mapping)
+    stand_ins = _dry_run(lambda: original(cls))
     for name, probe in _PROBES.items():
         if name in stand_ins:
             try:
@@ -204,6 +202,19 @@ def apply() -> None:
     _register_ours(force=False)
 
 
+def _engine_out_of_reach() -> bool:
+    """True if the engine will run in a spawned process (VLLM_ENABLE_V1_MULTIPROCESSING explicitly
+    on; the CPU platform forces spawn) and no vLLM general plugin runs apply() there."""
+    import os
+    from importlib.metadata import entry_points
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0").strip().lower() in ("0", "false", ""):
+        return False
+    allowed = os.environ.get("VLLM_PLUGINS")
+    return not any(ep.value.replace(" ", "") == f"{__name__}:apply"
+                   and (allowed is None or ep.name in allowed.split(","))
+                   for ep in entry_points(group="vllm.general_plugins"))
+
+
 def verify() -> None:
     """Raise RuntimeError unless both the kernels live now and those the engine's start-up
     registration would leave behind give the Triton kernels' results on small probes."""
@@ -212,11 +223,7 @@ def verify() -> None:
     import vllm.v1.sample.rejection_sampler as rs
 
     cls, _ = _platform_hook()
-    with _captured_registrations() as calls:   # dry run of the engine's start-up registration
-        cls.register_triton_kernel_overrides()
-    final: dict = {}
-    for mapping in calls:
-        final.update(mapping)
+    final = _dry_run(cls.register_triton_kernel_overrides)   # the engine's start-up registration
     # The engine launches through vLLM's dispatchers (rs._expand, ...), which take the kernel's
     # tensor arguments and add the compile-time ones; probe both those and the kernels.
     engine_path = {EXPAND: lambda *a: rs._expand(*a[:5]),
@@ -229,11 +236,14 @@ def verify() -> None:
                 continue   # the platform would not override it: the Triton kernel runs
             try:
                 err = probe(kernel)
-            except Exception as exc:  # e.g. a Triton placeholder: nothing registered yet
+            except Exception as exc:  # e.g. a Triton placeholder: apply() not called
                 err = f"{type(exc).__name__}: {exc}"
             if err:
                 errors.append(f"{name.rsplit('.', 1)[1]} ({where}): {err}")
+    if _engine_out_of_reach():
+        errors.append("VLLM_ENABLE_V1_MULTIPROCESSING is on: the CPU platform spawns the engine "
+                      "core, which never sees apply(); set it to 0 or install "
+                      f"'{__name__}:apply' as a vllm.general_plugins entry point")
     if errors:
-        raise RuntimeError("vLLM CPU rejection-sampler kernels are broken (sampled speculation "
-                           "would not be lossless; call cpu_kernel_fix.apply() first): "
-                           + "; ".join(errors))
+        raise RuntimeError("sampled speculation would not be lossless on vLLM's CPU platform "
+                           "(call cpu_kernel_fix.apply() first): " + "; ".join(errors))

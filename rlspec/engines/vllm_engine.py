@@ -47,3 +47,23 @@ def reload_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
     llm.reset_prefix_cache()
     return time.perf_counter() - t0
+
+
+def _reload_drafter(worker, weights: dict[str, torch.Tensor]) -> None:
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights as vllm_reload
+
+    runner = worker.model_runner
+    model = runner.drafter.model
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in weights \
+            and "model.embed_tokens.weight" in weights:
+        weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+    vllm_reload(runner.vllm_config, model, weights_iterator=list(weights.items()), weights_path=None,
+                is_checkpoint_format=True)
+
+
+def reload_draft_weights(llm, weights: dict[str, torch.Tensor]) -> float:
+    """Copy Hugging Face-named draft weights into the engine's drafter, in place."""
+    t0 = time.perf_counter()
+    llm.collective_rpc(_reload_drafter, args=(weights,))
+    llm.reset_prefix_cache()
+    return time.perf_counter() - t0

@@ -126,7 +126,7 @@ class RayCluster:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str) -> Actors:
+def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_dir: str | None = None) -> Actors:
     """Start Generator, LogprobWorker and the learner ranks; wait until each is up."""
     import ray
 
@@ -144,7 +144,7 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str) -> Acto
     threads = c.threads_per_actor
     opts = dict(num_cpus=1, max_restarts=0, runtime_env=env)
     generator = ray.remote(Generator).options(name="generator", num_gpus=c.gpus_per_generator, **opts).remote(
-        model_dir, g, cfg.speculation, cfg.model.max_model_len, t.seed, threads, tokenizer_dir)
+        model_dir, g, cfg.speculation, cfg.model.max_model_len, t.seed, threads, tokenizer_dir, draft_dir)
     logprob = ray.remote(LogprobWorker).options(name="logprob_worker", num_gpus=c.gpus_per_logprob_worker,
                                                  **opts).remote(
         model_dir, cfg.algo.kl_coef > 0, g.temperature, t.micro_batch_size, threads, cfg.model.trust_remote_code)

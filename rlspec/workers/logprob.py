@@ -45,3 +45,7 @@ class LogprobWorker:
 
     def ping(self) -> int:
         return self.policy_version
+
+    def pid(self) -> int:
+        import os
+        return os.getpid()
