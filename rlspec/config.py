@@ -232,8 +232,12 @@ def validate(cfg: RLSpecConfig) -> None:
            f"model.max_model_len={cfg.model.max_model_len}")
     _check(g.temperature > 0, "generation.temperature", "must be > 0 for RL rollouts")
     _check(g.val_temperature >= 0, "generation.val_temperature", "must be >= 0")
-    _check(0 < g.top_p <= 1, "generation.top_p", "must be in (0, 1]")
-    _check(g.top_k == -1 or g.top_k > 0, "generation.top_k", "must be -1 (off) or > 0")
+    # The log-prob recompute applies the temperature only; a truncated sampling distribution would
+    # make every ratio off-policy without saying so.
+    _check(g.top_p == 1.0, "generation.top_p", "RL rollouts support top_p=1.0 only (the log-prob "
+           "recompute does not truncate the distribution yet)")
+    _check(g.top_k == -1, "generation.top_k", "RL rollouts support top_k=-1 only (the log-prob "
+           "recompute does not truncate the distribution yet)")
     _check(g.dtype in ("float32", "bfloat16", "float16"), "generation.dtype", "must be float32, bfloat16 or float16")
     sp = cfg.speculation
     _check(sp.method in SPEC_METHODS, "speculation.method", f"{sp.method!r} not in {list(SPEC_METHODS)}")

@@ -62,3 +62,51 @@ def test_wrong_type_fails_naming_key():
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(compose([override]))
+
+
+@pytest.mark.parametrize("override,key", [
+    ("generation.top_p=0.9", "generation.top_p"),
+    ("generation.top_k=20", "generation.top_k"),
+    ("speculation=draft_model speculation.num_speculative_tokens=0", "speculation.num_speculative_tokens"),
+    ("speculation=ngram speculation.model=/x", "speculation.model"),
+    ("speculation=draft_model speculation.model=null", "speculation.model"),
+    ("speculation.method=medusa", "speculation.method"),
+    ("speculation=draft_model speculation.draft_sample_method=typical", "speculation.draft_sample_method"),
+])
+def test_invalid_speculation_and_sampling_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(compose(override.split()))
+
+
+def _ckpt(path, **cfg):
+    import json
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_draft_checks_against_the_target(tmp_path, tiny_policy):
+    from rlspec.speculation import check_draft
+
+    cfg = compose(["speculation=draft_model"])
+    check_draft(cfg.speculation, tiny_policy, cfg.speculation.model)  # the shipped pair fits
+    eagle = compose(["speculation.method=eagle3", "speculation.model=/x"]).speculation
+    head = _ckpt(tmp_path / "head", architectures=["LlamaForCausalLMEagle3"], hidden_size=128, target_hidden_size=512)
+    with pytest.raises(ConfigError, match="expects target hidden size 512.*hidden_size=256"):
+        check_draft(eagle, tiny_policy, head)
+    with pytest.raises(ConfigError, match="mtp needs a target with MTP layers"):
+        check_draft(compose(["speculation.method=mtp"]).speculation, tiny_policy, None)
+    other = _ckpt(tmp_path / "other", vocab_size=99)
+    with pytest.raises(ConfigError, match="share a tokenizer"):
+        check_draft(cfg.speculation, tiny_policy, other)
+
+
+def test_speculation_maps_to_vllm_config():
+    from rlspec.speculation import vllm_speculative_config
+
+    d = vllm_speculative_config(compose(["speculation=draft_model", "speculation.num_speculative_tokens=5"]).speculation, "/d")
+    assert d == {"method": "draft_model", "num_speculative_tokens": 5, "model": "/d",
+                 "draft_sample_method": "probabilistic"}
+    n = vllm_speculative_config(compose(["speculation=ngram"]).speculation, None)
+    assert n == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert vllm_speculative_config(compose().speculation, None) is None
