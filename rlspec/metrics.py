@@ -87,6 +87,8 @@ class RunLog:
         n = max(len(self.records), 1)
         stage = {s: sum(r.stage_seconds[s] for r in self.records) / n for s in STAGES}
         gen_tokens = sum(r.generated_tokens for r in self.records)
+        spec = [r.spec for r in self.records if r.spec]
+        drafts = sum(x["drafts"] for x in spec)
         gen_secs = sum(r.stage_seconds["generation"] for r in self.records)
         return {
             "steps": len(self.records),
@@ -97,6 +99,8 @@ class RunLog:
             "stage_share": {s: v / max(sum(stage.values()), 1e-9) for s, v in stage.items()},
             "step_seconds": sum(r.step_seconds for r in self.records) / n,
             "tokens_per_second": gen_tokens / max(gen_secs, 1e-9),
+            # tokens per verification over the whole run (None without speculation)
+            "acceptance_length": 1 + sum(x["accepted_tokens"] for x in spec) / drafts if drafts else None,
             **self.notes,
             "records": [{**asdict(r), **{f"{k}_seconds": v for k, v in r.stage_seconds.items()}}
                         for r in self.records],
@@ -129,6 +133,8 @@ def stage_table(s: dict) -> str:
     rows.append(f"{'step':<12}{s['step_seconds']:>9.2f}")
     rows.append(f"generation {s['tokens_per_second']:.0f} tokens/s over {s['steps']} steps, "
                 f"wall {s['wall_seconds']:.0f}s")
+    if s.get("acceptance_length"):
+        rows.append(f"speculation: {s['acceptance_length']:.2f} tokens per verification")
     if s["val_accuracy"]:
         v = s["val_accuracy"]
         rows.append(f"held-out accuracy {v[0]:.3f} -> {v[-1]:.3f} ({100 * (v[-1] - v[0]):+.1f} points)")

@@ -67,3 +67,17 @@ def test_dapo_with_kl_on_two_zero3_learner_ranks(tmp_path):
         assert r["extra"]["sampling_rounds"] >= 1
     assert recs[0]["extra"]["train/kl"] == pytest.approx(0.0, abs=1e-9)  # policy == reference
     assert recs[-1]["extra"]["train/kl"] > 0.0
+
+
+def test_speculative_run_records_acceptance_per_step(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "rlspec.train", *SMALL, "trainer.val_every=0", "speculation=draft_model",
+                        "logging.wandb_mode=disabled", f"hydra.run.dir={tmp_path}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    for r in s["records"]:
+        sp = r["spec"]
+        assert sp["drafts"] > 0 and 0 < sp["accepted_tokens"] <= sp["drafted_tokens"] == 3 * sp["drafts"]
+        assert r["acceptance_length"] == pytest.approx(1 + sp["accepted_tokens"] / sp["drafts"])
+        assert len(sp["acceptance_per_pos"]) == 3 and all(0 <= a <= 1 for a in sp["acceptance_per_pos"])
+    assert 1 < s["acceptance_length"] <= 4 and "tokens per verification" in p.stdout
