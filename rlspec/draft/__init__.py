@@ -1,0 +1,1 @@
+"""Draft heads for speculative rollouts (EAGLE-3 heads, MTP-capable targets)."""
