@@ -206,3 +206,21 @@ def init_mtp_target(target_dir: str, out_dir: str, seed: int = 0) -> str:
     _write(out, config, w)
     _copy_tokenizer(target_dir, out, extra=("generation_config.json",))
     return str(out)
+
+
+def main() -> None:
+    """python -m rlspec.draft.heads {eagle3,mtp} TARGET_DIR OUT_DIR [--seed N]"""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("kind", choices=("eagle3", "mtp"))
+    ap.add_argument("target_dir")
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    build = init_eagle3_head if args.kind == "eagle3" else init_mtp_target
+    print(build(args.target_dir, args.out_dir, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()
