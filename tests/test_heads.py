@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT, compose
+from conftest import ROOT, compose, heldout_prompts, start_generator
 
 POLICY = str(ROOT / "rlspec" / "assets" / "tiny" / "policy")
 
@@ -91,21 +91,8 @@ def test_check_draft_and_config_validation(built, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    from rlspec.workers.cluster import RayCluster
-
-    with RayCluster(compose()):
-        yield
-
-
-@pytest.fixture(scope="module")
 def prompts(tokenizer):
-    from rlspec.config import DatasetConfig, SyntheticConfig
-    from rlspec.data.loading import load_prompts
-
-    ps = load_prompts(DatasetConfig(split="test", num_rows=4, seed=5), SyntheticConfig(), key="data.val",
-                      tokenizer=tokenizer, template="rl_zero", max_prompt_tokens=64, on_bad_row="error")
-    return [p.token_ids for p in ps.prompts]
+    return heldout_prompts(tokenizer, 4)
 
 
 def _generate(overrides, prompts, draft_dir=None):
@@ -113,11 +100,7 @@ def _generate(overrides, prompts, draft_dir=None):
     is killed afterwards so only one engine is alive at a time."""
     import ray
 
-    from rlspec.workers.generator import Generator
-
-    cfg = compose(overrides)
-    actor = ray.remote(Generator).options(num_cpus=0).remote(
-        cfg.model.path, cfg.generation, cfg.speculation, cfg.model.max_model_len, 0, 2, None, draft_dir)
+    actor = start_generator(overrides, draft_dir=draft_dir)
     try:
         return ray.get(actor.generate.remote(prompts, 1, 0.0, 32), timeout=600)
     finally:

@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import compose
+from conftest import compose, start_generator
 
 PROMPTS = ["Compute 9", "Compute 47", "Q: 7*8\nA:"]
 N_SAMPLES, MAX_TOKENS, ALPHA = 1000, 8, 0.01
@@ -28,26 +28,16 @@ SPECS = {
 }
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    from rlspec.workers.cluster import RayCluster
-
-    with RayCluster(compose()):
-        yield
-
-
 def _sample(seed: int, setting: str, overrides: list[str]):
     """Samples [prompt][n][position] (EOS ends a sample early: later positions read -1) and the
     number of accepted draft tokens, from a Generator actor (the training path, fix included)."""
     import ray
 
     from rlspec.models import load_tokenizer
-    from rlspec.workers.generator import Generator
 
     cfg = compose(overrides)
     tok = load_tokenizer(cfg.model.path, "model.path")
-    gen = ray.remote(Generator).options(num_cpus=0).remote(
-        cfg.model.path, cfg.generation, cfg.speculation, cfg.model.max_model_len, seed, 2, None, cfg.speculation.model)
+    gen = start_generator(overrides, seed=seed)
     s = SETTINGS[setting]
     ro = ray.get(gen.generate.remote([tok(p)["input_ids"] for p in PROMPTS], N_SAMPLES, s["temperature"],
                                      MAX_TOKENS, None, s.get("top_p", 1.0), s.get("top_k", -1)), timeout=600)

@@ -4,40 +4,18 @@ Each engine runs in its own Ray actor, as in training."""
 import pytest
 import torch
 
-from conftest import ROOT, compose
+from conftest import ROOT, heldout_prompts, start_generator
 
 DRAFT = str(ROOT / "rlspec" / "assets" / "tiny" / "draft")
 METHODS = {"draft_model": ["speculation=draft_model"], "ngram": ["speculation=ngram"]}
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    from rlspec.workers.cluster import RayCluster
-
-    with RayCluster(compose()):
-        yield
-
-
-@pytest.fixture(scope="module")
 def prompts(tokenizer):
-    from rlspec.config import DatasetConfig, SyntheticConfig
-    from rlspec.data.loading import load_prompts
-
-    ps = load_prompts(DatasetConfig(split="test", num_rows=12, seed=5), SyntheticConfig(), key="data.val",
-                      tokenizer=tokenizer, template="rl_zero", max_prompt_tokens=64, on_bad_row="error")
-    return [p.token_ids for p in ps.prompts]
+    return heldout_prompts(tokenizer, 12)
 
 
-def start(overrides, draft_dir=None):
-    import ray
-
-    from rlspec.workers.generator import Generator
-
-    cfg = compose(overrides)
-    if draft_dir is None and cfg.speculation.method == "draft_model":
-        draft_dir = cfg.speculation.model
-    return ray.remote(Generator).options(num_cpus=0).remote(
-        cfg.model.path, cfg.generation, cfg.speculation, cfg.model.max_model_len, 0, 2, None, draft_dir)
+start = start_generator
 
 
 def call(actor, method, *args):
@@ -121,11 +99,8 @@ def test_refit_keeps_acceptance_equal_to_a_fresh_engine(drafted, prompts, tiny_p
         AutoTokenizer.from_pretrained(path).save_pretrained(tmp_path / name)
         dirs[name] = str(tmp_path / name)
     import ray
-    from rlspec.workers.generator import Generator
 
-    cfg = compose(METHODS["draft_model"])
-    fresh = ray.remote(Generator).options(num_cpus=0).remote(
-        dirs["target"], cfg.generation, cfg.speculation, cfg.model.max_model_len, 0, 2, None, dirs["draft"])
+    fresh = start_generator(METHODS["draft_model"], draft_dir=dirs["draft"], model_path=dirs["target"])
     again = call(fresh, "generate", prompts, 1, 0.0, 48)
     ray.kill(fresh)
     assert refit.response_ids == again.response_ids
