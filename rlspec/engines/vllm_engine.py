@@ -41,6 +41,14 @@ def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: i
     return LLM(**kwargs)
 
 
+def with_tied_head(weights: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """An in-place reload unties vLLM's lm_head from the embedding: send it explicitly, or the
+    engine keeps sampling from the old output layer."""
+    if tied and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+        return {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+    return weights
+
+
 def reload_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
     """Copy Hugging Face-named weights into the running engine; returns seconds taken."""
     t0 = time.perf_counter()
@@ -54,9 +62,7 @@ def _reload_drafter(worker, weights: dict[str, torch.Tensor]) -> None:
 
     runner = worker.model_runner
     model = runner.drafter.model
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in weights \
-            and "model.embed_tokens.weight" in weights:
-        weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+    weights = with_tied_head(weights, getattr(model.config, "tie_word_embeddings", False))
     vllm_reload(runner.vllm_config, model, weights_iterator=list(weights.items()), weights_path=None,
                 is_checkpoint_format=True)
 

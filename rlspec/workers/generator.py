@@ -8,7 +8,8 @@ import time
 import torch
 
 from rlspec.config import GenerationConfig, SpeculationConfig
-from rlspec.engines.vllm_engine import engine_env, make_llm, reload_draft_weights, reload_weights
+from rlspec.engines.vllm_engine import (engine_env, make_llm, reload_draft_weights, reload_weights,
+                                         with_tied_head)
 from rlspec.messages import RolloutBatch, SpecStats
 from rlspec.speculation import vllm_speculative_config
 
@@ -81,11 +82,7 @@ class Generator:
     def push_weights(self, weights: dict[str, torch.Tensor], version: int,
                      draft_weights: dict[str, torch.Tensor] | None = None) -> float:
         """Refit the target (and, when given, the draft); returns seconds taken."""
-        if self.tied_embeddings and "lm_head.weight" not in weights:
-            # An in-place reload unties vLLM's lm_head from the embedding: without this the
-            # engine keeps sampling from the old output layer.
-            weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
-        seconds = reload_weights(self.llm, weights.items())
+        seconds = reload_weights(self.llm, with_tied_head(weights, self.tied_embeddings).items())
         if draft_weights is not None:
             seconds += self.push_draft_weights(draft_weights, version)
         self.policy_version = version
