@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -114,8 +114,18 @@ class SpeculationConfig:
     # none | draft_model (a small LM) | eagle3 (a draft head) | mtp (the target's own MTP layers)
     # | ngram (prompt lookup) | suffix. Verification is lossless rejection sampling in vLLM.
     method: str = "none"
-    # Draft length k (tokens proposed per verification).
-    num_speculative_tokens: int = 3
+    # Draft length k (tokens proposed per verification), or 'auto': k (0 .. max_speculative_tokens,
+    # or speculation off) chosen per batch-size bucket and per step from measured step costs and
+    # measured acceptance per position, maximising tokens/s (rlspec/autospec.py).
+    num_speculative_tokens: Union[int, str] = 3
+    # Largest k 'auto' may choose (the engine is built for it).
+    max_speculative_tokens: int = 5
+    # Batch sizes at which 'auto' times engine steps at start (each running batch size uses the
+    # nearest, in log scale).
+    auto_buckets: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256])
+    # 'auto' drafts max_speculative_tokens on the first call and every this many calls, in the
+    # buckets where it speculates, so acceptance at every draft position stays measured.
+    auto_probe_every: int = 8
     # Draft checkpoint directory or hub ID (draft_model, eagle3); must be None for ngram, mtp, suffix.
     model: Optional[str] = None
     # How the draft proposes: 'probabilistic' samples from the draft's distribution and accepts
@@ -242,7 +252,13 @@ def validate(cfg: RLSpecConfig) -> None:
     sp = cfg.speculation
     _check(sp.method in SPEC_METHODS, "speculation.method", f"{sp.method!r} not in {list(SPEC_METHODS)}")
     if sp.method != "none":
-        _check(sp.num_speculative_tokens >= 1, "speculation.num_speculative_tokens", "k must be >= 1")
+        k = sp.num_speculative_tokens
+        _check(k == "auto" or (isinstance(k, int) and k >= 1), "speculation.num_speculative_tokens",
+               f"k must be an integer >= 1 or 'auto', got {k!r}")
+        _check(sp.max_speculative_tokens >= 1, "speculation.max_speculative_tokens", "must be >= 1")
+        _check(sp.auto_probe_every >= 1, "speculation.auto_probe_every", "must be >= 1")
+        _check(len(sp.auto_buckets) > 0 and min(sp.auto_buckets) >= 1, "speculation.auto_buckets",
+               "must be a non-empty list of batch sizes >= 1")
         needs_model = sp.method in ("draft_model", "eagle3")
         _check(needs_model == (sp.model is not None), "speculation.model",
                f"method {sp.method} {'needs a draft checkpoint' if needs_model else 'takes no draft checkpoint'}")

@@ -49,6 +49,7 @@ class RolloutBatch:
     policy_version: int              # weights version that sampled every token here
     seconds: float = 0.0             # wall time inside the engine
     spec: SpecStats | None = None    # speculation counters for this call (None: no speculation)
+    draft_schedule: list[list[int]] | None = None  # 'auto': [first, last, k] batch-size ranges used
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +58,7 @@ class RolloutBatch:
     def select(self, idx: list[int]) -> "RolloutBatch":
         return RolloutBatch([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
                             [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
-                            self.policy_version, self.seconds, self.spec)
+                            self.policy_version, self.seconds, self.spec, self.draft_schedule)
 
     @staticmethod
     def concat(parts: list["RolloutBatch"]) -> "RolloutBatch":

@@ -12,7 +12,13 @@ def vllm_speculative_config(spec: SpeculationConfig, draft_dir: str | None) -> d
     """The dict vLLM's LLM(speculative_config=...) takes, or None without speculation."""
     if spec.method == "none":
         return None
-    out: dict = {"method": spec.method, "num_speculative_tokens": int(spec.num_speculative_tokens)}
+    if spec.num_speculative_tokens == "auto":
+        # Built for the largest k; the scheduler's batch-size schedule (rewritten every call by the
+        # Generator's planner) picks the k each engine step uses.
+        out: dict = {"method": spec.method, "num_speculative_tokens": int(spec.max_speculative_tokens),
+                     "num_speculative_tokens_per_batch_size": [[1, 1 << 20, int(spec.max_speculative_tokens)]]}
+    else:
+        out = {"method": spec.method, "num_speculative_tokens": int(spec.num_speculative_tokens)}
     if spec.method in ("draft_model", "eagle3"):
         out["model"] = draft_dir
         out["draft_sample_method"] = spec.draft_sample_method

@@ -47,10 +47,12 @@ class GenTotals:
     tokens: int = 0
     seconds: float = 0.0
     spec: SpecStats | None = None
+    draft_schedule: list | None = None  # 'auto': the last call's [first, last, k] ranges
 
     def add(self, ro: RolloutBatch) -> None:
         self.tokens += ro.num_tokens
         self.seconds += ro.seconds
+        self.draft_schedule = ro.draft_schedule
         if ro.spec is not None:
             self.spec = ro.spec if self.spec is None else self.spec + ro.spec
 
@@ -148,7 +150,9 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int) -> StepRecord:
         acceptance_length=None if spec is None else spec.acceptance_length,
         spec=None if spec is None else {"drafts": spec.drafts, "drafted_tokens": spec.draft_tokens,
                                         "accepted_tokens": spec.accepted_tokens,
-                                        "acceptance_per_pos": spec.acceptance_per_pos},
+                                        "acceptance_per_pos": spec.acceptance_per_pos,
+                                        **({} if totals.draft_schedule is None else
+                                           {"draft_schedule": totals.draft_schedule})},
         extra={**{f"train/{k}": v for k, v in metrics.items()}, **stats, "refit_seconds": refit_s,
                "response_length": ro.num_tokens / len(ro.response_ids),
                "truncated_frac": sum(ro.truncated) / len(ro.truncated),

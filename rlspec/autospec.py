@@ -1,0 +1,137 @@
+"""Adaptive draft length (`speculation.num_speculative_tokens=auto`).
+
+Speculation pays when the tokens one verification emits outweigh what drafting k tokens and
+verifying k+1 cost, and both sides move: acceptance drifts with the policy, and the cost of a step
+depends on how many sequences are still running (a rollout batch shrinks as sequences finish).
+So k is chosen per batch-size bucket, from two measured things:
+- step costs t(B, k): seconds of one engine step with B running sequences drafting k tokens
+  (k=0: the draft still reads the new tokens to keep its KV cache in step; OFF: no draft at all),
+  timed on the engine itself at start (`calibrate` in the Generator);
+- acceptance: the conditional probability a_i that draft position i is accepted given the ones
+  before it were, from vLLM's per-position counters after every generate call.
+Expected tokens per verification with k drafts: L(k) = 1 + sum_{i<k} prod_{j<=i} a_j; the planner
+picks argmax_k L(k) / t(B, k) per bucket, and switches speculation off for a whole call when no
+bucket beats OFF, so a rollout never runs slower than it would without speculation.
+Whether a mixed schedule beats OFF for a whole call is judged on the previous call's batch-size
+trajectory (how many sequences were still running at each token index): a k=0 bucket still pays
+the draft's forward, OFF does not. The first call, and every `probe_every`-th, drafts k_max in the
+buckets that speculate, so acceptance at every position stays measured.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+OFF = -1  # speculation off for the call: no draft forward at all
+
+
+@dataclass
+class DraftPlan:
+    off: bool                                  # the whole call runs without speculation
+    k_by_bucket: dict[int, int]                # bucket batch size -> k (0 .. k_max)
+    schedule: list[tuple[int, int, int]]       # vLLM's (first, last, k) batch-size ranges
+
+    def k_at(self, batch_size: int) -> int:
+        if self.off:
+            return 0
+        for lo, hi, k in self.schedule:
+            if lo <= batch_size <= hi:
+                return k
+        return self.schedule[-1][2]
+
+
+def expected_tokens(accept: list[float], k: int) -> float:
+    """L(k): tokens one verification emits with k drafts, given conditional acceptances a_i."""
+    total, run = 1.0, 1.0
+    for a in accept[:k]:
+        run *= a
+        total += run
+    return total
+
+
+def bucket_ranges(buckets: list[int], max_batch: int) -> list[tuple[int, int, int]]:
+    """(first, last, bucket): each batch size goes to the bucket nearest in log scale."""
+    bs = sorted(buckets)
+    out, lo = [], 1
+    for i, b in enumerate(bs):
+        hi = max_batch if i == len(bs) - 1 else int(math.sqrt(b * bs[i + 1]))
+        hi = max(hi, lo)
+        out.append((lo, hi, b))
+        lo = hi + 1
+        if lo > max_batch:
+            break
+    return out
+
+
+@dataclass
+class DraftLengthPlanner:
+    k_max: int
+    max_batch: int
+    step_seconds: dict[tuple[int, int], float]   # (bucket, k or OFF) -> seconds per engine step
+    accept: list[float] = field(default_factory=list)  # [k_max] conditional acceptance a_i
+    ema: float = 0.5                             # weight of the newest call's acceptance
+
+    @property
+    def buckets(self) -> list[int]:
+        return sorted({b for b, _ in self.step_seconds})
+
+    def tokens_per_second(self, bucket: int, k: int) -> float:
+        """Per-sequence emitted tokens per second at this bucket with k drafts (or OFF)."""
+        t = self.step_seconds[(bucket, k)]
+        return (1.0 if k == OFF else expected_tokens(self.accept, k)) / t
+
+    def plan(self, lengths: list[int] | None = None, probe: bool = False) -> DraftPlan:
+        """k per bucket; OFF for the call when it is predicted faster over `lengths` (the last
+        call's response lengths) or, without them, when no bucket beats OFF. probe: k_max in every
+        bucket that speculates (first call: every bucket)."""
+        best = {}
+        for b in self.buckets:
+            rates = {k: self.tokens_per_second(b, k) for k in range(self.k_max + 1) if (b, k) in self.step_seconds}
+            best[b] = self.k_max if probe and (not self.accept or best_is_spec(rates, self, b)) else max(rates, key=rates.get)
+        ranges = bucket_ranges(self.buckets, self.max_batch)
+        plan = DraftPlan(off=False, k_by_bucket=best, schedule=[(lo, hi, best[b]) for lo, hi, b in ranges])
+        if not self.accept:
+            return plan  # nothing measured yet: the first call probes
+        if lengths:
+            plan.off = self.call_seconds(plan, lengths) >= self.call_seconds(None, lengths)
+        else:
+            plan.off = all(self.tokens_per_second(b, best[b]) <= self.tokens_per_second(b, OFF) for b in self.buckets)
+        return plan
+
+    def call_seconds(self, plan: DraftPlan | None, lengths: list[int]) -> float:
+        """Predicted engine seconds to generate responses of these lengths (plan None: OFF).
+        Sequences advance L(k) tokens per step; a step's batch is those not yet finished."""
+        bucket_of = {}
+        for lo, hi, b in bucket_ranges(self.buckets, self.max_batch):
+            bucket_of.update({n: b for n in range(lo, hi + 1)})
+        total = 0.0
+        for t in range(max(lengths, default=0)):
+            running = min(sum(1 for n in lengths if n > t), self.max_batch)
+            b = bucket_of[running]
+            k = OFF if plan is None else plan.k_at(running)
+            total += self.step_seconds[(b, k)] / (1.0 if k == OFF else expected_tokens(self.accept, k))
+        return total
+
+    def observe(self, drafts: int, accepted_per_pos: list[int], k_min: int) -> None:
+        """Update a_i from one call's counters. Only positions every draft of the call covered
+        (i < k_min, the smallest k > 0 the call's schedule used) are measured without bias."""
+        if drafts <= 0 or k_min <= 0:
+            return
+        first = not self.accept
+        if first:
+            self.accept = [0.0] * self.k_max
+        prev = drafts
+        for i in range(min(k_min, len(accepted_per_pos), self.k_max)):
+            a = accepted_per_pos[i] / prev if prev else 0.0
+            self.accept[i] = a if first else (1 - self.ema) * self.accept[i] + self.ema * a
+            prev = accepted_per_pos[i]
+
+    def calls_k_min(self, plan: DraftPlan, batch_size: int) -> int:
+        """Smallest positive k among the buckets a call starting at this batch size can pass."""
+        ks = [k for lo, _, k in plan.schedule if lo <= batch_size and k > 0]
+        return 0 if plan.off or not ks else min(ks)
+
+
+def best_is_spec(rates: dict[int, float], planner: DraftLengthPlanner, bucket: int) -> bool:
+    """Whether some k > 0 beats both k = 0 and OFF at this bucket."""
+    return max(rates[k] for k in rates if k > 0) > max(rates[0], planner.tokens_per_second(bucket, OFF))

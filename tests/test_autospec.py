@@ -1,0 +1,61 @@
+"""The adaptive draft-length planner (pure): expected tokens, bucket ranges, choice of k."""
+import pytest
+
+from rlspec.autospec import OFF, DraftLengthPlanner, bucket_ranges, expected_tokens
+
+
+def test_expected_tokens_limits():
+    assert expected_tokens([1.0] * 5, 3) == 4.0          # full acceptance: k + 1 per verification
+    assert expected_tokens([0.0] * 5, 5) == 1.0          # none accepted: the target's own token
+    assert expected_tokens([0.5, 0.5], 0) == 1.0         # k = 0
+    assert expected_tokens([0.8, 0.5, 1.0], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.4)
+
+
+def test_bucket_ranges_cover_every_batch_size_once():
+    ranges = bucket_ranges([1, 4, 16, 64, 256], 300)
+    assert ranges[0][0] == 1 and ranges[-1][1] == 300
+    for (_, hi, _), (lo, _, _) in zip(ranges, ranges[1:]):
+        assert lo == hi + 1
+    # log-scale nearest: 8 goes to 4 (sqrt(4*16) = 8), 9 to 16
+    k_of = {b: bk for lo, hi, bk in ranges for b in range(lo, hi + 1)}
+    assert k_of[8] == 4 and k_of[9] == 16 and k_of[300] == 256
+
+
+def _planner(cost, accept, k_max=3, buckets=(1, 256)):
+    """cost(b, k) -> step seconds; OFF costs what k = 0 costs minus the draft's 10%."""
+    secs = {}
+    for b in buckets:
+        for k in range(k_max + 1):
+            secs[(b, k)] = cost(b, k)
+        secs[(b, OFF)] = cost(b, 0) * 0.9
+    return DraftLengthPlanner(k_max=k_max, max_batch=max(buckets), step_seconds=secs, accept=list(accept))
+
+
+def test_plan_weight_bound_small_batch_long_k_compute_bound_large_batch_off():
+    # Batch 1: a step costs the same for any k (weight-bound) -> longest k.
+    # Batch 256: a step costs k+1 times more (compute-bound) -> speculation loses -> k = 0.
+    p = _planner(lambda b, k: 1.0 if b == 1 else 1.0 * (k + 1), [0.9, 0.9, 0.9]).plan()
+    assert p.k_by_bucket == {1: 3, 256: 0} and not p.off
+    assert p.k_at(1) == 3 and p.k_at(200) == 0
+
+
+def test_plan_switches_off_when_no_bucket_gains():
+    p = _planner(lambda b, k: 1.0 * (k + 1), [0.5, 0.5, 0.5]).plan()
+    assert p.off and p.k_at(1) == 0
+
+
+def test_plan_follows_acceptance():
+    cost = lambda b, k: 1.0 + 0.3 * k  # noqa: E731  each drafted token costs 30% of a step
+    assert _planner(cost, [0.95] * 3).plan().k_by_bucket[1] == 3
+    mid = _planner(cost, [0.6] * 3).plan()   # L(k)/t(k): k=1 1.23, k=2 1.225, k=3 1.145; OFF 1.11
+    assert mid.k_by_bucket[1] == 1 and not mid.off
+    assert _planner(cost, [0.05] * 3).plan().off
+
+
+def test_observe_updates_only_positions_every_draft_covered():
+    pl = _planner(lambda b, k: 1.0, [0.5, 0.5, 0.5])
+    pl.ema = 1.0
+    pl.observe(drafts=100, accepted_per_pos=[80, 40, 0], k_min=2)
+    assert pl.accept == [0.8, 0.5, 0.5]   # a_0 = 80/100, a_1 = 40/80, a_2 untouched (k_min = 2)
+    pl.observe(drafts=0, accepted_per_pos=[0, 0, 0], k_min=3)
+    assert pl.accept == [0.8, 0.5, 0.5]   # no drafts: nothing measured
