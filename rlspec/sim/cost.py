@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from statistics import NormalDist
 
+import numpy as np
+
 from rlspec.sim.config import ClusterConfig, EfficiencyConfig, GPUSpec, ModelShape, SimConfig, SpeculationConfig
 from rlspec.sim.shapes import (active_params, attn_flops, kv_bytes_per_token, sequence_flops, total_params,
                                weight_bytes_read)
@@ -84,13 +86,13 @@ def _lengths(n: int, mean: float, cv: float, cap: int) -> tuple[float, ...]:
         return tuple([float(min(mean, cap))] * n)
     sigma = math.sqrt(math.log(1 + cv * cv))
     nd = NormalDist()
-    z = [nd.inv_cdf(1 - (i + 0.5) / n) for i in range(n)]
-    capped_mean = lambda log_m: sum(min(cap, math.exp(log_m + sigma * zi)) for zi in z) / n  # noqa: E731
+    sz = sigma * np.array([nd.inv_cdf(1 - (i + 0.5) / n) for i in range(n)])
+    capped = lambda log_m: np.minimum(cap, np.exp(log_m + sz))  # noqa: E731
     lo, hi = -10.0, math.log(cap) + 10 * sigma
-    for _ in range(80):
+    for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if capped_mean(mid) < mean else (lo, mid)
-    return tuple(min(cap, math.exp(lo + sigma * zi)) for zi in z)
+        lo, hi = (mid, hi) if capped(mid).mean() < mean else (lo, mid)
+    return tuple(capped(lo).tolist())
 
 
 def response_lengths(cfg: SimConfig) -> tuple[float, ...]:
