@@ -165,7 +165,8 @@ def test_validate_names_the_bad_key(override, key):
 # Calibration on a synthetic run: summary.json written by the simulator itself with known
 # efficiencies, so the fit must recover them and predict a second run exactly.
 
-TRUE_EFF = EfficiencyConfig(forward_overhead_s=0.012, logprob_mfu=0.2, train_mfu=0.25,
+# calibrate takes decode GEMMs to run at the log-prob pass's MFU, so the synthetic truth does too
+TRUE_EFF = EfficiencyConfig(forward_overhead_s=0.012, logprob_mfu=0.2, decode_flops=0.2, train_mfu=0.25,
                             refit_overhead_s=0.05, prep_s_per_sample=2e-4)
 
 
@@ -196,7 +197,8 @@ def test_calibrate_recovers_efficiencies_and_predicts_another_k_and_batch(tmp_pa
     check = _write_run(tmp_path / "k1", ["speculation=draft_model", "speculation.num_speculative_tokens=1",
                                          "generation.num_prompts_per_step=16"], 27.5, [0.99])
     r = calibrate(str(fit_run), [str(check)], "cpu_2core", 0.16, 10)
-    for key in ("forward_overhead_s", "logprob_mfu", "train_mfu", "refit_overhead_s", "prep_s_per_sample"):
+    for key in ("forward_overhead_s", "logprob_mfu", "decode_flops", "train_mfu", "refit_overhead_s",
+                "prep_s_per_sample"):
         assert r["eff"][key] == pytest.approx(getattr(TRUE_EFF, key), rel=1e-3), key
     for rows in (r["fit"], r["checks"][str(check)]):
         for stage, (meas, sim) in rows.items():
@@ -213,7 +215,8 @@ def test_fit_switches_to_flops_efficiency_when_the_roofline_is_too_slow(base):
     fast = replace(cfg, eff=replace(cfg.eff, decode_flops=1.0))
     gen = step(fast).stage_seconds["generation"]
     m = Measured({"data": 0.0, "prep": 0.0, "generation": gen, "logprob": 1.0, "train": 2.0}, 0.0, 3.0, 64, [], 1)
-    assert fit(cfg, m).decode_flops > cfg.eff.decode_flops  # never a negative overhead
+    e = fit(cfg, m)
+    assert e.forward_overhead_s == 0.0 and e.decode_flops == pytest.approx(1.0, rel=1e-3)  # no negative overhead
 
 
 # ---------------------------------------------------------------------------------------------

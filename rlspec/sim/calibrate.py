@@ -8,9 +8,10 @@ that run had (shapes from the checkpoints' config.json, hardware from a conf/sim
 fits one efficiency per stage to the run's steady state (the median over steps after the first,
 which pays one-time start-up costs):
 
+    logprob    -> eff.logprob_mfu, also taken as the engine's eff.decode_flops
     generation -> eff.forward_overhead_s (eff.decode_flops when the roofline alone is too slow)
-    logprob    -> eff.logprob_mfu         train (minus refit) -> eff.train_mfu
-    refit      -> eff.refit_overhead_s    data + prep         -> eff.prep_s_per_sample
+    train (minus refit) -> eff.train_mfu
+    refit -> eff.refit_overhead_s         data + prep -> eff.prep_s_per_sample
 
 Each --check run is then simulated with its own config and the fitted efficiencies (never fitted
 on) and compared with what it measured. Writes RUN_DIR/sim_calibration.json.
@@ -142,23 +143,27 @@ def _bisect(f, lo: float, hi: float, target: float, increasing: bool) -> float:
 
 
 def fit(cfg: SimConfig, m: Measured) -> EfficiencyConfig:
-    """One efficiency per stage so the simulated steady-state step matches `m`."""
-    with_eff = lambda **kw: replace(cfg, eff=replace(cfg.eff, **kw))  # noqa: E731
+    """One efficiency per stage so the simulated steady-state step matches `m`. One run cannot
+    separate generation's compute efficiency from its per-forward overhead, so the engine's GEMMs
+    are taken to run at the MFU the same run's log-prob pass measured (the same model's matmuls on
+    the same machine; an upper bound for skinny decode GEMMs) and the overhead is fitted."""
+    s0 = step(cfg).stage_seconds
+    logprob_mfu = cfg.eff.logprob_mfu * s0["logprob"] / m.stage_seconds["logprob"]
+    e = replace(cfg.eff, logprob_mfu=logprob_mfu, decode_flops=min(1.0, logprob_mfu))
+    with_eff = lambda **kw: replace(cfg, eff=replace(e, **kw))  # noqa: E731
     gen = lambda c: step(c).stage_seconds["generation"]  # noqa: E731
-    e = cfg.eff
     target = m.stage_seconds["generation"]
     if gen(with_eff(forward_overhead_s=0.0)) <= target:
         e = replace(e, forward_overhead_s=_bisect(lambda o: gen(with_eff(forward_overhead_s=o)), 0.0, 10.0,
                                                    target, increasing=True))
-    else:  # the roofline alone is slower than measured: the machine beats the default efficiency
+    else:  # the roofline alone is slower than measured: decode beats that efficiency
         e = replace(e, forward_overhead_s=0.0, decode_flops=_bisect(
             lambda x: gen(with_eff(forward_overhead_s=0.0, decode_flops=x)), 1e-4, 1.0, target, increasing=False))
     s = step(replace(cfg, eff=e)).stage_seconds
     train_only = max(m.stage_seconds["train"] - m.refit_seconds, 1e-9)
     refit_wire = s["refit"] - e.refit_overhead_s
     n = cfg.workload.num_prompts_per_step * cfg.workload.num_generations_per_prompt
-    return replace(e, logprob_mfu=e.logprob_mfu * s["logprob"] / m.stage_seconds["logprob"],
-                   train_mfu=e.train_mfu * s["train"] / train_only,
+    return replace(e, train_mfu=e.train_mfu * s["train"] / train_only,
                    refit_overhead_s=max(0.0, m.refit_seconds - refit_wire),
                    prep_s_per_sample=(m.stage_seconds["prep"] + m.stage_seconds.get("data", 0.0)) / n)
 
