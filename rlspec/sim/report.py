@@ -72,11 +72,11 @@ def simulate(cfg: SimConfig) -> dict:
     }
 
 
-def stage_shares(e: dict) -> dict[str, float]:
+def stage_shares(e: dict, mode: str) -> dict[str, float]:
     """Each stage's share of the step's wall time. Async stages overlap: the trainer's stages
     count in full and generation + refit only by what the step waits beyond them."""
     st, total = e["stage_seconds"], e["step_seconds"]
-    if abs(sum(st.values()) - total) < 1e-9 * max(total, 1):  # sync: the stages add up
+    if mode == "sync":
         return {k: v / total for k, v in st.items()}
     gen_side = st["generation"] + st["refit"]
     exposed = e["exposed_generation_seconds"]
@@ -97,7 +97,8 @@ def table(r: dict) -> str:
     c, s = cfg["cluster"], cfg["spec"]
     head = (f"{cfg['model']['target']['name']} on {c['num_gpus']} {cfg['gpu']['name']} ({c['mode']}"
             + (f", {c['gen_gpus']} generating, lag {c['policy_lag']}" if c["mode"] == "async" else "")
-            + f"), {s['method']} k={s['k']}, {r['tokens_per_verification']:.2f} tokens/verification")
+            + f"), {s['method']} k={s['k'] if s['method'] != 'none' else 0}, "
+            + f"{r['tokens_per_verification']:.2f} tokens/verification")
     rows = [head, f"{'stage':<22}{'baseline s':>12}{'speculative s':>15}"]
     base, spec = r["stage_seconds"]["baseline"], r["stage_seconds"]["speculative"]
     for k in STAGES:
@@ -155,8 +156,9 @@ def plots(r: dict, out: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    bars = [(f"{m}\n{v}", sw["mode"][m][v]) for m in ("sync", "async") for v in ("baseline", "speculative")]
-    shares = [stage_shares(b[1]) for b in bars]
+    modes = [(m, v) for m in ("sync", "async") for v in ("baseline", "speculative")]
+    bars = [(f"{m}\n{v}", sw["mode"][m][v]) for m, v in modes]
+    shares = [stage_shares(b[1], m) for b, (m, _) in zip(bars, modes)]
     bottom = [0.0] * len(bars)
     for stage in STAGES:
         h = [sh[stage] for sh in shares]
