@@ -6,12 +6,14 @@
 
 Each job directory holds summary.json and .hydra/config.yaml. Rollout speedup is generation
 tokens/s against a run without speculation: a job of the sweep with speculation.method=none, or
---baseline RUN_DIR. Writes REPORT.md and sweep.png into the sweep directory (or --out).
+--baseline RUN_DIR. Jobs that differ only in trainer.seed are also summarised per configuration
+(mean and spread over seeds). Writes REPORT.md and sweep.png into the sweep directory (or --out).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import yaml
@@ -25,9 +27,10 @@ def load_job(d: Path) -> dict | None:
     recs = [r for r in summary["records"] if r.get("spec")]
     drafts = sum(r["spec"]["drafts"] for r in recs)
     k = cfg["speculation"]["num_speculative_tokens"]
+    n_pos = max((len(r["spec"]["acceptance_per_pos"]) for r in recs), default=0)
     per_pos = [sum(r["spec"]["acceptance_per_pos"][i] * r["spec"]["drafts"] for r in recs) / drafts
-               if drafts else 0.0 for i in range(k if recs else 0)]
-    return {"job": d.name, "method": cfg["speculation"]["method"], "k": k,
+               if drafts else 0.0 for i in range(n_pos)]
+    return {"job": d.name, "method": cfg["speculation"]["method"], "k": k, "seed": cfg.get("trainer", {}).get("seed", 0),
             "tokens_per_second": summary["tokens_per_second"],
             "generation_seconds": summary["stage_seconds"]["generation"],
             "step_seconds": summary["step_seconds"],
@@ -48,6 +51,30 @@ def report(jobs: list[dict], base: dict | None) -> str:
                      f"{speed} | {j['generation_seconds']:.2f} | {j['step_seconds']:.2f} | {acc} | {pos} | {val} |")
     if base is None:
         lines.append("\nNo run without speculation in the sweep and no --baseline: speedups not computed.")
+    return "\n".join(lines) + "\n" + over_seeds(jobs)
+
+
+def over_seeds(jobs: list[dict]) -> str:
+    """Per configuration (method, k) with more than one seed: mean +- stdev [min, max] over seeds."""
+    groups: dict = {}
+    for j in jobs:
+        groups.setdefault((j["method"], j["k"] if j["method"] != "none" else 0), []).append(j)
+    if all(len(g) < 2 for g in groups.values()):
+        return ""
+
+    def stat(g, key, fmt):
+        v = [j[key] for j in g if j[key] is not None]
+        if not v:
+            return "-"
+        sd = statistics.stdev(v) if len(v) > 1 else 0.0
+        return f"{fmt.format(statistics.mean(v))} +- {fmt.format(sd)} [{fmt.format(min(v))}, {fmt.format(max(v))}]"
+
+    lines = ["\nOver seeds (mean +- stdev [min, max]):\n",
+             "| method | k | seeds | gen s/step | gen tokens/s | step s | final val acc |", "|---|---|---|---|---|---|---|"]
+    for (method, k), g in groups.items():
+        lines.append(f"| {method} | {k} | {', '.join(str(j['seed']) for j in g)} | {stat(g, 'generation_seconds', '{:.3f}')} | "
+                     f"{stat(g, 'tokens_per_second', '{:.0f}')} | {stat(g, 'step_seconds', '{:.2f}')} | "
+                     f"{stat(g, 'final_val_accuracy', '{:.3f}')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -57,7 +84,7 @@ def plot(jobs: list[dict], base: dict | None, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    spec = sorted((j for j in jobs if j["method"] != "none"), key=lambda j: j["k"])
+    spec = sorted((j for j in jobs if j["method"] != "none" and isinstance(j["k"], int)), key=lambda j: j["k"])
     fig, ax = plt.subplots(1, 3, figsize=(14, 4))
     ks = [j["k"] for j in spec]
     if base:
@@ -90,7 +117,7 @@ def main() -> None:
     base = load_job(args.baseline) if args.baseline else next((j for j in jobs if j["method"] == "none"), None)
     if args.baseline and base is None:
         raise SystemExit(f"--baseline {args.baseline}: no summary.json / .hydra/config.yaml there")
-    jobs.sort(key=lambda j: (j["method"] != "none", j["k"]))
+    jobs.sort(key=lambda j: (j["method"] != "none", str(j["k"]).rjust(4), j["seed"]))
     text = report(jobs, base)
     out = args.out or args.sweep_dir / "REPORT.md"
     out.write_text(text)
