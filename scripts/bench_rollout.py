@@ -219,7 +219,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per point (median reported)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rlspec-bench"))
     ap.add_argument("--out", type=Path, default=Path("bench_rollout.json"))
+    ap.add_argument("--table", type=Path, metavar="JSON", help="print the markdown table of an earlier run and exit")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
     if parse_method(args.methods[0])[0] != "none":
         ap.error("--methods must start with 'none' (the baseline)")
     args.workdir.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def compose(overrides=()):
-    """The config `python -m rlspec.train OVERRIDES` would run with, as an RLSpecConfig."""
+def compose(overrides=(), plain=True):
+    """The config `python -m rlspec.train OVERRIDES` would run with, as an RLSpecConfig. The
+    default experiment drafts with the tiny draft model; with plain=True (the tests' baseline)
+    rollouts are not speculative unless an override selects a `speculation=` method."""
     from hydra import compose as hcompose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -21,7 +23,10 @@ def compose(overrides=()):
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return OmegaConf.to_object(hcompose("config", overrides=with_default_experiment(list(overrides))))
+        overrides = list(overrides)
+        if plain and not any(o.startswith("speculation=") for o in overrides):
+            overrides.append("speculation=none")
+        return OmegaConf.to_object(hcompose("config", overrides=with_default_experiment(overrides)))
 
 
 @pytest.fixture(scope="session")

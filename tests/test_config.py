@@ -10,15 +10,18 @@ EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml
 
 
 def test_default_is_tiny_cpu():
-    cfg = compose()
+    cfg = compose(plain=False)
     assert Path(cfg.model.path) == ROOT / "rlspec" / "assets" / "tiny" / "policy"
     assert cfg.data.train.source == "synthetic"
+    # speculative rollouts by default: the tiny draft, k=3 (the k sweep's fastest fixed k)
+    assert cfg.speculation.method == "draft_model" and cfg.speculation.num_speculative_tokens == 3
+    assert Path(cfg.speculation.model) == ROOT / "rlspec" / "assets" / "tiny" / "draft"
     validate(cfg)
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_composes_and_validates(name):
-    cfg = compose([f"+experiment={name}"])
+    cfg = compose([f"+experiment={name}"], plain=False)
     validate(cfg)
 
 

