@@ -7,7 +7,9 @@ row (`on_bad_row=error`); they never reach a worker.
 from __future__ import annotations
 
 import json
+import math
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,9 +65,9 @@ def _read_rows(ds: DatasetConfig, synth: SyntheticConfig, key: str) -> Iterator[
                 if not line.strip():
                     continue
                 try:
-                    yield i, json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield i, BadRow("invalid_json", f"invalid JSON ({e.msg})")
+                    yield i, json.loads(line, parse_int=_parse_int)
+                except ValueError as e:  # JSONDecodeError, or a number Python refuses to parse
+                    yield i, BadRow("invalid_json", f"invalid JSON ({getattr(e, 'msg', e)})")
         return
     import datasets
 
@@ -90,6 +92,27 @@ def _read_rows(ds: DatasetConfig, synth: SyntheticConfig, key: str) -> Iterator[
         raise DataError(f"{key}.source={ds.source!r} (split {ds.split!r}) could not be loaded: "
                         f"{type(e).__name__}: {e}") from e
     yield from enumerate(data, start=1)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: no tokenizer can encode them
+
+
+def _parse_int(digits: str) -> int | str:
+    """JSON integers past Python's int/str digit limit stay as their digit string (an answer
+    like 10^5000 written out is still a valid ground truth)."""
+    return int(digits) if len(digits) < 4000 else digits
+
+
+def _answer_text(answer: str | int | float) -> str:
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise BadRow("answer_not_finite", f"answer is {answer}")
+    if isinstance(answer, int) and abs(answer).bit_length() > 13_000:  # ~3900 digits: str() may refuse
+        sign, answer, parts = "-" if answer < 0 else "", abs(answer), []
+        while answer:
+            answer, r = divmod(answer, 10**1000)
+            parts.append(f"{r:01000d}")
+        return sign + "".join(reversed(parts)).lstrip("0")
+    return str(answer).strip()
 
 
 def normalise_row(raw: Any, schema: str) -> tuple[str, str]:
@@ -129,7 +152,12 @@ def normalise_row(raw: Any, schema: str) -> tuple[str, str]:
         raise BadRow("missing_answer", "missing answer field")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise BadRow("answer_not_scalar", f"answer is a {type(answer).__name__}, not a string or number")
-    return prompt, str(answer).strip()
+    if _SURROGATE.search(prompt):
+        raise BadRow("invalid_unicode", "prompt holds lone surrogate code points")
+    answer = _answer_text(answer)
+    if not answer:
+        raise BadRow("missing_answer", "missing answer field")
+    return prompt, answer
 
 
 def load_prompts(ds: DatasetConfig, synth: SyntheticConfig, *, key: str, tokenizer, template: str,
