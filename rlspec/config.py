@@ -33,7 +33,8 @@ class ModelConfig:
 
 @dataclass
 class DatasetConfig:
-    # 'synthetic' (rlspec's generator), a .jsonl/.json/.parquet/.csv file, a directory written by
+    # 'synthetic' (rlspec's addition generator), 'synthetic_code' (small stdin/stdout programming
+    # tasks for the code reward), a .jsonl/.json/.parquet/.csv file, a directory written by
     # datasets' save_to_disk, or a hub dataset ID (e.g. BytedTsinghua-SIA/DAPO-Math-17k).
     source: str = "synthetic"
     split: str = "train"
@@ -64,6 +65,9 @@ class DataConfig:
     # What to do with a malformed row: 'skip' (count it and go on) or 'error' (stop, naming file and row).
     on_bad_row: str = "skip"
     shuffle: bool = True
+    # Reward from rlspec.rewards.REWARDS: math (boxed / 'Answer:' checked with math-verify) or code
+    # (the response's Python run against the row's test cases in a sandbox; fraction passed).
+    reward: str = "math"
 
 
 @dataclass
@@ -211,11 +215,13 @@ def validate(cfg: RLSpecConfig) -> None:
     """Cross-field and value checks; raises ConfigError naming the key."""
     from rlspec.algo import ADVANTAGES, LOSS_AGGREGATIONS, LOSSES
     from rlspec.data.templates import TEMPLATES
+    from rlspec.rewards import REWARDS
 
     g, a, t, c = cfg.generation, cfg.algo, cfg.trainer, cfg.cluster
     _check(bool(cfg.model.path), "model.path", "must name a checkpoint directory or hub ID")
     _check(cfg.model.max_model_len > 0, "model.max_model_len", "must be > 0")
     _check(cfg.data.template in TEMPLATES, "data.template", f"{cfg.data.template!r} not in {sorted(TEMPLATES)}")
+    _check(cfg.data.reward in REWARDS, "data.reward", f"{cfg.data.reward!r} not in {sorted(REWARDS)}")
     _check(cfg.data.on_bad_row in ("skip", "error"), "data.on_bad_row", "must be 'skip' or 'error'")
     _check(0 < cfg.data.max_prompt_tokens < cfg.model.max_model_len, "data.max_prompt_tokens",
            f"must be in (0, model.max_model_len={cfg.model.max_model_len})")

@@ -16,7 +16,7 @@ from rlspec.config import RLSpecConfig
 from rlspec.data.loading import Prompt, PromptSampler, PromptSet
 from rlspec.messages import RolloutBatch, SpecStats, StepRecord
 from rlspec.metrics import RunLog, StageTimer
-from rlspec.rewards.math import math_reward
+from rlspec.rewards import REWARDS
 from rlspec.workers.cluster import Actors, wait
 
 
@@ -35,10 +35,10 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7_919 + salt * 104_729) % (2**31 - 1)
 
 
-def score(tokenizer, rollouts: RolloutBatch, answers: list[str]) -> torch.Tensor:
+def score(tokenizer, rollouts: RolloutBatch, answers: list[str], reward: str = "math") -> torch.Tensor:
     """[N] rewards; answers holds the ground truth of each sample's prompt."""
     texts = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
-    return torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)])
+    return torch.tensor(REWARDS[reward](texts, answers), dtype=torch.float32)
 
 
 @dataclass
@@ -67,7 +67,7 @@ def generate(ctx: Context, prompts: list[Prompt], seed: int, timer: StageTimer, 
     totals.add(ro)
     with timer("prep"):
         answers = [p.answer for p in prompts for _ in range(g.num_generations_per_prompt)]
-        rewards = score(ctx.tokenizer, ro, answers).view(len(prompts), -1)
+        rewards = score(ctx.tokenizer, ro, answers, ctx.cfg.data.reward).view(len(prompts), -1)
     return ro, rewards
 
 
@@ -107,7 +107,7 @@ def validate(ctx: Context, step: int) -> float:
     ro = wait(ctx.actors.gen("generate", [p.token_ids for p in ctx.val.prompts], 1, g.val_temperature,
                              g.max_new_tokens, step_seed(ctx.cfg.trainer.seed, step, salt=99)),
               ctx.actors.timeout_s)
-    acc = score(ctx.tokenizer, ro, [p.answer for p in ctx.val.prompts]).mean().item()
+    acc = score(ctx.tokenizer, ro, [p.answer for p in ctx.val.prompts], ctx.cfg.data.reward).mean().item()
     ctx.log.validation(step, acc, len(ctx.val))
     return acc
 

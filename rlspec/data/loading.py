@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 from rlspec.config import DatasetConfig, SyntheticConfig
 from rlspec.data.synthetic import make_rows
+from rlspec.data.synthetic_code import make_code_rows
 from rlspec.data.templates import apply_template
 
 
@@ -57,6 +58,9 @@ def _read_rows(ds: DatasetConfig, synth: SyntheticConfig, key: str) -> Iterator[
         rows = make_rows(ds.seed, ds.num_rows, synth.min_digits, synth.max_digits,
                          heldout=ds.split != "train")
         yield from enumerate(rows, start=1)
+        return
+    if ds.source == "synthetic_code":
+        yield from enumerate(make_code_rows(ds.seed, ds.num_rows), start=1)
         return
     path = Path(ds.source).expanduser()
     if path.suffix == ".jsonl" and path.is_file():
