@@ -158,6 +158,9 @@ class ClusterConfig:
     threads_per_actor: int = 2
     # Upper bound on any single wait for an actor; a dead or stuck actor ends the run.
     actor_timeout_s: float = 900.0
+    # After an actor failure, restart Ray and every actor and continue from the latest checkpoint
+    # (from the start when there is none) up to this many times; then exit 1.
+    max_restarts: int = 0
 
 
 @dataclass
@@ -175,6 +178,20 @@ class TrainerConfig:
     zero_stage: int = 1
     # Save the final policy (Hugging Face format) to <run dir>/final.
     save_final: bool = True
+    # Checkpoint every N steps (0: only on SIGUSR2, preemption and numerical stops); see
+    # rlspec/checkpoint.py for what a checkpoint holds.
+    checkpoint_every: int = 50
+    # Complete checkpoints kept (oldest deleted first).
+    checkpoint_keep: int = 3
+    # Where checkpoints go; None: <run dir>/checkpoints. Give a fixed path (or a fixed
+    # hydra.run.dir) for requeued jobs, so the requeued run finds them.
+    checkpoint_dir: Optional[str] = None
+    # 'auto': continue from the latest complete checkpoint in checkpoint_dir if there is one;
+    # 'never': start fresh; or a checkpoint directory (or a checkpoint root) to continue from.
+    resume: str = "auto"
+    # Updates skipped for a non-finite loss or gradient tolerated in a row; one more stops the
+    # run (exit 4) with a checkpoint of the last good state.
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
@@ -276,6 +293,11 @@ def validate(cfg: RLSpecConfig) -> None:
     _check(c.threads_per_actor >= 1, "cluster.threads_per_actor", "must be >= 1")
     _check(c.actor_timeout_s > 0, "cluster.actor_timeout_s", "must be > 0")
     _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")
+    _check(t.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
+    _check(t.checkpoint_keep >= 1, "trainer.checkpoint_keep", "must be >= 1")
+    _check(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps", "must be >= 0")
+    _check(bool(t.resume), "trainer.resume", "must be 'auto', 'never' or a checkpoint directory")
+    _check(c.max_restarts >= 0, "cluster.max_restarts", "must be >= 0")
     _check(t.val_every >= 0, "trainer.val_every", "must be >= 0")
     _check(t.lr > 0, "trainer.lr", "must be > 0")
     _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", "must be 0, 1, 2 or 3")

@@ -202,6 +202,16 @@ class PromptSampler:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "size": len(self.prompts)}
+
+    def load_state(self, state: dict) -> None:
+        if state["size"] != len(self.prompts) or state["seed"] != self.seed:
+            raise ValueError(f"checkpointed data position is for {state['size']} prompts and seed {state['seed']}, "
+                             f"this run has {len(self.prompts)} prompts and seed {self.seed}")
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._order = self._permutation(self.epoch)
+
     def next_batch(self, n: int) -> list[Prompt]:
         batch = []
         while len(batch) < n:
