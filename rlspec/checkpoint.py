@@ -173,6 +173,9 @@ def save(ctx, sampler, step: int, counters: dict) -> Path:
     from rlspec.workers.cluster import wait
 
     t = ctx.cfg.trainer
+    done = Path(ctx.ckpt_root) / step_dir_name(step)
+    if (done / COMPLETE).is_file() and latest(ctx.ckpt_root) == done:
+        return done  # this very state is on disk already (a preemption right after a save)
     tmp = begin(ctx.ckpt_root, step)
     actors = ctx.actors
     wait([*actors.learn("save_checkpoint", str(tmp)),
