@@ -90,7 +90,7 @@ def test_sigterm_checkpoints_exits_3_and_resume_continues_exactly(tmp_path):
 
     resumed = train(run, six)  # trainer.resume=auto is the default
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from" in resumed.stdout
+    assert "resumed from" in resumed.stdout
     got = records(run)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     for g, w in zip(got, want):  # exact: same floats, not approximately
@@ -98,6 +98,7 @@ def test_sigterm_checkpoints_exits_3_and_resume_continues_exactly(tmp_path):
     print(f"preempted at step {k}, exit {exit_s:.1f}s after SIGTERM; losses {[r['loss'] for r in got]}")
 
 
+@pytest.mark.slow
 def test_killed_actor_restarts_from_checkpoint_and_finishes(tmp_path):
     run = tmp_path / "run"
     t_start = time.time()
