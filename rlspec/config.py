@@ -33,7 +33,8 @@ class ModelConfig:
 
 @dataclass
 class DatasetConfig:
-    # 'synthetic' (rlspec's generator), a .jsonl/.json/.parquet/.csv file, a directory written by
+    # 'synthetic' (rlspec's addition generator), 'synthetic_code' (small stdin/stdout programming
+    # tasks for the code reward), a .jsonl/.json/.parquet/.csv file, a directory written by
     # datasets' save_to_disk, or a hub dataset ID (e.g. BytedTsinghua-SIA/DAPO-Math-17k).
     source: str = "synthetic"
     split: str = "train"
@@ -64,6 +65,9 @@ class DataConfig:
     # What to do with a malformed row: 'skip' (count it and go on) or 'error' (stop, naming file and row).
     on_bad_row: str = "skip"
     shuffle: bool = True
+    # Reward from rlspec.rewards.REWARDS: math (boxed / 'Answer:' checked with math-verify) or code
+    # (the response's Python run against the row's test cases in a sandbox; fraction passed).
+    reward: str = "math"
 
 
 @dataclass
@@ -154,6 +158,9 @@ class ClusterConfig:
     threads_per_actor: int = 2
     # Upper bound on any single wait for an actor; a dead or stuck actor ends the run.
     actor_timeout_s: float = 900.0
+    # After an actor failure, restart Ray and every actor and continue from the latest checkpoint
+    # (from the start when there is none) up to this many times; then exit 1.
+    max_restarts: int = 0
 
 
 @dataclass
@@ -171,6 +178,20 @@ class TrainerConfig:
     zero_stage: int = 1
     # Save the final policy (Hugging Face format) to <run dir>/final.
     save_final: bool = True
+    # Checkpoint every N steps (0: only on SIGUSR2, preemption and numerical stops); see
+    # rlspec/checkpoint.py for what a checkpoint holds.
+    checkpoint_every: int = 50
+    # Complete checkpoints kept (oldest deleted first).
+    checkpoint_keep: int = 3
+    # Where checkpoints go; None: <run dir>/checkpoints. Give a fixed path (or a fixed
+    # hydra.run.dir) for requeued jobs, so the requeued run finds them.
+    checkpoint_dir: Optional[str] = None
+    # 'auto': continue from the latest complete checkpoint in checkpoint_dir if there is one;
+    # 'never': start fresh; or a checkpoint directory (or a checkpoint root) to continue from.
+    resume: str = "auto"
+    # Updates skipped for a non-finite loss or gradient tolerated in a row; one more stops the
+    # run (exit 4) with a checkpoint of the last good state.
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
@@ -211,11 +232,13 @@ def validate(cfg: RLSpecConfig) -> None:
     """Cross-field and value checks; raises ConfigError naming the key."""
     from rlspec.algo import ADVANTAGES, LOSS_AGGREGATIONS, LOSSES
     from rlspec.data.templates import TEMPLATES
+    from rlspec.rewards import REWARDS
 
     g, a, t, c = cfg.generation, cfg.algo, cfg.trainer, cfg.cluster
     _check(bool(cfg.model.path), "model.path", "must name a checkpoint directory or hub ID")
     _check(cfg.model.max_model_len > 0, "model.max_model_len", "must be > 0")
     _check(cfg.data.template in TEMPLATES, "data.template", f"{cfg.data.template!r} not in {sorted(TEMPLATES)}")
+    _check(cfg.data.reward in REWARDS, "data.reward", f"{cfg.data.reward!r} not in {sorted(REWARDS)}")
     _check(cfg.data.on_bad_row in ("skip", "error"), "data.on_bad_row", "must be 'skip' or 'error'")
     _check(0 < cfg.data.max_prompt_tokens < cfg.model.max_model_len, "data.max_prompt_tokens",
            f"must be in (0, model.max_model_len={cfg.model.max_model_len})")
@@ -270,6 +293,11 @@ def validate(cfg: RLSpecConfig) -> None:
     _check(c.threads_per_actor >= 1, "cluster.threads_per_actor", "must be >= 1")
     _check(c.actor_timeout_s > 0, "cluster.actor_timeout_s", "must be > 0")
     _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")
+    _check(t.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
+    _check(t.checkpoint_keep >= 1, "trainer.checkpoint_keep", "must be >= 1")
+    _check(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps", "must be >= 0")
+    _check(bool(t.resume), "trainer.resume", "must be 'auto', 'never' or a checkpoint directory")
+    _check(c.max_restarts >= 0, "cluster.max_restarts", "must be >= 0")
     _check(t.val_every >= 0, "trainer.val_every", "must be >= 0")
     _check(t.lr > 0, "trainer.lr", "must be > 0")
     _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", "must be 0, 1, 2 or 3")

@@ -6,17 +6,20 @@ the next step samples, so every rollout is on-policy (policy lag 0).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from rlspec import checkpoint
 from rlspec.algo import compute_advantages, overlong_mask, zero_variance_groups
 from rlspec.batching import build_train_batch
 from rlspec.config import RLSpecConfig
 from rlspec.data.loading import Prompt, PromptSampler, PromptSet
 from rlspec.messages import RolloutBatch, SpecStats, StepRecord
 from rlspec.metrics import RunLog, StageTimer
-from rlspec.rewards.math import math_reward
+from rlspec.preemption import Abandoned, NumericalDivergence, Preempted, StopRequest
+from rlspec.rewards import REWARDS
 from rlspec.workers.cluster import Actors, wait
 
 
@@ -28,6 +31,10 @@ class Context:
     train: PromptSet
     val: PromptSet
     log: RunLog
+    ckpt_root: str | None = None         # trainer.checkpoint_dir, resolved
+    resume_from: Path | None = None      # checkpoint to continue from
+    stop: StopRequest = field(default_factory=StopRequest)
+    counters: dict = field(default_factory=lambda: {"nonfinite_steps": 0, "nonfinite_in_row": 0, "restarts": 0})
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -35,10 +42,10 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7_919 + salt * 104_729) % (2**31 - 1)
 
 
-def score(tokenizer, rollouts: RolloutBatch, answers: list[str]) -> torch.Tensor:
+def score(tokenizer, rollouts: RolloutBatch, answers: list[str], reward: str = "math") -> torch.Tensor:
     """[N] rewards; answers holds the ground truth of each sample's prompt."""
     texts = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
-    return torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)])
+    return torch.tensor(REWARDS[reward](texts, answers), dtype=torch.float32)
 
 
 @dataclass
@@ -63,11 +70,11 @@ def generate(ctx: Context, prompts: list[Prompt], seed: int, timer: StageTimer, 
     with timer("generation"):
         ro = wait(ctx.actors.gen("generate", [p.token_ids for p in prompts], g.num_generations_per_prompt,
                                  g.temperature, g.max_new_tokens, seed, g.top_p, g.top_k),
-                  ctx.actors.timeout_s)
+                  ctx.actors.timeout_s, abort=lambda: ctx.stop.preempt)
     totals.add(ro)
     with timer("prep"):
         answers = [p.answer for p in prompts for _ in range(g.num_generations_per_prompt)]
-        rewards = score(ctx.tokenizer, ro, answers).view(len(prompts), -1)
+        rewards = score(ctx.tokenizer, ro, answers, ctx.cfg.data.reward).view(len(prompts), -1)
     return ro, rewards
 
 
@@ -107,7 +114,7 @@ def validate(ctx: Context, step: int) -> float:
     ro = wait(ctx.actors.gen("generate", [p.token_ids for p in ctx.val.prompts], 1, g.val_temperature,
                              g.max_new_tokens, step_seed(ctx.cfg.trainer.seed, step, salt=99)),
               ctx.actors.timeout_s)
-    acc = score(ctx.tokenizer, ro, [p.answer for p in ctx.val.prompts]).mean().item()
+    acc = score(ctx.tokenizer, ro, [p.answer for p in ctx.val.prompts], ctx.cfg.data.reward).mean().item()
     ctx.log.validation(step, acc, len(ctx.val))
     return acc
 
@@ -124,7 +131,8 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int) -> StepRecord:
             weight = weight * overlong_mask(torch.tensor(ro.truncated))
         batch = build_train_batch(ro, adv, weight, ctx.tokenizer.pad_token_id)
     with timer("logprob"):
-        batch.old_logprobs, batch.ref_logprobs = wait(actors.lp("compute_logprobs", batch), actors.timeout_s)
+        batch.old_logprobs, batch.ref_logprobs = wait(actors.lp("compute_logprobs", batch), actors.timeout_s,
+                                                      abort=lambda: ctx.stop.preempt)
     with timer("train"):
         world = len(actors.learners)
         num_tokens, num_seqs = float(batch.loss_mask.sum()), float((weight > 0).sum())
@@ -160,11 +168,48 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int) -> StepRecord:
 
 
 def run(ctx: Context) -> dict:
-    cfg = ctx.cfg
+    cfg, t = ctx.cfg, ctx.cfg.trainer
     sampler = PromptSampler(ctx.train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
-    validate(ctx, 0)
-    for step in range(1, cfg.trainer.max_steps + 1):
-        ctx.log.step(train_step(ctx, sampler, step))
-        if step == cfg.trainer.max_steps or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0):
+    start = 1
+    if ctx.resume_from is not None:
+        state = checkpoint.restore(ctx, sampler, ctx.resume_from)
+        start = state.step + 1
+        ctx.counters.update({k: v for k, v in state.counters.items() if k != "restarts"})
+    else:
+        validate(ctx, 0)
+    for step in range(start, t.max_steps + 1):
+        at_start = sampler.state()
+        try:
+            rec = train_step(ctx, sampler, step)
+        except Abandoned:  # before the update: the step is redone identically after the resume
+            sampler.load_state(at_start)
+            checkpoint.save(ctx, sampler, step - 1, ctx.counters)
+            raise Preempted(step - 1, ctx.stop.preempt_signal) from None
+        ctx.log.step(rec)
+        guard_nonfinite(ctx, sampler, rec)
+        if step == t.max_steps or (t.val_every and step % t.val_every == 0):
             validate(ctx, step)
+        if ctx.stop.preempt or ctx.stop.checkpoint_now or (t.checkpoint_every and step % t.checkpoint_every == 0):
+            ctx.stop.checkpoint_now = False
+            checkpoint.save(ctx, sampler, step, ctx.counters)
+        if ctx.stop.preempt:
+            raise Preempted(step, ctx.stop.preempt_signal)
     return ctx.log.summary()
+
+
+def guard_nonfinite(ctx: Context, sampler: PromptSampler, rec: StepRecord) -> None:
+    """Count updates the learner skipped for a non-finite loss or gradient; past
+    trainer.max_nonfinite_steps in a row, checkpoint (weights are still the last good ones) and stop."""
+    c = ctx.counters
+    skipped = rec.extra.get("train/skipped", 0.0) > 0
+    c["nonfinite_steps"] += int(skipped)
+    c["nonfinite_in_row"] = c["nonfinite_in_row"] + 1 if skipped else 0
+    ctx.log.notes["nonfinite_steps"] = c["nonfinite_steps"]
+    if skipped:
+        ctx.log.write(f"step {rec.step}: non-finite loss or gradient, update skipped "
+                      f"({c['nonfinite_in_row']} in a row, {c['nonfinite_steps']} in all)")
+    if c["nonfinite_in_row"] > ctx.cfg.trainer.max_nonfinite_steps:
+        path = checkpoint.save(ctx, sampler, rec.step, c)
+        raise NumericalDivergence(f"{c['nonfinite_in_row']} non-finite updates in a row (more than "
+                                  f"trainer.max_nonfinite_steps={ctx.cfg.trainer.max_nonfinite_steps}); "
+                                  f"last good state in {path}")

@@ -4,7 +4,9 @@
     python -m rlspec.train +experiment=rl_zero_qwen3_8b      # a paper experiment
     python -m rlspec.train trainer.max_steps=5 generation.temperature=0.8
 
-Exit codes: 0 done; 1 an actor failed (named in the message); 2 bad config, model or data.
+Exit codes: 0 done; 1 an actor failed (named in the message; after cluster.max_restarts
+restarts); 2 bad config, model or data; 3 preempted (SIGTERM/SIGUSR1; checkpoint written:
+requeue); 4 too many non-finite updates in a row (checkpoint of the last good state written).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlspec.config import ConfigError, RLSpecConfig, register_configs, validate
 from rlspec.data.loading import DataError, PromptSet, load_prompts
 from rlspec.models import ModelError, load_tokenizer, resolve_checkpoint
+from rlspec.preemption import EXIT_NUMERICAL, EXIT_PREEMPTED, NumericalDivergence, Preempted
 from rlspec.speculation import check_draft
 from rlspec.workers.cluster import ActorFailure
 
@@ -50,8 +53,12 @@ def load_data(cfg: RLSpecConfig, tokenizer) -> tuple[PromptSet, PromptSet]:
 
 
 def train(cfg: RLSpecConfig, run_dir: str) -> dict:
-    """Resolve models and data (failing before Ray starts), then run the loop on Ray actors."""
+    """Resolve models and data (failing before Ray starts), then run the loop on Ray actors;
+    after an actor failure, restart everything from the latest checkpoint up to
+    cluster.max_restarts times."""
+    from rlspec.checkpoint import resolve_resume
     from rlspec.metrics import RunLog
+    from rlspec.preemption import StopRequest
     from rlspec.sync_loop import Context, run
     from rlspec.workers.cluster import RayCluster, launch_actors, wait
 
@@ -63,18 +70,37 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
     tokenizer = load_tokenizer(tok_dir, "model.tokenizer" if cfg.model.tokenizer else "model.path",
                                cfg.model.trust_remote_code)
     train_set, val_set = load_data(cfg, tokenizer)
+    ckpt_root = cfg.trainer.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    resume = resolve_resume(cfg.trainer.resume, ckpt_root)
     runlog = RunLog(run_dir, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
                     cfg.trainer.max_steps, cfg.logging.progress_bar, cfg.logging.wandb_mode,
                     cfg.logging.wandb_project, cfg.logging.wandb_entity)
-    with RayCluster(cfg):
-        actors = launch_actors(cfg, model_dir, tok_dir, draft_dir)
-        runlog.notes["bad_rows"] = {"train": dict(train_set.skipped), "val": dict(val_set.skipped)}
-        run(Context(cfg, actors, tokenizer, train_set, val_set, runlog))
-        if cfg.trainer.save_final:
-            final = os.path.join(run_dir, "final")
-            wait(actors.learn("save_pretrained", final, tok_dir), actors.timeout_s)
-            runlog.notes["final_policy"] = final
-        summary = runlog.finish(cfg.logging.plot)
+    runlog.notes["bad_rows"] = {"train": dict(train_set.skipped), "val": dict(val_set.skipped)}
+    stop, restarts = StopRequest(), 0
+    while True:
+        try:
+            with RayCluster(cfg):
+                stop.install()  # after ray.init, which installs handlers of its own
+                actors = launch_actors(cfg, model_dir, tok_dir, draft_dir)
+                ctx = Context(cfg, actors, tokenizer, train_set, val_set, runlog, ckpt_root, resume, stop)
+                ctx.counters["restarts"] = restarts
+                run(ctx)
+                if cfg.trainer.save_final:
+                    final = os.path.join(run_dir, "final")
+                    wait(actors.learn("save_pretrained", final, tok_dir), actors.timeout_s)
+                    runlog.notes["final_policy"] = final
+            break
+        except ActorFailure as e:
+            if restarts >= cfg.cluster.max_restarts:
+                raise
+            restarts += 1
+            runlog.notes["restarts"] = restarts
+            resume = resolve_resume("auto", ckpt_root)
+            print(f"rlspec: actor failure: {e}; restart {restarts}/{cfg.cluster.max_restarts} from "
+                  f"{resume or 'the start (no checkpoint yet)'}", file=sys.stderr, flush=True)
+            if resume is None:
+                runlog.records, runlog.val = [], []
+    summary = runlog.finish(cfg.logging.plot)
     print(f"run directory: {run_dir}", flush=True)
     return summary
 
@@ -90,6 +116,12 @@ def main(dcfg: DictConfig) -> None:
     except ActorFailure as e:
         print(f"rlspec: actor failure: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_ACTOR_FAILURE)
+    except Preempted as e:
+        print(f"rlspec: preempted by {e}; exit {EXIT_PREEMPTED} (requeue)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_PREEMPTED)
+    except NumericalDivergence as e:
+        print(f"rlspec: stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_NUMERICAL)
 
 
 if __name__ == "__main__":

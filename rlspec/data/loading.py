@@ -7,7 +7,9 @@ row (`on_bad_row=error`); they never reach a worker.
 from __future__ import annotations
 
 import json
+import math
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import Any, Iterator
 
 from rlspec.config import DatasetConfig, SyntheticConfig
 from rlspec.data.synthetic import make_rows
+from rlspec.data.synthetic_code import make_code_rows
 from rlspec.data.templates import apply_template
 
 
@@ -56,6 +59,9 @@ def _read_rows(ds: DatasetConfig, synth: SyntheticConfig, key: str) -> Iterator[
                          heldout=ds.split != "train")
         yield from enumerate(rows, start=1)
         return
+    if ds.source == "synthetic_code":
+        yield from enumerate(make_code_rows(ds.seed, ds.num_rows), start=1)
+        return
     path = Path(ds.source).expanduser()
     if path.suffix == ".jsonl" and path.is_file():
         with path.open(encoding="utf-8", errors="replace") as f:
@@ -63,9 +69,9 @@ def _read_rows(ds: DatasetConfig, synth: SyntheticConfig, key: str) -> Iterator[
                 if not line.strip():
                     continue
                 try:
-                    yield i, json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield i, BadRow("invalid_json", f"invalid JSON ({e.msg})")
+                    yield i, json.loads(line, parse_int=_parse_int)
+                except ValueError as e:  # JSONDecodeError, or a number Python refuses to parse
+                    yield i, BadRow("invalid_json", f"invalid JSON ({getattr(e, 'msg', e)})")
         return
     import datasets
 
@@ -90,6 +96,27 @@ def _read_rows(ds: DatasetConfig, synth: SyntheticConfig, key: str) -> Iterator[
         raise DataError(f"{key}.source={ds.source!r} (split {ds.split!r}) could not be loaded: "
                         f"{type(e).__name__}: {e}") from e
     yield from enumerate(data, start=1)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: no tokenizer can encode them
+
+
+def _parse_int(digits: str) -> int | str:
+    """JSON integers past Python's int/str digit limit stay as their digit string (an answer
+    like 10^5000 written out is still a valid ground truth)."""
+    return int(digits) if len(digits) < 4000 else digits
+
+
+def _answer_text(answer: str | int | float) -> str:
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise BadRow("answer_not_finite", f"answer is {answer}")
+    if isinstance(answer, int) and abs(answer).bit_length() > 13_000:  # ~3900 digits: str() may refuse
+        sign, answer, parts = "-" if answer < 0 else "", abs(answer), []
+        while answer:
+            answer, r = divmod(answer, 10**1000)
+            parts.append(f"{r:01000d}")
+        return sign + "".join(reversed(parts)).lstrip("0")
+    return str(answer).strip()
 
 
 def normalise_row(raw: Any, schema: str) -> tuple[str, str]:
@@ -129,7 +156,12 @@ def normalise_row(raw: Any, schema: str) -> tuple[str, str]:
         raise BadRow("missing_answer", "missing answer field")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise BadRow("answer_not_scalar", f"answer is a {type(answer).__name__}, not a string or number")
-    return prompt, str(answer).strip()
+    if _SURROGATE.search(prompt):
+        raise BadRow("invalid_unicode", "prompt holds lone surrogate code points")
+    answer = _answer_text(answer)
+    if not answer:
+        raise BadRow("missing_answer", "missing answer field")
+    return prompt, answer
 
 
 def load_prompts(ds: DatasetConfig, synth: SyntheticConfig, *, key: str, tokenizer, template: str,
@@ -169,6 +201,16 @@ class PromptSampler:
         if self.shuffle:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "size": len(self.prompts)}
+
+    def load_state(self, state: dict) -> None:
+        if state["size"] != len(self.prompts) or state["seed"] != self.seed:
+            raise ValueError(f"checkpointed data position is for {state['size']} prompts and seed {state['seed']}, "
+                             f"this run has {len(self.prompts)} prompts and seed {self.seed}")
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._order = self._permutation(self.epoch)
 
     def next_batch(self, n: int) -> list[Prompt]:
         batch = []

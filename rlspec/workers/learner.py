@@ -1,6 +1,7 @@
 """Learner: one DeepSpeed rank running the GRPO update over micro-batches."""
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 
@@ -13,6 +14,15 @@ from rlspec.config import AlgoConfig, TrainerConfig
 from rlspec.engines.deepspeed_engine import init_distributed, make_engine
 from rlspec.messages import TrainBatch
 from rlspec.workers.logprob import load_causal_lm
+
+
+def finite_inputs(batch: TrainBatch) -> bool:
+    """Advantages and the log-probs the loss uses are finite (a NaN there poisons every gradient)."""
+    resp = batch.loss_mask != 0
+    parts = [batch.advantages, batch.old_logprobs[resp]]
+    if batch.ref_logprobs is not None:
+        parts.append(batch.ref_logprobs[resp])
+    return all(bool(torch.isfinite(p).all()) for p in parts)
 
 
 class Learner:
@@ -34,6 +44,15 @@ class Learner:
         loss-carrying token and sequence counts (all ranks), the loss's denominators.
         Returns (partial sums that add up over ranks to the step's loss and metrics, rank stats)."""
         t0 = time.perf_counter()
+        ok = torch.tensor([float(finite_inputs(batch))])
+        if self.world_size > 1:  # every rank must skip together, or the collectives would hang
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        if not ok.item():
+            # Skipped before the engine sees it: weights, optimizer, scheduler and DeepSpeed's
+            # step counters stay exactly as they were.
+            self.policy_version += 1
+            return {"loss": float("nan")}, {"skipped": 1.0, "grad_norm": float("nan"), "lr": float(self.sched.get_last_lr()[0]),
+                                            "micro_batches": 0.0, "seconds": time.perf_counter() - t0}
         self.engine.train()
         mbs, sums = self.trainer.micro_batch_size, defaultdict(float)
         n_micro = len(batch) // mbs
@@ -56,11 +75,32 @@ class Learner:
                 sums[k] += float(v)
             m = x.mask.float()
             sums["entropy"] += float((ent * m).sum() / max(num_tokens, 1.0))
-        stats = {"grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+        grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
+        # ZeRO 1-3 refuse a non-finite gradient themselves (the step is not applied); without
+        # ZeRO nothing does, so non-finite weights after the step end the run (last checkpoint).
+        skipped = (not self.engine.was_step_applied() or not math.isfinite(grad_norm)
+                   or not math.isfinite(sums["loss"]))
+        if self.trainer.zero_stage == 0 and skipped:
+            raise FloatingPointError("non-finite gradient under ZeRO stage 0: the update was applied; "
+                                     "resume from the last checkpoint (ZeRO >= 1 skips such updates)")
+        stats = {"skipped": float(skipped), "grad_norm": grad_norm,
                  "lr": float(self.sched.get_last_lr()[0]), "micro_batches": float(n_micro),
                  "seconds": time.perf_counter() - t0}
         self.policy_version += 1
         return dict(sums), stats
+
+    def save_checkpoint(self, path: str) -> None:
+        """DeepSpeed state (weights, optimizer, scheduler, this rank's partitions) + RNG, into path/learner."""
+        self.engine.save_checkpoint(path, tag="learner", save_latest=False,
+                                    client_state={"torch_rng": torch.get_rng_state(),
+                                                  "policy_version": self.policy_version})
+
+    def load_checkpoint(self, path: str) -> int:
+        _, client = self.engine.load_checkpoint(path, tag="learner", load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        torch.set_rng_state(client["torch_rng"])
+        self.policy_version = client["policy_version"]
+        return self.policy_version
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Hugging Face-named full weights (gathered under ZeRO-3), fp32 on CPU; empty off rank 0."""

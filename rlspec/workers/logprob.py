@@ -43,6 +43,14 @@ class LogprobWorker:
             raise RuntimeError(f"weight refit mismatch: missing {missing}, unexpected {unexpected}")
         self.policy_version = version
 
+    def save_reference(self, path: str) -> None:
+        if self.reference is not None:
+            torch.save(self.reference.state_dict(), path)
+
+    def load_reference(self, path: str) -> None:
+        if self.reference is not None:
+            self.reference.load_state_dict(torch.load(path, weights_only=True))
+
     def ping(self) -> int:
         return self.policy_version
 

@@ -1,0 +1,124 @@
+"""Preemption, exact resume and actor faults through the real entry point (subprocesses)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from test_cli import SMALL
+
+BASE = [*SMALL, "trainer.max_steps=4", "trainer.val_every=0", "trainer.checkpoint_every=0", "trainer.save_final=false",
+        "logging.plot=false", "logging.wandb_mode=disabled", "logging.progress_bar=false"]
+
+
+def train(run_dir: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlspec.train", *BASE, *extra, f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "summary.json").read_text())["records"]
+
+
+def steps_done(run_dir: Path) -> int:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())["steps"]
+    except (OSError, ValueError):
+        return 0
+
+
+def ray_processes_of(pid_min_start: float) -> list[int]:
+    """Ray processes (raylet, gcs, workers) started after `pid_min_start` still alive."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+            started = os.stat(f"/proc/{d}").st_mtime
+        except OSError:
+            continue
+        if b"rlspec-ray-" in cmd and started >= pid_min_start:
+            out.append(int(d))
+    return out
+
+
+def kill_actor_of(driver_pid: int, title: str) -> int:
+    """SIGKILL the Ray worker process titled `title` that this driver started (by pid)."""
+    from rlspec.rewards.sandbox import _descendants
+
+    for pid in _descendants(driver_pid):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title.encode()):
+                os.kill(pid, signal.SIGKILL)
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no {title} process under driver {driver_pid}")
+
+
+def test_sigterm_checkpoints_exits_3_and_resume_continues_exactly(tmp_path):
+    six = "trainer.max_steps=6"  # room to land the signal mid-run
+    ref = train(tmp_path / "ref", six)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = records(tmp_path / "ref")
+
+    run = tmp_path / "pre"
+    proc = subprocess.Popen([sys.executable, "-m", "rlspec.train", *BASE, six, f"hydra.run.dir={run}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 400
+        while steps_done(run) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+        exit_s = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, err[-3000:]
+    assert "preempted by SIGTERM" in err and exit_s < 60
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    k = int(latest.split("_")[1])
+    assert 2 <= k < 6 and (run / "checkpoints" / latest / "COMPLETE").is_file()
+
+    resumed = train(run, six)  # trainer.resume=auto is the default
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    got = records(run)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    for g, w in zip(got, want):  # exact: same floats, not approximately
+        assert (g["loss"], g["reward_mean"], g["generated_tokens"]) == (w["loss"], w["reward_mean"], w["generated_tokens"])
+    print(f"preempted at step {k}, exit {exit_s:.1f}s after SIGTERM; losses {[r['loss'] for r in got]}")
+
+
+@pytest.mark.slow
+def test_killed_actor_restarts_from_checkpoint_and_finishes(tmp_path):
+    run = tmp_path / "run"
+    t_start = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "rlspec.train", *BASE, "trainer.checkpoint_every=1",
+                             "cluster.max_restarts=1", f"hydra.run.dir={run}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 400
+        while steps_done(run) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        kill_actor_of(proc.pid, "ray::LogprobWorker")
+        t0 = time.time()
+        out, err = proc.communicate(timeout=500)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "actor failure: logprob_worker died" in err and "restart 1/1 from" in err
+    s = json.loads((run / "summary.json").read_text())
+    assert [r["step"] for r in s["records"]] == [1, 2, 3, 4] and s["restarts"] == 1
+    print(f"killed LogprobWorker at step >= 2: restarted and finished {time.time() - t0:.1f}s later")
+    time.sleep(2)
+    assert not ray_processes_of(t_start)
