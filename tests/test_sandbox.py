@@ -1,6 +1,7 @@
 """Code reward and its sandbox: correct programs pass; every escape attempt scores 0 and leaves the
 calling process and machine as they were. Each escape is written to print exactly the expected
 output if it succeeds, so a 0 proves the sandbox stopped it (not that the program was wrong)."""
+import dataclasses
 import json
 import os
 import socket
@@ -117,8 +118,9 @@ def test_infinite_loop_is_killed_within_the_wall_limit(isolation):
     r = run_python("while True: pass", ["", ""], FAST, isolation=isolation)
     assert r.statuses == ["timeout", "timeout"] and not r.timed_out  # the per-input alarm
     t0 = time.perf_counter()
+    # a CPU limit far above the wall limit, so the wall clock (not RLIMIT_CPU) is what stops it
     r = run_python("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True: pass", ["", ""],
-                   FAST, isolation=isolation)
+                   dataclasses.replace(FAST, cpu_s=60), isolation=isolation)
     assert r.timed_out and r.outputs == [None, None]  # the wall clock
     assert time.perf_counter() - t0 < FAST.wall_s + 2
     assert not sandbox_processes()
