@@ -143,14 +143,14 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
     env = {"env_vars": env_vars}
     threads = c.threads_per_actor
     opts = dict(num_cpus=1, max_restarts=0, runtime_env=env)
-    generator = ray.remote(Generator).options(name="generator", num_gpus=c.gpus_per_generator, **opts).remote(
+    generator = ray.remote(Generator).options(name="generator", num_gpus=0, **opts).remote(
         model_dir, g, cfg.speculation, cfg.model.max_model_len, t.seed, threads, tokenizer_dir, draft_dir)
-    logprob = ray.remote(LogprobWorker).options(name="logprob_worker", num_gpus=c.gpus_per_logprob_worker,
+    logprob = ray.remote(LogprobWorker).options(name="logprob_worker", num_gpus=0,
                                                  **opts).remote(
         model_dir, cfg.algo.kl_coef > 0, g.temperature, t.micro_batch_size, threads, cfg.model.trust_remote_code)
     samples = g.num_prompts_per_step * g.num_generations_per_prompt
     port = free_port()
-    learners = [ray.remote(Learner).options(name=f"learner_{r}", num_gpus=c.gpus_per_learner, **opts).remote(
+    learners = [ray.remote(Learner).options(name=f"learner_{r}", num_gpus=0, **opts).remote(
         model_dir, cfg.algo, t, g.temperature, samples, r, c.learner_world_size, "127.0.0.1", port, threads,
         cfg.model.trust_remote_code) for r in range(c.learner_world_size)]
     actors = Actors(generator, logprob, learners, c.actor_timeout_s)
