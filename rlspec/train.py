@@ -82,6 +82,7 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
                     cfg.logging.wandb_project, cfg.logging.wandb_entity)
     with RayCluster(cfg):
         actors = launch_actors(cfg, model_dir, tok_dir, draft_dir)
+        runlog.notes["placement"] = actors.nodes  # actor -> Ray node ID, as Ray reports it
         runlog.notes["bad_rows"] = {"train": dict(train_set.skipped), "val": dict(val_set.skipped)}
         run(Context(cfg, actors, tokenizer, train_set, val_set, runlog))
         if cfg.trainer.save_final:
