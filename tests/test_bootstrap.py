@@ -90,7 +90,7 @@ def preempted(sig, frame):
     sys.exit(3)
 signal.signal(signal.SIGUSR1, preempted)
 signal.signal(signal.SIGTERM, preempted)
-print("driver up", flush=True)
+open(sys.argv[1], "w").close()  # handlers installed
 time.sleep(60)
 sys.exit(0)
 """
@@ -107,8 +107,16 @@ def test_preemption_signal_reaches_driver_and_exit_3_requeues(tmp_path, monkeypa
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     import threading
-    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
-    rc = bs.run_driver([sys.executable, str(driver)], None)
+
+    ready = tmp_path / "ready"
+
+    def preempt():  # slurm's notice, once the driver is listening
+        while not ready.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    threading.Thread(target=preempt, daemon=True).start()
+    rc = bs.run_driver([sys.executable, str(driver), str(ready)], None)
     assert rc == 3
     bs.requeue(None)
     assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]
