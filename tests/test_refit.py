@@ -50,10 +50,15 @@ class Sink:
 
 @pytest.mark.parametrize("bucket_bytes", [64, 1 << 20])
 def test_broadcast_of_target_and_draft_reaches_every_actor_exactly(ray_session, bucket_bytes):
+    import sys
+
     import ray
+    from ray import cloudpickle
 
     from rlspec.refit import RefitReceiver, endpoint
     from rlspec.workers.cluster import with_refit
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
     addr, port = ray.get(ray.remote(endpoint).options(num_cpus=0).remote())
     world = 3
