@@ -13,7 +13,7 @@ PAPER = ["rl_zero_qwen3_8b", "rl_think_qwen3_8b", "qwen3_235b_a22b"]
 
 @pytest.mark.parametrize("name", PAPER)
 def test_paper_experiments_validate_with_aime_validation_and_eagle3_k3(name):
-    cfg = compose([f"+experiment={name}"])
+    cfg = compose([f"+experiment={name}"], plain=False)
     validate(cfg)  # hub IDs are not fetched: validation needs no network
     assert cfg.data.val.source == "HuggingFaceH4/aime_2024" and cfg.data.val.schema == "aime"
     assert cfg.data.train.source == "BytedTsinghua-SIA/DAPO-Math-17k"
@@ -23,7 +23,7 @@ def test_paper_experiments_validate_with_aime_validation_and_eagle3_k3(name):
 
 
 def test_rl_zero_plan_on_8_nodes_x_4_gpus():
-    cfg = compose(["+experiment=rl_zero_qwen3_8b"])
+    cfg = compose(["+experiment=rl_zero_qwen3_8b"], plain=False)
     plan = make_plan(cfg.cluster, cfg.generation.tensor_parallel_size)
     assert plan.nodes == 8 and plan.slots_per_node == [4] * 8 and plan.mode == "colocated"
     assert {r: plan.roles[r].actors for r in plan.roles} == {GEN: 32, LOGPROB: 32, LEARNER: 32}
@@ -40,7 +40,7 @@ def test_rl_zero_plan_on_8_nodes_x_4_gpus():
 
 
 def test_235b_engines_span_two_nodes_with_expert_parallel():
-    cfg = compose(["+experiment=qwen3_235b_a22b"])
+    cfg = compose(["+experiment=qwen3_235b_a22b"], plain=False)
     assert cfg.generation.tensor_parallel_size == 8 and cfg.generation.expert_parallel
     plan = make_plan(cfg.cluster, 8, True)
     assert plan.roles[GEN].actors == 64 and plan.roles[LEARNER].actors == 512
