@@ -110,7 +110,11 @@ class GenerationConfig:
     cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.6
     enforce_eager: bool = True
+    # GPUs per vLLM engine (tensor parallel); an engine sits inside one node or spans whole nodes.
     tensor_parallel_size: int = 1
+    # MoE targets: shard experts over the engine's GPUs (vLLM enable_expert_parallel) instead of
+    # tensor-slicing every expert.
+    expert_parallel: bool = False
 
 
 @dataclass
@@ -144,16 +148,33 @@ class SpeculationConfig:
 
 @dataclass
 class ClusterConfig:
-    # Ray address of an existing cluster; None starts a local one.
+    # Ray address of an existing cluster (scripts/ray_bootstrap.py passes it); None starts a local one.
     address: Optional[str] = None
     # CPUs Ray may schedule on a local cluster (None: all of this machine's).
     num_cpus: Optional[int] = None
-    # CUDA devices per actor (0 on CPU machines).
-    gpus_per_generator: float = 0.0
-    gpus_per_learner: float = 0.0
-    gpus_per_logprob_worker: float = 0.0
+    # Nodes the run spans; every role is placed on them (rlspec/placement.py).
+    nodes: int = 1
+    # GPUs per node; 0 on CPU machines, where a placement slot is cpus_per_slot CPUs.
+    gpus_per_node: int = 0
+    # CPUs in each placement slot (with a GPU, or alone on CPU machines).
+    cpus_per_slot: int = 1
+    # colocated: generation, log-prob and training share every slot (one stage runs at a time);
+    # disaggregated: generation engines get slots of their own (what async GRPO needs).
+    placement: str = "disaggregated"
+    # Generator engines (vLLM instances) of generation.tensor_parallel_size slots each; a step's
+    # prompts are spread across them.
+    num_generators: int = 1
+    # LogprobWorker ranks; a batch's rows are spread across them.
+    logprob_world_size: int = 1
     # Data-parallel learner ranks (DeepSpeed world size).
     learner_world_size: int = 1
+    # Weight refit: broadcast (learner rank 0 streams gathered weights to every engine over a
+    # torch.distributed group: NCCL on GPUs, gloo on CPU) or object_store (through Ray's object store).
+    refit: str = "broadcast"
+    # Refit broadcast bucket size, MiB: tensors are flattened into buckets of about this size.
+    refit_bucket_mb: int = 256
+    # Print the resolved placement plan and exit without starting anything (also: --dry-run).
+    dry_run: bool = False
     # Torch threads per actor; the synchronous loop runs one stage at a time, so each may use all.
     threads_per_actor: int = 2
     # Upper bound on any single wait for an actor; a dead or stuck actor ends the run.
@@ -289,7 +310,11 @@ def validate(cfg: RLSpecConfig) -> None:
                "must be greedy or probabilistic")
         _check(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculation.prompt_lookup_min",
                "must be in [1, prompt_lookup_max]")
-    _check(c.learner_world_size >= 1, "cluster.learner_world_size", "must be >= 1")
+    from rlspec.placement import make_plan
+
+    make_plan(c, g.tensor_parallel_size, g.expert_parallel)  # names the key that does not fit
+    _check(c.refit in ("broadcast", "object_store"), "cluster.refit", "must be broadcast or object_store")
+    _check(c.refit_bucket_mb >= 1, "cluster.refit_bucket_mb", "must be >= 1")
     _check(c.threads_per_actor >= 1, "cluster.threads_per_actor", "must be >= 1")
     _check(c.actor_timeout_s > 0, "cluster.actor_timeout_s", "must be > 0")
     _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")

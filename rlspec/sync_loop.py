@@ -141,10 +141,8 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int) -> StepRecord:
         metrics = {k: sum(r[0][k] for r in per_rank) for k in per_rank[0][0]}  # global denominators
         metrics.update(per_rank[0][1])
         refit_t0 = time.perf_counter()
-        weights = actors.learn("full_weights")
         version = step
-        wait([*weights[1:], actors.gen("push_weights", weights[0].ref, version),
-              actors.lp("push_weights", weights[0].ref, version)], actors.timeout_s)
+        wait(actors.refit(version), actors.timeout_s)
         refit_s = time.perf_counter() - refit_t0
     resp = batch.loss_mask != 0
     mismatch = (batch.behaviour_logprobs - batch.old_logprobs).abs()[resp].mean().item() if resp.any() else 0.0

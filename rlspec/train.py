@@ -3,6 +3,7 @@
     python -m rlspec.train                                   # embedded CPU default (tiny_cpu)
     python -m rlspec.train +experiment=rl_zero_qwen3_8b      # a paper experiment
     python -m rlspec.train trainer.max_steps=5 generation.temperature=0.8
+    python -m rlspec.train +experiment=rl_zero_qwen3_8b --dry-run   # print the placement plan only
 
 Exit codes: 0 done; 1 an actor failed (named in the message; after cluster.max_restarts
 restarts); 2 bad config, model or data; 3 preempted (SIGTERM/SIGUSR1; checkpoint written:
@@ -33,7 +34,10 @@ register_configs()
 
 
 def with_default_experiment(argv: list[str]) -> list[str]:
-    """Select +experiment=tiny_cpu when the command line names no experiment."""
+    """Select +experiment=tiny_cpu when the command line names no experiment; `--dry-run` is
+    `cluster.dry_run=true`."""
+    if "--dry-run" in argv:
+        argv = [a for a in argv if a != "--dry-run"] + ["cluster.dry_run=true"]
     if any(a.lstrip("+~").startswith("experiment=") for a in argv):
         return argv
     # Hydra's overrides are one contiguous run of positional arguments: join it.
@@ -63,6 +67,16 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
     from rlspec.workers.cluster import RayCluster, launch_actors, wait
 
     validate(cfg)
+    if cfg.cluster.dry_run:
+        from rlspec.placement import make_plan
+
+        sp, d = cfg.speculation, cfg.data
+        print(f"model {cfg.model.path}; speculation {sp.method}"
+              + (f" k={sp.num_speculative_tokens} draft {sp.model}" if sp.method != "none" else "")
+              + f"; train {d.train.source}; val {d.val.source}", flush=True)
+        print(make_plan(cfg.cluster, cfg.generation.tensor_parallel_size, cfg.generation.expert_parallel).describe(),
+              flush=True)
+        return {}
     model_dir = resolve_checkpoint(cfg.model.path, "model.path", cfg.model.revision)
     tok_dir = resolve_checkpoint(cfg.model.tokenizer, "model.tokenizer") if cfg.model.tokenizer else model_dir
     draft_dir = resolve_checkpoint(cfg.speculation.model, "speculation.model") if cfg.speculation.model else None
@@ -82,6 +96,7 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
             with RayCluster(cfg):
                 stop.install()  # after ray.init, which installs handlers of its own
                 actors = launch_actors(cfg, model_dir, tok_dir, draft_dir)
+                runlog.notes["placement"] = actors.nodes  # actor -> Ray node ID, as Ray reports it
                 ctx = Context(cfg, actors, tokenizer, train_set, val_set, runlog, ckpt_root, resume, stop)
                 ctx.counters["restarts"] = restarts
                 run(ctx)

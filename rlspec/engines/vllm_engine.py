@@ -36,6 +36,11 @@ def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: i
     )
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization
+    if gen.tensor_parallel_size > 1:
+        # TP workers are Ray actors in the bundles placement chose (VLLM_RAY_BUNDLE_INDICES).
+        kwargs["distributed_executor_backend"] = "ray"
+    if gen.expert_parallel:
+        kwargs["enable_expert_parallel"] = True
     if speculative_config:
         kwargs["speculative_config"] = speculative_config
     return LLM(**kwargs)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlspec.config import RLSpecConfig
+from rlspec.workers import fanout
 
 
 class ActorFailure(RuntimeError):
@@ -21,25 +22,56 @@ class ActorFailure(RuntimeError):
 class Call:
     actor: str    # role name, e.g. "learner[0]"
     method: str
-    ref: Any      # ray.ObjectRef
+    ref: Any      # ray.ObjectRef (None for a fan-out)
+    # A fan-out over several actors: `wait` returns combine([result of each part]).
+    parts: list["Call"] = field(default_factory=list)
+    combine: Callable[[list], Any] | None = None
+
+
+def fan_out(name: str, method: str, parts: list[Call], combine: Callable[[list], Any]) -> Call:
+    return Call(name, method, None, parts, combine)
 
 
 @dataclass
 class Actors:
-    generator: Any
-    logprob: Any
+    """Every actor of a run. Several Generator engines and LogprobWorkers look like one: prompts
+    and batch rows are spread across them and the results joined (rlspec/workers/fanout.py)."""
+    generators: list[Any]
+    logprobs: list[Any]
     learners: list[Any]
     timeout_s: float
-    names: dict[int, str] = field(default_factory=dict)
+    refit_mode: str = "object_store"
+    nodes: dict[str, str] = field(default_factory=dict)  # actor name -> Ray node ID
+
+    @property
+    def generator(self) -> Any:
+        return self.generators[0]
 
     def call(self, handle: Any, name: str, method: str, *args, **kwargs) -> Call:
         return Call(name, method, getattr(handle, method).remote(*args, **kwargs))
 
     def gen(self, method: str, *args, **kwargs) -> Call:
-        return self.call(self.generator, "generator", method, *args, **kwargs)
+        """generate: prompts (args[0]) spread over the engines, rollouts joined in prompt order;
+        any other method: called on every engine, the first engine's answer returned."""
+        hs = self.generators
+        if method == "generate" and len(hs) > 1:
+            parts = [self.call(hs[e], f"generator[{e}]", method, args[0][lo:hi], *args[1:], **kwargs)
+                     for e, (lo, hi) in enumerate(fanout.split(len(args[0]), len(hs))) if hi > lo]
+            return fan_out("generator", method, parts, fanout.merge_rollouts)
+        parts = [self.call(h, f"generator[{e}]" if len(hs) > 1 else "generator", method, *args, **kwargs)
+                 for e, h in enumerate(hs)]
+        return parts[0] if len(parts) == 1 else fan_out("generator", method, parts, lambda rs: rs[0])
 
     def lp(self, method: str, *args, **kwargs) -> Call:
-        return self.call(self.logprob, "logprob_worker", method, *args, **kwargs)
+        """compute_logprobs: batch rows spread over the workers and joined; other methods: all."""
+        hs = self.logprobs
+        if method == "compute_logprobs" and len(hs) > 1:
+            parts = [self.call(h, f"logprob_worker[{r}]", method, args[0].shard(r, len(hs)), *args[1:], **kwargs)
+                     for r, h in enumerate(hs)]
+            return fan_out("logprob_worker", method, parts, fanout.merge_logprobs)
+        parts = [self.call(h, f"logprob_worker[{r}]" if len(hs) > 1 else "logprob_worker", method, *args, **kwargs)
+                 for r, h in enumerate(hs)]
+        return parts[0] if len(parts) == 1 else fan_out("logprob_worker", method, parts, lambda rs: rs[0])
 
     def learn(self, method: str, *args, **kwargs) -> list[Call]:
         """The same call on every learner rank."""
@@ -48,6 +80,17 @@ class Actors:
     def learn_sharded(self, method: str, per_rank_args: list[tuple]) -> list[Call]:
         """Rank r gets per_rank_args[r]."""
         return [self.call(h, f"learner[{r}]", method, *per_rank_args[r]) for r, h in enumerate(self.learners)]
+
+    def refit(self, version: int) -> list[Call]:
+        """Calls that put the learners' weights into every engine and log-prob worker."""
+        if self.refit_mode == "broadcast":
+            return [*self.learn("broadcast_weights", version),
+                    *[self.call(h, f"generator[{e}]", "receive_weights", version) for e, h in enumerate(self.generators)],
+                    *[self.call(h, f"logprob_worker[{r}]", "receive_weights", version)
+                      for r, h in enumerate(self.logprobs)]]
+        weights = self.learn("full_weights")
+        return [*weights[1:], self.gen("push_weights", weights[0].ref, version),
+                self.lp("push_weights", weights[0].ref, version)]
 
 
 def wait(calls: Call | list[Call], timeout_s: float, abort: Callable[[], bool] | None = None) -> Any:
@@ -61,7 +104,8 @@ def wait(calls: Call | list[Call], timeout_s: float, abort: Callable[[], bool] |
 
     single = isinstance(calls, Call)
     calls = [calls] if single else calls
-    by_ref = {c.ref: c for c in calls}
+    leaves = [p for c in calls for p in (c.parts or [c])]
+    by_ref = {c.ref: c for c in leaves}
     pending = list(by_ref)
     deadline = time.monotonic() + timeout_s
     while pending:
@@ -85,7 +129,8 @@ def wait(calls: Call | list[Call], timeout_s: float, abort: Callable[[], bool] |
             raise ActorFailure(f"{c.actor} raised in {c.method}: {_first_line(e.cause or e)}") from None
         except GetTimeoutError:
             raise ActorFailure(f"{c.actor}.{c.method} did not answer") from None
-    results = ray.get([c.ref for c in calls])
+    got = dict(zip(by_ref, ray.get(list(by_ref))))
+    results = [c.combine([got[p.ref] for p in c.parts]) if c.parts else got[c.ref] for c in calls]
     return results[0] if single else results
 
 
@@ -116,11 +161,14 @@ class RayCluster:
         os.environ.setdefault("RAY_DEDUP_LOGS", "1")
         c = self.cfg.cluster
         if c.address:
-            ray.init(address=c.address, log_to_driver=True)
+            ray.init(address=c.address, log_to_driver=True, logging_level="WARNING")
             return self
         # Ray's socket paths must stay short: keep its session directory out of the run dir.
         self.tmp = tempfile.mkdtemp(prefix="rlspec-ray-", dir="/tmp")
-        needed = 2 + c.learner_world_size
+        from rlspec.placement import make_plan
+
+        plan = make_plan(c, self.cfg.generation.tensor_parallel_size, self.cfg.generation.expert_parallel)
+        needed = sum(plan.slots_per_node) * c.cpus_per_slot
         ray.init(num_cpus=max(c.num_cpus or os.cpu_count() or 1, needed), include_dashboard=False,
                  _temp_dir=self.tmp, object_store_memory=1 << 30, log_to_driver=True,
                  configure_logging=True, logging_level="WARNING")
@@ -134,33 +182,72 @@ class RayCluster:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def with_refit(cls: type, mixin: type) -> type:
+    """`cls` with the refit group's methods (rlspec/refit.py); keeps the class's name for Ray."""
+    return type(cls.__name__, (mixin, cls), {"__doc__": cls.__doc__})
+
+
 def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_dir: str | None = None) -> Actors:
-    """Start Generator, LogprobWorker and the learner ranks; wait until each is up."""
+    """Place every role by the plan (one placement group per node), start the Generator engines,
+    LogprobWorkers and learner ranks, wait until each is up, and join the refit group."""
     import ray
 
+    from rlspec.placement import GEN, LEARNER, LOGPROB, make_plan
+    from rlspec.refit import RefitReceiver, RefitSender
     from rlspec.workers.generator import Generator
     from rlspec.workers.learner import Learner
     from rlspec.workers.logprob import LogprobWorker
+    from rlspec.workers.placement_groups import actor_nodes, actor_options, create_placement_groups, node_ips
 
     c, g, t = cfg.cluster, cfg.generation, cfg.trainer
+    plan = make_plan(c, g.tensor_parallel_size, g.expert_parallel)
+    pgs = create_placement_groups(plan, c.actor_timeout_s)
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "VLLM_", "TORCH_", "DS_", "TRANSFORMERS_"))}
     # Engine start-up chatter (tcmalloc hints, thread-binding notes) drowns the progress bar;
     # set VLLM_LOGGING_LEVEL=INFO to see it.
     env_vars.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     env_vars.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
-    env = {"env_vars": env_vars}
-    threads = c.threads_per_actor
-    opts = dict(num_cpus=1, max_restarts=0, runtime_env=env)
-    generator = ray.remote(Generator).options(name="generator", num_gpus=c.gpus_per_generator, **opts).remote(
-        model_dir, g, cfg.speculation, cfg.model.max_model_len, t.seed, threads, tokenizer_dir, draft_dir)
-    logprob = ray.remote(LogprobWorker).options(name="logprob_worker", num_gpus=c.gpus_per_logprob_worker,
-                                                 **opts).remote(
-        model_dir, cfg.algo.kl_coef > 0, g.temperature, t.micro_batch_size, threads, cfg.model.trust_remote_code)
+    threads, broadcast = c.threads_per_actor, c.refit == "broadcast"
+
+    def start(cls, role: str, i: int, *args):
+        o = actor_options(plan, pgs, role, i)
+        env = {"env_vars": {**env_vars, **o["env"]}}
+        return ray.remote(cls).options(name=f"{role}_{i}", max_restarts=0, runtime_env=env, **o["options"]).remote(*args)
+
+    gen_cls = with_refit(Generator, RefitReceiver) if broadcast else Generator
+    lp_cls = with_refit(LogprobWorker, RefitReceiver) if broadcast else LogprobWorker
+    generators = [start(gen_cls, GEN, e, model_dir, g, cfg.speculation, cfg.model.max_model_len, t.seed, threads,
+                        tokenizer_dir, draft_dir) for e in range(c.num_generators)]
+    logprobs = [start(lp_cls, LOGPROB, r, model_dir, cfg.algo.kl_coef > 0, g.temperature, t.micro_batch_size,
+                      threads, cfg.model.trust_remote_code) for r in range(c.logprob_world_size)]
     samples = g.num_prompts_per_step * g.num_generations_per_prompt
+    # DeepSpeed's rendezvous runs on learner 0's node.
+    master = node_ips(plan, pgs)[plan.roles[LEARNER].slots[0][0].node]
     port = free_port()
-    learners = [ray.remote(Learner).options(name=f"learner_{r}", num_gpus=c.gpus_per_learner, **opts).remote(
-        model_dir, cfg.algo, t, g.temperature, samples, r, c.learner_world_size, "127.0.0.1", port, threads,
-        cfg.model.trust_remote_code) for r in range(c.learner_world_size)]
-    actors = Actors(generator, logprob, learners, c.actor_timeout_s)
+    learners = [start(with_refit(Learner, RefitSender) if broadcast else Learner, LEARNER, r, model_dir, cfg.algo, t,
+                      g.temperature, samples, r, c.learner_world_size, master, port, threads,
+                      cfg.model.trust_remote_code) for r in range(c.learner_world_size)]
+    actors = Actors(generators, logprobs, learners, c.actor_timeout_s, c.refit)
     wait([actors.gen("ping"), actors.lp("ping"), *actors.learn("ping")], c.actor_timeout_s)
+    names = {**{f"generator[{e}]": h for e, h in enumerate(generators)},
+             **{f"logprob_worker[{r}]": h for r, h in enumerate(logprobs)},
+             **{f"learner[{r}]": h for r, h in enumerate(learners)}}
+    actors.nodes = actor_nodes(names)
+    if broadcast:
+        join_refit_group(actors, c.refit_bucket_mb << 20)
     return actors
+
+
+def join_refit_group(actors: Actors, bucket_bytes: int) -> None:
+    """Learner 0 (rank 0), then every engine and log-prob worker, in one torch.distributed group."""
+    import torch
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    (addr, port), metas = wait([actors.call(actors.learners[0], "learner[0]", "refit_endpoint"),
+                                actors.call(actors.learners[0], "learner[0]", "refit_metas")], actors.timeout_s)
+    receivers = [(f"generator[{e}]", h) for e, h in enumerate(actors.generators)] + \
+                [(f"logprob_worker[{r}]", h) for r, h in enumerate(actors.logprobs)]
+    world = 1 + len(receivers)
+    wait([*actors.learn("join_refit_group", addr, port, world, backend, bucket_bytes),
+          *[actors.call(h, name, "join_refit_group", addr, port, 1 + i, world, backend, metas, None, bucket_bytes)
+            for i, (name, h) in enumerate(receivers)]], actors.timeout_s)

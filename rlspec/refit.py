@@ -1,0 +1,176 @@
+"""Weight refit at scale: learner rank 0 streams full weights to every Generator engine and
+LogprobWorker over one torch.distributed group (NCCL on GPUs, gloo on CPU).
+
+Departures from a plain `state_dict` push through the object store:
+- the group is its own store-based process group (learner 0 = rank 0, then every engine and
+  log-prob worker), independent of DeepSpeed's learner group, so receivers need no DeepSpeed;
+- under ZeRO-3 the learner ranks gather one bucket of parameters at a time (every rank takes part
+  in the gather, rank 0 alone broadcasts), so no rank ever holds the whole model twice;
+- tensors travel flattened into buckets of about `bucket_mb`, one collective per bucket;
+- a draft (EAGLE-3 head or draft model) follows the target through the same group.
+Plain classes and functions; the Ray wiring is `with_refit` in rlspec/workers/cluster.py.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class RefitGroup:
+    """A torch.distributed process group of its own (TCPStore rendezvous at addr:port)."""
+
+    def __init__(self, addr: str, port: int, rank: int, world: int, backend: str = "gloo",
+                 timeout_s: float = 1800.0):
+        store = torch.distributed.TCPStore(addr, port, world, is_master=rank == 0,
+                                           timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if backend == "nccl":
+            self.pg = torch.distributed.ProcessGroupNCCL(store, rank, world)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.pg = torch.distributed.ProcessGroupGloo(store, rank, world, timeout)
+            self.device = torch.device("cpu")
+        self.rank, self.world, self.store = rank, world, store
+
+    def broadcast(self, flat: torch.Tensor) -> torch.Tensor:
+        """In place: rank 0's `flat` lands in every rank's `flat`."""
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        self.pg.broadcast([flat], opts).wait()
+        return flat
+
+
+def buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive indices grouped into buckets of one dtype and at most bucket_bytes (a tensor
+    larger than that gets a bucket of its own)."""
+    out, cur, size = [], [], 0
+    for i, m in enumerate(metas):
+        nbytes = m.numel * m.dtype.itemsize
+        if cur and (size + nbytes > bucket_bytes or metas[cur[0]].dtype != m.dtype):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += nbytes
+    return out + ([cur] if cur else [])
+
+
+def send_state(group: RefitGroup, metas: list[TensorMeta], tensors: Iterator[list[torch.Tensor]],
+               bucket_bytes: int) -> float:
+    """Rank 0: broadcast the tensors described by `metas`; `tensors` yields each bucket's tensors
+    (so a caller can gather them just in time). Returns seconds."""
+    t0 = time.perf_counter()
+    # `tensors` first: zip then runs the producer to its end, closing its last gather.
+    for ts, idx in zip(tensors, buckets(metas, bucket_bytes)):
+        dtype = metas[idx[0]].dtype
+        flat = torch.cat([t.detach().reshape(-1).to(group.device, dtype) for t in ts])
+        group.broadcast(flat)
+    return time.perf_counter() - t0
+
+
+def recv_state(group: RefitGroup, metas: list[TensorMeta], bucket_bytes: int) -> dict[str, torch.Tensor]:
+    """Ranks > 0: the tensors rank 0 sends, by name, on this rank's device."""
+    out = {}
+    for idx in buckets(metas, bucket_bytes):
+        ms = [metas[i] for i in idx]
+        flat = group.broadcast(torch.empty(sum(m.numel for m in ms), dtype=ms[0].dtype, device=group.device))
+        for m, part in zip(ms, torch.split(flat, [m.numel for m in ms])):
+            out[m.name] = part.view(m.shape)
+    return out
+
+
+def metas_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+    """Full shapes, also for ZeRO-3 partitioned parameters (whose local shape is empty)."""
+    return [TensorMeta(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in named]
+
+
+def endpoint() -> tuple[str, int]:
+    """(this node's IP, a free port on it) for the group's TCPStore."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+class RefitReceiver:
+    """Mixed into Generator and LogprobWorker (`with_refit`): joins the group, receives target
+    (and draft) weights, and pushes them through the class's own push_weights."""
+
+    def join_refit_group(self, addr: str, port: int, rank: int, world: int, backend: str,
+                         metas: list[TensorMeta], draft_metas: list[TensorMeta] | None, bucket_bytes: int) -> int:
+        self._refit = RefitGroup(addr, port, rank, world, backend)
+        self._refit_metas, self._refit_draft_metas = metas, draft_metas
+        self._refit_bucket = bucket_bytes
+        return rank
+
+    def receive_weights(self, version: int, with_draft: bool = False) -> float:
+        t0 = time.perf_counter()
+        target = recv_state(self._refit, self._refit_metas, self._refit_bucket)
+        draft = recv_state(self._refit, self._refit_draft_metas, self._refit_bucket) if with_draft else None
+        if draft is not None:
+            self.push_weights(target, version, draft)
+        else:
+            self.push_weights(target, version)
+        return time.perf_counter() - t0
+
+
+class RefitSender:
+    """Mixed into Learner: every rank calls broadcast_weights (ZeRO-3 gathers need all of them);
+    rank 0 is the group's source."""
+
+    def refit_endpoint(self) -> tuple[str, int]:
+        return endpoint()
+
+    def refit_metas(self) -> list[TensorMeta]:
+        return metas_of(self.engine.module.named_parameters())
+
+    def join_refit_group(self, addr: str, port: int, world: int, backend: str, bucket_bytes: int) -> int:
+        self._refit_bucket = bucket_bytes
+        self._refit = RefitGroup(addr, port, 0, world, backend) if self.rank == 0 else None
+        return self.rank
+
+    def broadcast_weights(self, version: int, draft: dict[str, torch.Tensor] | None = None) -> float:
+        """Target weights bucket by bucket (gathered just in time under ZeRO-3), then the draft's."""
+        import deepspeed
+
+        params = list(self.engine.module.named_parameters())
+        metas = metas_of(params)
+        zero3 = self.trainer.zero_stage == 3
+
+        def gathered() -> Iterator[list[torch.Tensor]]:
+            for idx in buckets(metas, self._refit_bucket):
+                ps = [params[i][1] for i in idx]
+                with deepspeed.zero.GatheredParameters(ps, modifier_rank=None, enabled=zero3):
+                    yield [p.data for p in ps]
+
+        if self._refit is None:  # other ranks only take part in the gathers
+            for _ in gathered():
+                pass
+            return 0.0
+        seconds = send_state(self._refit, metas, gathered(), self._refit_bucket)
+        if draft is not None:
+            items = list(draft.items())
+            dm = metas_of(items)
+            seconds += send_state(self._refit, dm, ([items[i][1] for i in idx]
+                                                    for idx in buckets(dm, self._refit_bucket)), self._refit_bucket)
+        return seconds
