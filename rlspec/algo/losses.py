@@ -61,6 +61,9 @@ class LossInputs:
     advantages: torch.Tensor  # [B] per-sample advantage
     mask: torch.Tensor        # [B, T] 1 for response tokens that carry loss
     ref_logp: torch.Tensor | None = None  # [B, T] reference policy, when kl_coef > 0
+    # [B, T] behaviour weight on each token's policy-gradient term (off-policy correction,
+    # offpolicy.py); None means 1.
+    weight: torch.Tensor | None = None
 
 
 @register_loss("grpo")
@@ -72,6 +75,8 @@ def ppo_clip_loss(x: LossInputs, clip_low: float, clip_high: float, kl_coef: flo
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if x.weight is not None:
+        per_token = per_token * x.weight
     m = x.mask.float()
     metrics = {
         "pg_loss": aggregate(agg, per_token, m, num_tokens, num_seqs).detach(),

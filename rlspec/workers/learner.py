@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from rlspec.algo import policy_loss
+from rlspec.algo import behaviour_weights, policy_loss
 from rlspec.algo.logprobs import sequence_logprobs
 from rlspec.algo.losses import LossInputs
 from rlspec.config import AlgoConfig, TrainerConfig
@@ -33,6 +33,9 @@ class Learner:
         torch.manual_seed(trainer.seed)
         init_distributed(rank, world_size, master_addr, master_port)
         self.algo, self.trainer, self.temperature = algo, trainer, temperature
+        # 'auto' is resolved by launch_actors from the async config; a Learner built on its own is
+        # synchronous, where 'auto' means no correction.
+        self.correction = "none" if algo.off_policy_correction == "auto" else algo.off_policy_correction
         self.rank, self.world_size = rank, world_size
         model = load_causal_lm(model_path, trust_remote_code=trust_remote_code)
         model.config.use_cache = False
@@ -60,9 +63,14 @@ class Learner:
             sl = slice(i, i + mbs)
             logp, ent = sequence_logprobs(self.engine, batch.input_ids[sl], batch.attention_mask[sl],
                                           self.temperature, with_entropy=True)
+            # The ratio is taken against the proximal policy (the recompute); the behaviour weight
+            # corrects for the older weights that sampled the tokens (none: weight 1).
+            weight, mask = behaviour_weights(batch.old_logprobs[sl], batch.behaviour_logprobs[sl],
+                                             batch.loss_mask[sl], self.correction,
+                                             self.algo.behaviour_weight_cap)
             x = LossInputs(logp=logp, old_logp=batch.old_logprobs[sl], advantages=batch.advantages[sl],
-                           mask=batch.loss_mask[sl],
-                           ref_logp=None if batch.ref_logprobs is None else batch.ref_logprobs[sl])
+                           mask=mask, ref_logp=None if batch.ref_logprobs is None else batch.ref_logprobs[sl],
+                           weight=None if self.correction == "none" else weight)
             loss, metrics = policy_loss(self.algo.loss, x, clip_low=self.algo.clip_low,
                                         clip_high=self.algo.clip_high, kl_coef=self.algo.kl_coef,
                                         agg=self.algo.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)

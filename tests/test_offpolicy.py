@@ -1,0 +1,83 @@
+"""Off-policy correction (rlspec/algo/offpolicy.py) against hand-computed values."""
+import math
+
+import pytest
+import torch
+
+from rlspec.algo import behaviour_weights, policy_loss, weight_stats
+from rlspec.algo.losses import LossInputs
+from rlspec.config import RLSpecConfig, off_policy_correction
+
+L = math.log
+# pi_prox / pi_behav of three tokens: 0.5/0.25 = 2, 0.2/0.5 = 0.4, 0.9/0.9 = 1
+PROX = torch.tensor([[L(0.5), L(0.2), L(0.9)]])
+BEHAV = torch.tensor([[L(0.25), L(0.5), L(0.9)]])
+ONES = torch.ones(1, 3)
+
+
+def close(a, b):
+    return torch.allclose(a, torch.tensor(b), atol=1e-6)
+
+
+def test_decoupled_ppo_masks_tokens_over_the_cap():
+    w, keep = behaviour_weights(PROX, BEHAV, ONES, "decoupled_ppo", cap=1.5)
+    assert close(w, [[0.0, 0.4, 1.0]]) and close(keep, [[0.0, 1.0, 1.0]])
+
+
+def test_tis_truncates_the_weight_and_keeps_every_token():
+    w, keep = behaviour_weights(PROX, BEHAV, ONES, "tis", cap=1.5)
+    assert close(w, [[1.5, 0.4, 1.0]]) and close(keep, [[1.0, 1.0, 1.0]])
+
+
+def test_none_is_weight_one_and_weights_are_zero_off_the_mask():
+    w, keep = behaviour_weights(PROX, BEHAV, ONES, "none", cap=1.5)
+    assert close(w, [[1.0, 1.0, 1.0]]) and close(keep, [[1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    for method in ("none", "decoupled_ppo", "tis"):
+        w, keep = behaviour_weights(PROX, BEHAV, mask, method, cap=5.0)
+        assert w[0, 1] == 0 and keep[0, 1] == 0
+    with pytest.raises(ValueError, match="unknown off-policy correction"):
+        behaviour_weights(PROX, BEHAV, ONES, "vtrace", cap=2.0)
+
+
+def test_weight_stats_over_loss_tokens():
+    s = weight_stats(PROX, BEHAV, ONES, cap=1.5)
+    assert s["mean"] == pytest.approx(3.4 / 3) and s["max"] == pytest.approx(2.0)
+    assert s["capped_frac"] == pytest.approx(1 / 3)
+    s = weight_stats(PROX, BEHAV, torch.tensor([[0.0, 1.0, 1.0]]), cap=1.5)
+    assert s == pytest.approx({"mean": 0.7, "max": 1.0, "capped_frac": 0.0})
+    assert weight_stats(PROX, BEHAV, torch.zeros(1, 3), cap=1.5) == {"mean": 1.0, "max": 1.0, "capped_frac": 0.0}
+
+
+def _loss(logp, method, cap=1.5, adv=1.0):
+    w, keep = behaviour_weights(PROX, BEHAV, ONES, method, cap)
+    x = LossInputs(logp=logp, old_logp=PROX, advantages=torch.tensor([adv]), mask=keep,
+                   weight=None if method == "none" else w)
+    return policy_loss("grpo", x, clip_low=0.2, clip_high=0.28, kl_coef=0.0, agg="token_mean",
+                       num_tokens=3.0, num_seqs=1.0)[0].item()
+
+
+def test_behaviour_weight_multiplies_the_clipped_surrogate():
+    # At pi_theta = pi_prox (ratio 1) the token loss is -A * w; decoupled drops the token over the cap.
+    assert _loss(PROX, "decoupled_ppo") == pytest.approx(-(0.4 + 1.0) / 3)
+    assert _loss(PROX, "tis") == pytest.approx(-(1.5 + 0.4 + 1.0) / 3)
+    assert _loss(PROX, "none") == pytest.approx(-3.0 / 3)
+    # pi_theta = 1.5 pi_prox on token 2 (0.3 vs 0.2): the ratio is clipped at 1 + 0.28 before the
+    # behaviour weight 0.4 applies: -1.28 * 0.4; the other tokens as above.
+    logp = PROX.clone()
+    logp[0, 1] = L(0.3)
+    assert _loss(logp, "decoupled_ppo") == pytest.approx(-(1.28 * 0.4 + 1.0) / 3)
+    # A negative advantage is not clipped from above: token 2 costs -A * ratio * w = 1.5 * 0.4,
+    # token 1 its truncated weight 1.5, token 3 one.
+    assert _loss(logp, "tis", adv=-1.0) == pytest.approx((1.5 + 1.5 * 0.4 + 1.0) / 3)
+
+
+def test_auto_correction_follows_the_async_config():
+    cfg = RLSpecConfig()
+    assert off_policy_correction(cfg) == "none"
+    cfg.async_grpo.enabled = True
+    assert off_policy_correction(cfg) == "decoupled_ppo"
+    cfg.async_grpo.max_policy_lag = 0
+    assert off_policy_correction(cfg) == "none"
+    cfg.algo.off_policy_correction = "tis"
+    assert off_policy_correction(cfg) == "tis"
