@@ -91,6 +91,13 @@ class AlgoConfig:
     dynamic_sampling_max_rounds: int = 3
     # Overlong filtering (DAPO): truncated responses get no loss.
     overlong_filter: bool = False
+    # Off-policy correction for rollouts sampled by older weights (rlspec/algo/offpolicy.py):
+    # decoupled_ppo (ratio against the proximal policy, i.e. the recomputed current-weights
+    # log-probs, times the behaviour weight pi_prox/pi_behav; tokens whose weight exceeds
+    # behaviour_weight_cap get no loss), tis (the same weight truncated to the cap), none, or
+    # auto: decoupled_ppo when async_grpo runs with max_policy_lag >= 1, none otherwise.
+    off_policy_correction: str = "auto"
+    behaviour_weight_cap: float = 2.0
 
 
 @dataclass
@@ -147,6 +154,22 @@ class SpeculationConfig:
 
 
 @dataclass
+class AsyncGRPOConfig:
+    # Generation runs ahead of the learner through a bounded rollout queue (rlspec/async_loop.py).
+    enabled: bool = False
+    # Most policy versions a trained rollout may trail the learner by. 0 keeps the synchronous
+    # loop's order exactly (every rollout on-policy); 1 is one-step-off (the paper's lag 1).
+    max_policy_lag: int = 1
+    # Steps of rollouts submitted ahead of the learner (in flight or waiting). None: max_policy_lag
+    # + 1, the most that can never go stale. Larger values run further ahead and older batches
+    # are handled per on_stale; smaller values cap memory at the cost of overlap.
+    queue_capacity: Optional[int] = None
+    # A batch older than max_policy_lag when the learner reaches it: 'regenerate' (same prompts,
+    # current weights) or 'drop' (new prompts). Either way it is counted and never trained on.
+    on_stale: str = "regenerate"
+
+
+@dataclass
 class ClusterConfig:
     # Ray address of an existing cluster (scripts/ray_bootstrap.py passes it); None starts a local one.
     address: Optional[str] = None
@@ -177,6 +200,13 @@ class ClusterConfig:
     dry_run: bool = False
     # Torch threads per actor; the synchronous loop runs one stage at a time, so each may use all.
     threads_per_actor: int = 2
+    # Torch threads of each Generator engine (None: threads_per_actor). Under async GRPO the
+    # engine runs beside the learner: on a small CPU machine give each its own cores.
+    generator_threads: Optional[int] = None
+    # Scheduling niceness of Generator processes (0-19). Under async GRPO on a machine with few
+    # cores, a niced engine takes only the cycles the learner leaves idle (its serial sections)
+    # instead of slowing every learner stage.
+    generator_nice: int = 0
     # Upper bound on any single wait for an actor; a dead or stuck actor ends the run.
     actor_timeout_s: float = 900.0
     # After an actor failure, restart Ray and every actor and continue from the latest checkpoint
@@ -232,6 +262,7 @@ class RLSpecConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -249,9 +280,18 @@ def _check(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+def off_policy_correction(cfg: RLSpecConfig) -> str:
+    """algo.off_policy_correction with 'auto' resolved."""
+    c = cfg.algo.off_policy_correction
+    if c != "auto":
+        return c
+    q = cfg.async_grpo
+    return "decoupled_ppo" if q.enabled and q.max_policy_lag >= 1 else "none"
+
+
 def validate(cfg: RLSpecConfig) -> None:
     """Cross-field and value checks; raises ConfigError naming the key."""
-    from rlspec.algo import ADVANTAGES, LOSS_AGGREGATIONS, LOSSES
+    from rlspec.algo import ADVANTAGES, CORRECTIONS, LOSS_AGGREGATIONS, LOSSES
     from rlspec.data.templates import TEMPLATES
     from rlspec.rewards import REWARDS
 
@@ -276,6 +316,15 @@ def validate(cfg: RLSpecConfig) -> None:
     _check(0 <= a.clip_low < 1, "algo.clip_low", "must be in [0, 1)")
     _check(a.clip_high >= 0, "algo.clip_high", "must be >= 0")
     _check(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+    _check(a.off_policy_correction in ("auto", *CORRECTIONS), "algo.off_policy_correction",
+           f"{a.off_policy_correction!r} not in {['auto', *CORRECTIONS]}")
+    _check(a.behaviour_weight_cap >= 1.0, "algo.behaviour_weight_cap", "must be >= 1 (1 is on-policy)")
+    q = cfg.async_grpo
+    _check(q.max_policy_lag >= 0, "async_grpo.max_policy_lag", "must be >= 0")
+    _check(q.queue_capacity is None or q.queue_capacity >= 1, "async_grpo.queue_capacity", "must be >= 1 or null")
+    _check(q.on_stale in ("regenerate", "drop"), "async_grpo.on_stale", "must be regenerate or drop")
+    _check(not (q.enabled and c.placement == "colocated" and c.gpus_per_node > 0), "async_grpo.enabled",
+           "needs cluster.placement=disaggregated: colocated roles share every GPU one stage at a time")
     _check(a.dynamic_sampling_max_rounds >= 0, "algo.dynamic_sampling_max_rounds", "must be >= 0")
     _check(g.num_prompts_per_step > 0, "generation.num_prompts_per_step", "must be > 0")
     _check(g.num_generations_per_prompt >= 2, "generation.num_generations_per_prompt",
@@ -316,6 +365,8 @@ def validate(cfg: RLSpecConfig) -> None:
     _check(c.refit in ("broadcast", "object_store"), "cluster.refit", "must be broadcast or object_store")
     _check(c.refit_bucket_mb >= 1, "cluster.refit_bucket_mb", "must be >= 1")
     _check(c.threads_per_actor >= 1, "cluster.threads_per_actor", "must be >= 1")
+    _check(c.generator_threads is None or c.generator_threads >= 1, "cluster.generator_threads", "must be >= 1 or null")
+    _check(0 <= c.generator_nice <= 19, "cluster.generator_nice", "must be in [0, 19]")
     _check(c.actor_timeout_s > 0, "cluster.actor_timeout_s", "must be > 0")
     _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")
     _check(t.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")

@@ -61,13 +61,17 @@ class RolloutBatch:
                             self.policy_version, self.seconds, self.spec, self.draft_schedule)
 
     @staticmethod
-    def concat(parts: list["RolloutBatch"]) -> "RolloutBatch":
-        if len({p.policy_version for p in parts}) > 1:
+    def concat(parts: list["RolloutBatch"], mixed_versions: bool = False) -> "RolloutBatch":
+        """Rows of every part in order. Parts of different policy versions only with
+        mixed_versions (dynamic-sampling rounds under async GRPO); the result then carries the
+        oldest version, which bounds its lag (behaviour log-probs stay per token)."""
+        versions = {p.policy_version for p in parts}
+        if len(versions) > 1 and not mixed_versions:
             raise ValueError("cannot concatenate rollouts of different policy versions")
         return RolloutBatch(
             [x for p in parts for x in p.prompt_ids], [x for p in parts for x in p.response_ids],
             [x for p in parts for x in p.logprobs], [x for p in parts for x in p.truncated],
-            parts[0].policy_version)  # per-call seconds and spec counters are totalled by the caller
+            min(versions))  # per-call seconds and spec counters are totalled by the caller
 
 
 @dataclass
@@ -110,4 +114,13 @@ class StepRecord:
     # Speculation (None without it): tokens per verification, and the raw counters.
     acceptance_length: float | None = None
     spec: dict | None = None  # drafts, drafted_tokens, accepted_tokens, acceptance_per_pos [k]
+    # Engine wall time of the step's generate calls, and how much of it the learner waited for
+    # (equal in the synchronous loop; async GRPO hides the rest behind training).
+    engine_seconds: float = 0.0
+    exposed_generation_seconds: float = 0.0
+    overlap_fraction: float = 0.0          # 1 - exposed / generation time, >= 0
+    policy_lag_max: int = 0                # learner version minus the oldest behaviour version trained on
+    stale_groups_dropped: int = 0          # groups past async_grpo.max_policy_lag, never trained on
+    # pi_prox / pi_behav over the loss-carrying tokens: mean, max, capped_frac (above the cap).
+    importance_weight: dict = field(default_factory=dict)
     extra: dict[str, float] = field(default_factory=dict)

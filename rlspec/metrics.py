@@ -65,6 +65,7 @@ class RunLog:
             flat.update({f"stage/{k}_s": v for k, v in rec.stage_seconds.items()})
             flat.update({f"stage/{k}_share": v / rec.step_seconds for k, v in rec.stage_seconds.items()})
             flat.update(rec.extra)
+            flat.update({f"importance_weight/{k}": v for k, v in rec.importance_weight.items()})
             if rec.spec is not None:
                 flat.update({f"spec/accept_pos{i}": v for i, v in enumerate(rec.spec["acceptance_per_pos"])})
                 flat.update({f"spec/{k}": v for k, v in rec.spec.items() if not isinstance(v, list)})
@@ -89,7 +90,8 @@ class RunLog:
         gen_tokens = sum(r.generated_tokens for r in self.records)
         spec = [r.spec for r in self.records if r.spec]
         drafts = sum(x["drafts"] for x in spec)
-        gen_secs = sum(r.stage_seconds["generation"] for r in self.records)
+        # engine time (the stage time is what the learner waited: less under async GRPO)
+        gen_secs = sum(r.engine_seconds or r.stage_seconds["generation"] for r in self.records)
         return {
             "steps": len(self.records),
             "wall_seconds": time.perf_counter() - self.t0,
@@ -99,6 +101,9 @@ class RunLog:
             "stage_share": {s: v / max(sum(stage.values()), 1e-9) for s, v in stage.items()},
             "step_seconds": sum(r.step_seconds for r in self.records) / n,
             "tokens_per_second": gen_tokens / max(gen_secs, 1e-9),
+            "engine_seconds": gen_secs / n,
+            "exposed_generation_seconds": sum(r.exposed_generation_seconds for r in self.records) / n,
+            "policy_lag_max": max((r.policy_lag_max for r in self.records), default=0),
             # tokens per verification over the whole run (None without speculation)
             "acceptance_length": 1 + sum(x["accepted_tokens"] for x in spec) / drafts if drafts else None,
             **self.notes,
@@ -133,6 +138,9 @@ def stage_table(s: dict) -> str:
     rows.append(f"{'step':<12}{s['step_seconds']:>9.2f}")
     rows.append(f"generation {s['tokens_per_second']:.0f} tokens/s over {s['steps']} steps, "
                 f"wall {s['wall_seconds']:.0f}s")
+    if s.get("engine_seconds"):
+        rows.append(f"rollouts: engine {s['engine_seconds']:.2f} s/step, learner waited "
+                    f"{s['exposed_generation_seconds']:.2f} s/step, largest policy lag {s['policy_lag_max']}")
     if s.get("acceptance_length"):
         rows.append(f"speculation: {s['acceptance_length']:.2f} tokens per verification")
     if s["val_accuracy"]:

@@ -1,7 +1,10 @@
-"""Synchronous GRPO: every step runs the five stages in order and refits the Generator before
-the next step samples, so every rollout is on-policy (policy lag 0).
+"""The GRPO loop. Synchronous by default: every step runs the five stages in order and refits
+the Generator before the next step samples, so every rollout is on-policy (policy lag 0).
 
     data -> prep -> generation -> (reward, advantages: prep) -> logprob -> train (+ refit)
+
+With async_grpo.enabled the same step takes its rollouts from a RolloutQueue (async_loop.py)
+that keeps the Generator up to max_policy_lag versions ahead of the learner.
 """
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from pathlib import Path
 import torch
 
 from rlspec import checkpoint
-from rlspec.algo import compute_advantages, overlong_mask, zero_variance_groups
+from rlspec.algo import compute_advantages, overlong_mask, weight_stats, zero_variance_groups
+from rlspec.async_loop import RolloutQueue
 from rlspec.batching import build_train_batch
 from rlspec.config import RLSpecConfig
 from rlspec.data.loading import Prompt, PromptSampler, PromptSet
@@ -71,23 +75,34 @@ def generate(ctx: Context, prompts: list[Prompt], seed: int, timer: StageTimer, 
         ro = wait(ctx.actors.gen("generate", [p.token_ids for p in prompts], g.num_generations_per_prompt,
                                  g.temperature, g.max_new_tokens, seed, g.top_p, g.top_k),
                   ctx.actors.timeout_s, abort=lambda: ctx.stop.preempt)
+    return ro, scored(ctx, prompts, ro, timer, totals)
+
+
+def scored(ctx: Context, prompts: list[Prompt], ro: RolloutBatch, timer: StageTimer, totals: GenTotals):
+    """[P, G] rewards of `ro` (counted into the step's totals)."""
     totals.add(ro)
     with timer("prep"):
-        answers = [p.answer for p in prompts for _ in range(g.num_generations_per_prompt)]
-        rewards = score(ctx.tokenizer, ro, answers, ctx.cfg.data.reward).view(len(prompts), -1)
-    return ro, rewards
+        answers = [p.answer for p in prompts for _ in range(ctx.cfg.generation.num_generations_per_prompt)]
+        return score(ctx.tokenizer, ro, answers, ctx.cfg.data.reward).view(len(prompts), -1)
 
 
-def collect_groups(ctx: Context, sampler: PromptSampler, step: int, timer: StageTimer, totals: GenTotals):
+def collect_groups(ctx: Context, sampler: PromptSampler, step: int, timer: StageTimer, totals: GenTotals,
+                   queue: RolloutQueue | None = None):
     """One step's rollouts [P*G] and rewards [P, G], with dynamic sampling when enabled: groups
     whose rewards all agree are replaced by fresh prompts for up to max_rounds extra rounds; if the
-    batch still is not full, dropped groups fill it with sample weight 0 (kept for shape only)."""
+    batch still is not full, dropped groups fill it with sample weight 0 (kept for shape only).
+    Under async GRPO the first round comes from the rollout queue; extra rounds use the weights the
+    Generator has then."""
     cfg = ctx.cfg
     P, G = cfg.generation.num_prompts_per_step, cfg.generation.num_generations_per_prompt
-    with timer("data"):
-        prompts = sampler.next_batch(P)
-    ro, rewards = generate(ctx, prompts, step_seed(cfg.trainer.seed, step), timer, totals)
-    stats = {"groups_dropped": 0.0, "sampling_rounds": 1.0}
+    stats = {"groups_dropped": 0.0, "sampling_rounds": 1.0, "stale_groups_dropped": 0}
+    if queue is None:
+        with timer("data"):
+            prompts = sampler.next_batch(P)
+        ro, rewards = generate(ctx, prompts, step_seed(cfg.trainer.seed, step), timer, totals)
+    else:
+        prompts, ro, stats["stale_groups_dropped"] = queue.take(step, timer)
+        rewards = scored(ctx, prompts, ro, timer, totals)
     if not cfg.algo.dynamic_sampling:
         return ro, rewards, torch.ones(P), stats
     keep, spare = [], []
@@ -105,7 +120,7 @@ def collect_groups(ctx: Context, sampler: PromptSampler, step: int, timer: Stage
     stats["groups_dropped"] = float(len(spare))
     weight = torch.tensor([1.0] * min(len(keep), P) + [0.0] * max(P - len(keep), 0))
     chosen = (keep + spare)[:P]
-    ro = RolloutBatch.concat([c[0] for c in chosen])
+    ro = RolloutBatch.concat([c[0] for c in chosen], mixed_versions=queue is not None)
     return ro, torch.stack([c[1] for c in chosen]), weight, stats
 
 
@@ -119,10 +134,11 @@ def validate(ctx: Context, step: int) -> float:
     return acc
 
 
-def train_step(ctx: Context, sampler: PromptSampler, step: int) -> StepRecord:
+def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQueue | None = None) -> StepRecord:
     cfg, actors = ctx.cfg, ctx.actors
     timer, totals, t0 = StageTimer(), GenTotals(), time.perf_counter()
-    ro, rewards, group_weight, stats = collect_groups(ctx, sampler, step, timer, totals)
+    ro, rewards, group_weight, stats = collect_groups(ctx, sampler, step, timer, totals, queue)
+    stale = stats.pop("stale_groups_dropped")
     G = cfg.generation.num_generations_per_prompt
     with timer("prep"):
         adv = compute_advantages(cfg.algo.advantage, rewards, cfg.algo.normalize_std).flatten()  # [N]
@@ -140,19 +156,37 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int) -> StepRecord:
         per_rank = wait(actors.learn_sharded("train_step", shards), actors.timeout_s)
         metrics = {k: sum(r[0][k] for r in per_rank) for k in per_rank[0][0]}  # global denominators
         metrics.update(per_rank[0][1])
+    version = step
+    if queue is not None and actors.refit_mode == "broadcast":
+        # A broadcast is a collective: the learner would block in it until the Generator has
+        # finished the rollouts queued ahead of its receive. Wait for them here, where the wait
+        # counts as exposed generation time.
+        with timer("generation"):
+            queue.drain()
+    with timer("train"):
         refit_t0 = time.perf_counter()
-        version = step
-        wait(actors.refit(version), actors.timeout_s)
+        calls = actors.refit(version)
+        if queue is None:
+            wait(calls, actors.timeout_s)
+        else:  # the Generator takes the weights after the rollouts already queued on it
+            to_gen = [c for c in calls if c.actor.startswith("generator")]
+            wait([c for c in calls if not c.actor.startswith("generator")], actors.timeout_s)
+            queue.after_refit(to_gen)
         refit_s = time.perf_counter() - refit_t0
     resp = batch.loss_mask != 0
     mismatch = (batch.behaviour_logprobs - batch.old_logprobs).abs()[resp].mean().item() if resp.any() else 0.0
     step_s = time.perf_counter() - t0
     spec = totals.spec
+    exposed = timer.seconds["generation"]
     return StepRecord(
         step=step, policy_version=version, loss=metrics["loss"], reward_mean=rewards.mean().item(),
         accuracy=(rewards == 1).float().mean().item(), stage_seconds=dict(timer.seconds), step_seconds=step_s,
         generated_tokens=totals.tokens, tokens_per_second=totals.tokens / max(totals.seconds, 1e-9),
-        logprob_mismatch=mismatch,
+        logprob_mismatch=mismatch, engine_seconds=totals.seconds, exposed_generation_seconds=exposed,
+        overlap_fraction=max(0.0, 1.0 - exposed / totals.seconds) if totals.seconds > 0 else 0.0,
+        policy_lag_max=step - 1 - ro.policy_version, stale_groups_dropped=stale,
+        importance_weight=weight_stats(batch.old_logprobs, batch.behaviour_logprobs, batch.loss_mask,
+                                       cfg.algo.behaviour_weight_cap),
         acceptance_length=None if spec is None else spec.acceptance_length,
         spec=None if spec is None else {"drafts": spec.drafts, "drafted_tokens": spec.draft_tokens,
                                         "accepted_tokens": spec.accepted_tokens,
@@ -175,23 +209,30 @@ def run(ctx: Context) -> dict:
         ctx.counters.update({k: v for k, v in state.counters.items() if k != "restarts"})
     else:
         validate(ctx, 0)
+    # Async: rollouts run ahead; a checkpoint stores the sampler position before the oldest
+    # untrained step (the queue's), so a resume draws those prompts again.
+    queue = RolloutQueue(ctx, sampler, start) if cfg.async_grpo.enabled else None
+    position = queue or sampler
     for step in range(start, t.max_steps + 1):
-        at_start = sampler.state()
+        at_start = position.state()
         try:
-            rec = train_step(ctx, sampler, step)
-        except Abandoned:  # before the update: the step is redone identically after the resume
+            rec = train_step(ctx, sampler, step, queue)
+        except Abandoned:  # before the update: the step is redone (identically when sync) after the resume
             sampler.load_state(at_start)
             checkpoint.save(ctx, sampler, step - 1, ctx.counters)
             raise Preempted(step - 1, ctx.stop.preempt_signal) from None
         ctx.log.step(rec)
-        guard_nonfinite(ctx, sampler, rec)
+        guard_nonfinite(ctx, position, rec)
         if step == t.max_steps or (t.val_every and step % t.val_every == 0):
             validate(ctx, step)
         if ctx.stop.preempt or ctx.stop.checkpoint_now or (t.checkpoint_every and step % t.checkpoint_every == 0):
             ctx.stop.checkpoint_now = False
-            checkpoint.save(ctx, sampler, step, ctx.counters)
+            checkpoint.save(ctx, position, step, ctx.counters)
         if ctx.stop.preempt:
             raise Preempted(step, ctx.stop.preempt_signal)
+    if queue is not None:
+        queue.drain()
+        ctx.log.notes["stale_groups_dropped"] = queue.stale_groups
     return ctx.log.summary()
 
 

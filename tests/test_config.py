@@ -61,10 +61,23 @@ def test_wrong_type_fails_naming_key():
     ("generation.max_new_tokens=1000", "generation.max_new_tokens"),
     ("logging.wandb_mode=sometimes", "logging.wandb_mode"),
     ("generation.temperature=0", "generation.temperature"),
+    ("async_grpo.max_policy_lag=-1", "async_grpo.max_policy_lag"),
+    ("async_grpo.queue_capacity=0", "async_grpo.queue_capacity"),
+    ("async_grpo.on_stale=reuse", "async_grpo.on_stale"),
+    ("algo.off_policy_correction=vtrace", "algo.off_policy_correction"),
+    ("algo.behaviour_weight_cap=0.5", "algo.behaviour_weight_cap"),
+    ("cluster.generator_threads=0", "cluster.generator_threads"),
+    ("cluster.generator_nice=20", "cluster.generator_nice"),
 ])
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(compose([override]))
+
+
+def test_async_on_colocated_gpus_is_refused():
+    cfg = compose(["+experiment=rl_zero_qwen3_8b", "async_grpo.enabled=true"], plain=False)
+    with pytest.raises(ConfigError, match="async_grpo.enabled: needs cluster.placement=disaggregated"):
+        validate(cfg)
 
 
 @pytest.mark.parametrize("override,key", [

@@ -39,6 +39,18 @@ def test_rl_zero_plan_on_8_nodes_x_4_gpus():
     assert "node 7: generator[28-31], logprob_worker[28-31], learner[28-31]" in text
 
 
+def test_async_rl_think_generates_on_half_the_nodes_and_trains_on_the_other():
+    cfg = compose(["+experiment=rl_think_qwen3_8b_async"], plain=False)
+    validate(cfg)
+    assert cfg.async_grpo.enabled and cfg.async_grpo.max_policy_lag == 1
+    assert cfg.algo.off_policy_correction == "decoupled_ppo" and cfg.data.template == "rl_think"
+    plan = make_plan(cfg.cluster, cfg.generation.tensor_parallel_size)
+    assert plan.nodes == 16 and plan.mode == "disaggregated"
+    assert {s.node for slots in plan.roles[GEN].slots for s in slots} == set(range(8))
+    assert {s.node for slots in plan.roles[LEARNER].slots for s in slots} == set(range(8, 16))
+    assert plan.roles[LOGPROB].slots == plan.roles[LEARNER].slots
+
+
 def test_235b_engines_span_two_nodes_with_expert_parallel():
     cfg = compose(["+experiment=qwen3_235b_a22b"], plain=False)
     assert cfg.generation.tensor_parallel_size == 8 and cfg.generation.expert_parallel

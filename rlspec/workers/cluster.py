@@ -2,6 +2,7 @@
 plain classes wrapped with `ray.remote` here, so tests can build them without Ray."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -10,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rlspec.config import RLSpecConfig
+from rlspec.config import RLSpecConfig, off_policy_correction
 from rlspec.workers import fanout
 
 
@@ -200,6 +201,7 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
     from rlspec.workers.placement_groups import actor_nodes, actor_options, create_placement_groups, node_ips
 
     c, g, t = cfg.cluster, cfg.generation, cfg.trainer
+    algo = dataclasses.replace(cfg.algo, off_policy_correction=off_policy_correction(cfg))
     plan = make_plan(c, g.tensor_parallel_size, g.expert_parallel)
     pgs = create_placement_groups(plan, c.actor_timeout_s)
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "VLLM_", "TORCH_", "DS_", "TRANSFORMERS_"))}
@@ -216,15 +218,16 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
 
     gen_cls = with_refit(Generator, RefitReceiver) if broadcast else Generator
     lp_cls = with_refit(LogprobWorker, RefitReceiver) if broadcast else LogprobWorker
-    generators = [start(gen_cls, GEN, e, model_dir, g, cfg.speculation, cfg.model.max_model_len, t.seed, threads,
-                        tokenizer_dir, draft_dir) for e in range(c.num_generators)]
+    gen_threads = c.generator_threads or threads
+    generators = [start(gen_cls, GEN, e, model_dir, g, cfg.speculation, cfg.model.max_model_len, t.seed, gen_threads,
+                        tokenizer_dir, draft_dir, c.generator_nice) for e in range(c.num_generators)]
     logprobs = [start(lp_cls, LOGPROB, r, model_dir, cfg.algo.kl_coef > 0, g.temperature, t.micro_batch_size,
                       threads, cfg.model.trust_remote_code) for r in range(c.logprob_world_size)]
     samples = g.num_prompts_per_step * g.num_generations_per_prompt
     # DeepSpeed's rendezvous runs on learner 0's node.
     master = node_ips(plan, pgs)[plan.roles[LEARNER].slots[0][0].node]
     port = free_port()
-    learners = [start(with_refit(Learner, RefitSender) if broadcast else Learner, LEARNER, r, model_dir, cfg.algo, t,
+    learners = [start(with_refit(Learner, RefitSender) if broadcast else Learner, LEARNER, r, model_dir, algo, t,
                       g.temperature, samples, r, c.learner_world_size, master, port, threads,
                       cfg.model.trust_remote_code) for r in range(c.learner_world_size)]
     actors = Actors(generators, logprobs, learners, c.actor_timeout_s, c.refit)

@@ -3,6 +3,7 @@ with a speculative draft whose weights are refit alongside the target's."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -22,8 +23,10 @@ SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 class Generator:
     def __init__(self, model_path: str, gen: GenerationConfig, spec: SpeculationConfig,
                  max_model_len: int, seed: int, threads: int, tokenizer: str | None = None,
-                 draft_path: str | None = None):
+                 draft_path: str | None = None, nice: int = 0):
         torch.set_num_threads(threads)
+        if nice:
+            os.nice(nice)
         self.gen = gen
         self.spec_config = vllm_speculative_config(spec, draft_path)
         engine_env(gen)  # before the kernel check: it must see the in-process engine setting
