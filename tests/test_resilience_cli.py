@@ -32,6 +32,24 @@ def steps_done(run_dir: Path) -> int:
         return 0
 
 
+def interrupted(run_dir: Path, *extra: str, after_steps: int, act, timeout: int = 400):
+    """Start a CLI run, call act(proc) once it has finished `after_steps` steps, and wait for it
+    to end. Returns (proc, stdout, stderr, seconds from act to exit)."""
+    proc = subprocess.Popen([sys.executable, "-m", "rlspec.train", *BASE, *extra, f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + timeout
+        while steps_done(run_dir) < after_steps and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        act(proc)
+        t0 = time.time()
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc, out, err, time.time() - t0
+
+
 def ray_processes_of(pid_min_start: float) -> list[int]:
     """Ray processes (raylet, gcs, workers) started after `pid_min_start` still alive."""
     out = []
@@ -69,19 +87,7 @@ def test_sigterm_checkpoints_exits_3_and_resume_continues_exactly(tmp_path):
     want = records(tmp_path / "ref")
 
     run = tmp_path / "pre"
-    proc = subprocess.Popen([sys.executable, "-m", "rlspec.train", *BASE, six, f"hydra.run.dir={run}"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 400
-        while steps_done(run) < 2 and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        t0 = time.time()
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=300)
-        exit_s = time.time() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, _, err, exit_s = interrupted(run, six, after_steps=2, act=lambda p: p.send_signal(signal.SIGTERM))
     assert proc.returncode == 3, err[-3000:]
     assert "preempted by SIGTERM" in err and exit_s < 60
     latest = (run / "checkpoints" / "latest").read_text().strip()
@@ -102,23 +108,22 @@ def test_sigterm_checkpoints_exits_3_and_resume_continues_exactly(tmp_path):
 def test_killed_actor_restarts_from_checkpoint_and_finishes(tmp_path):
     run = tmp_path / "run"
     t_start = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "rlspec.train", *BASE, "trainer.checkpoint_every=1",
-                             "cluster.max_restarts=1", f"hydra.run.dir={run}"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 400
-        while steps_done(run) < 2 and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        kill_actor_of(proc.pid, "ray::LogprobWorker")
-        t0 = time.time()
-        out, err = proc.communicate(timeout=500)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, _, err, waited = interrupted(run, "trainer.checkpoint_every=1", "cluster.max_restarts=1", after_steps=2,
+                                       act=lambda p: kill_actor_of(p.pid, "ray::LogprobWorker"), timeout=500)
     assert proc.returncode == 0, err[-3000:]
     assert "actor failure: logprob_worker died" in err and "restart 1/1 from" in err
     s = json.loads((run / "summary.json").read_text())
     assert [r["step"] for r in s["records"]] == [1, 2, 3, 4] and s["restarts"] == 1
-    print(f"killed LogprobWorker at step >= 2: restarted and finished {time.time() - t0:.1f}s later")
+    print(f"killed LogprobWorker at step >= 2: restarted and finished {waited:.1f}s later")
     time.sleep(2)
     assert not ray_processes_of(t_start)
+
+
+def test_sigusr2_checkpoints_and_the_run_goes_on(tmp_path):
+    run = tmp_path / "run"
+    proc, _, err, _ = interrupted(run, "trainer.max_steps=5", after_steps=1, act=lambda p: p.send_signal(signal.SIGUSR2))
+    assert proc.returncode == 0, err[-3000:]
+    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and 1 <= int(saved[0].split("_")[1]) < 5, saved  # checkpoint_every=0: only the signal's
+    assert [r["step"] for r in records(run)] == [1, 2, 3, 4, 5]
+
