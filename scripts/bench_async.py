@@ -83,18 +83,19 @@ def mean_std(xs: list[float | None]) -> tuple[float | None, float | None]:
 
 def summarise(runs: list[dict]) -> list[dict]:
     rows = []
-    for name in CELLS:
+    for name in [c for c in CELLS if any(r["cell"] == c for r in runs)]:
         mine = [r for r in runs if r["cell"] == name]
         row = {"cell": name, "seeds": [r["seed"] for r in mine], "policy_lag_max": max(r["policy_lag_max"] for r in mine)}
         for m in METRICS:
             row[m], row[f"{m}_std"] = mean_std([r[m] for r in mine])
         rows.append(row)
     base = {r["cell"]: r for r in rows}
+    ratio = lambda b, r: None if b is None else b["steady_step_seconds"] / r["steady_step_seconds"]  # noqa: E731
     for r in rows:
-        sync = base["sync / spec on" if "spec on" in r["cell"] else "sync / spec off"]
-        r["step_speedup_vs_sync"] = sync["steady_step_seconds"] / r["steady_step_seconds"]
-        r["step_speedup_vs_baseline"] = base["sync / spec off"]["steady_step_seconds"] / r["steady_step_seconds"]
-        r["val_accuracy_diff_vs_sync"] = r["val_accuracy"] - sync["val_accuracy"]
+        sync = base.get("sync / spec on" if "spec on" in r["cell"] else "sync / spec off")
+        r["step_speedup_vs_sync"] = ratio(sync, r)
+        r["step_speedup_vs_baseline"] = ratio(base.get("sync / spec off"), r)
+        r["val_accuracy_diff_vs_sync"] = None if sync is None else r["val_accuracy"] - sync["val_accuracy"]
     return rows
 
 
@@ -104,13 +105,17 @@ def fmt(v, std=None, p=2):
     return f"{v:.{p}f}" + (f" ± {std:.{p}f}" if std is not None else "")
 
 
+def times(v):
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def table(rows: list[dict]) -> str:
     head = ("| cell | step s (steady) | vs sync | vs sync/off | exposed gen s | engine gen s | learner s | "
             "overlap | tokens/s | acc. len | lag max | held-out acc |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r['cell']} | {fmt(r['steady_step_seconds'], r['steady_step_seconds_std'])} | "
-                     f"{r['step_speedup_vs_sync']:.2f}x | {r['step_speedup_vs_baseline']:.2f}x | "
+                     f"{times(r['step_speedup_vs_sync'])} | {times(r['step_speedup_vs_baseline'])} | "
                      f"{fmt(r['exposed_generation_seconds'], r['exposed_generation_seconds_std'])} | "
                      f"{fmt(r['engine_seconds'], r['engine_seconds_std'])} | "
                      f"{fmt(r['learner_seconds'], r['learner_seconds_std'])} | {fmt(r['overlap_fraction'])} | "
@@ -125,6 +130,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--set", nargs="*", default=[], dest="overrides", help="Hydra overrides for every cell")
     ap.add_argument("--async-set", nargs="*", default=[], help="Hydra overrides for the async cells only")
+    ap.add_argument("--cells", nargs="+", choices=list(CELLS), default=list(CELLS), help="a subset of the four")
     ap.add_argument("--work", default="multirun/bench_async", help="run directories go here")
     ap.add_argument("--out", default="bench_async.json")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run before it counts as hung")
@@ -146,7 +152,7 @@ def main() -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     runs = []
     for seed in a.seeds:
-        for name, cell in CELLS.items():
+        for name, cell in ((n, CELLS[n]) for n in a.cells):
             extra = a.async_set if name.startswith("async") else []
             runs.append(run_cell(name, [*a.overrides, *cell, *extra], seed, a.steps, work, a.timeout))
     rows = summarise(runs)
