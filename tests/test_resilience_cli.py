@@ -50,20 +50,27 @@ def interrupted(run_dir: Path, *extra: str, after_steps: int, act, timeout: int 
     return proc, out, err, time.time() - t0
 
 
-def ray_processes_of(pid_min_start: float) -> list[int]:
-    """Ray processes (raylet, gcs, workers) started after `pid_min_start` still alive."""
-    out = []
+def ray_processes() -> set[int]:
+    """Live processes of any rlspec local Ray cluster (raylet, gcs, workers)."""
+    out = set()
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-            started = os.stat(f"/proc/{d}").st_mtime
+            if b"rlspec-ray-" in Path(f"/proc/{d}/cmdline").read_bytes():
+                out.add(int(d))
         except OSError:
             continue
-        if b"rlspec-ray-" in cmd and started >= pid_min_start:
-            out.append(int(d))
     return out
+
+
+def left_behind(before: set[int], within_s: float = 20.0) -> list[int]:
+    """Ray processes that appeared after `before` was taken and are still alive `within_s`
+    seconds from now (shutdown takes a moment)."""
+    deadline = time.time() + within_s
+    while (new := ray_processes() - before) and time.time() < deadline:
+        time.sleep(0.5)
+    return sorted(new)
 
 
 def kill_actor_of(driver_pid: int, title: str) -> int:
@@ -107,7 +114,7 @@ def test_sigterm_checkpoints_exits_3_and_resume_continues_exactly(tmp_path):
 @pytest.mark.slow
 def test_killed_actor_restarts_from_checkpoint_and_finishes(tmp_path):
     run = tmp_path / "run"
-    t_start = time.time()
+    before = ray_processes()
     proc, _, err, waited = interrupted(run, "trainer.checkpoint_every=1", "cluster.max_restarts=1", after_steps=2,
                                        act=lambda p: kill_actor_of(p.pid, "ray::LogprobWorker"), timeout=500)
     assert proc.returncode == 0, err[-3000:]
@@ -115,8 +122,7 @@ def test_killed_actor_restarts_from_checkpoint_and_finishes(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     assert [r["step"] for r in s["records"]] == [1, 2, 3, 4] and s["restarts"] == 1
     print(f"killed LogprobWorker at step >= 2: restarted and finished {waited:.1f}s later")
-    time.sleep(2)
-    assert not ray_processes_of(t_start)
+    assert not left_behind(before)
 
 
 def test_sigusr2_checkpoints_and_the_run_goes_on(tmp_path):
