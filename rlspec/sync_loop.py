@@ -166,8 +166,12 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
     with timer("train"):
         refit_t0 = time.perf_counter()
         calls = actors.refit(version)
-        if queue is None:
+        if queue is None or actors.refit_mode == "broadcast":
+            # broadcast under async: drained above, so the Generator joins at once; waiting on its
+            # side too means a Generator that dies now is named instead of stalling the collective
             wait(calls, actors.timeout_s)
+            if queue is not None:
+                queue.after_refit([])
         else:  # the Generator takes the weights after the rollouts already queued on it
             to_gen = [c for c in calls if c.actor.startswith("generator")]
             wait([c for c in calls if not c.actor.startswith("generator")], actors.timeout_s)
