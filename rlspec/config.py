@@ -98,6 +98,12 @@ class AlgoConfig:
     # auto: decoupled_ppo when async_grpo runs with max_policy_lag >= 1, none otherwise.
     off_policy_correction: str = "auto"
     behaviour_weight_cap: float = 2.0
+    # Recompute the rollouts' log-probs under the current weights on the LogprobWorker before the
+    # update. null (auto): only when something needs them: an off-policy correction (async lag >= 1)
+    # or the KL term. Otherwise the batch is on-policy and gets one optimizer step, so the ratio's
+    # denominator is the learner's own forward pass, detached (ratio 1 in value, as in PPO's first
+    # epoch), and the recompute is skipped.
+    recompute_logprobs: Optional[bool] = None
 
 
 @dataclass
@@ -289,6 +295,14 @@ def off_policy_correction(cfg: RLSpecConfig) -> str:
     return "decoupled_ppo" if q.enabled and q.max_policy_lag >= 1 else "none"
 
 
+def recompute_logprobs(cfg: RLSpecConfig) -> bool:
+    """algo.recompute_logprobs with auto (null) resolved."""
+    a = cfg.algo
+    if a.recompute_logprobs is not None:
+        return a.recompute_logprobs
+    return a.kl_coef > 0 or off_policy_correction(cfg) != "none"
+
+
 def validate(cfg: RLSpecConfig) -> None:
     """Cross-field and value checks; raises ConfigError naming the key."""
     from rlspec.algo import ADVANTAGES, CORRECTIONS, LOSS_AGGREGATIONS, LOSSES
@@ -318,6 +332,9 @@ def validate(cfg: RLSpecConfig) -> None:
     _check(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
     _check(a.off_policy_correction in ("auto", *CORRECTIONS), "algo.off_policy_correction",
            f"{a.off_policy_correction!r} not in {['auto', *CORRECTIONS]}")
+    _check(a.recompute_logprobs is not False or (a.kl_coef == 0 and off_policy_correction(cfg) == "none"),
+           "algo.recompute_logprobs", "false, but the KL term or the off-policy correction "
+           f"({off_policy_correction(cfg)}) needs the recomputed log-probs")
     _check(a.behaviour_weight_cap >= 1.0, "algo.behaviour_weight_cap", "must be >= 1 (1 is on-policy)")
     q = cfg.async_grpo
     _check(q.max_policy_lag >= 0, "async_grpo.max_policy_lag", "must be >= 0")

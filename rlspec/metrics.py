@@ -33,7 +33,8 @@ class RunLog:
                  wandb_mode: str, wandb_project: str, wandb_entity: str | None):
         self.run_dir = Path(run_dir)
         self.records: list[StepRecord] = []
-        self.val: list[tuple[int, float]] = []
+        # (step, accuracy, unix time the validation started, its seconds)
+        self.val: list[tuple] = []
         self.notes: dict = {}
         self.t0 = time.perf_counter()
         self.bar = None
@@ -71,8 +72,9 @@ class RunLog:
                 flat.update({f"spec/{k}": v for k, v in rec.spec.items() if not isinstance(v, list)})
             self.wandb.log(flat, step=rec.step)
 
-    def validation(self, step: int, accuracy: float, n: int) -> None:
-        self.val.append((step, accuracy))
+    def validation(self, step: int, accuracy: float, n: int, started_at: float | None = None,
+                   seconds: float | None = None) -> None:
+        self.val.append((step, accuracy, started_at, seconds))
         self.write_summary()
         self.write(f"validation @ step {step}: held-out accuracy {accuracy:.3f} on {n} problems")
         if self.wandb is not None:
@@ -95,8 +97,12 @@ class RunLog:
         return {
             "steps": len(self.records),
             "wall_seconds": time.perf_counter() - self.t0,
-            "val_accuracy": [a for _, a in self.val],
-            "val_steps": [s for s, _ in self.val],
+            "val_accuracy": [v[1] for v in self.val],
+            "val_steps": [v[0] for v in self.val],
+            # when each validation started (unix seconds) and how long it took: benchmarks take
+            # the time spent validating out of time-to-accuracy
+            "val_started_at": [v[2] if len(v) > 2 else None for v in self.val],
+            "val_seconds": [v[3] if len(v) > 3 else None for v in self.val],
             "stage_seconds": stage,
             "stage_share": {s: v / max(sum(stage.values()), 1e-9) for s, v in stage.items()},
             "step_seconds": sum(r.step_seconds for r in self.records) / n,

@@ -18,7 +18,7 @@ from rlspec import checkpoint
 from rlspec.algo import compute_advantages, overlong_mask, weight_stats, zero_variance_groups
 from rlspec.async_loop import RolloutQueue
 from rlspec.batching import build_train_batch
-from rlspec.config import RLSpecConfig
+from rlspec.config import RLSpecConfig, recompute_logprobs
 from rlspec.data.loading import Prompt, PromptSampler, PromptSet
 from rlspec.messages import RolloutBatch, SpecStats, StepRecord
 from rlspec.metrics import RunLog, StageTimer
@@ -125,12 +125,12 @@ def collect_groups(ctx: Context, sampler: PromptSampler, step: int, timer: Stage
 
 
 def validate(ctx: Context, step: int) -> float:
-    g = ctx.cfg.generation
+    g, started, t0 = ctx.cfg.generation, time.time(), time.perf_counter()
     ro = wait(ctx.actors.gen("generate", [p.token_ids for p in ctx.val.prompts], 1, g.val_temperature,
                              g.max_new_tokens, step_seed(ctx.cfg.trainer.seed, step, salt=99)),
               ctx.actors.timeout_s)
     acc = score(ctx.tokenizer, ro, [p.answer for p in ctx.val.prompts], ctx.cfg.data.reward).mean().item()
-    ctx.log.validation(step, acc, len(ctx.val))
+    ctx.log.validation(step, acc, len(ctx.val), started, time.perf_counter() - t0)
     return acc
 
 
@@ -146,9 +146,10 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
         if cfg.algo.overlong_filter:
             weight = weight * overlong_mask(torch.tensor(ro.truncated))
         batch = build_train_batch(ro, adv, weight, ctx.tokenizer.pad_token_id)
-    with timer("logprob"):
-        batch.old_logprobs, batch.ref_logprobs = wait(actors.lp("compute_logprobs", batch), actors.timeout_s,
-                                                      abort=lambda: ctx.stop.preempt)
+    if recompute_logprobs(cfg):
+        with timer("logprob"):
+            batch.old_logprobs, batch.ref_logprobs = wait(actors.lp("compute_logprobs", batch), actors.timeout_s,
+                                                          abort=lambda: ctx.stop.preempt)
     with timer("train"):
         world = len(actors.learners)
         num_tokens, num_seqs = float(batch.loss_mask.sum()), float((weight > 0).sum())
@@ -177,8 +178,14 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
             wait([c for c in calls if not c.actor.startswith("generator")], actors.timeout_s)
             queue.after_refit(to_gen)
         refit_s = time.perf_counter() - refit_t0
+    # sampler vs trainer log-probs of the sampled tokens: against the recompute when there is one
+    # (under async that is the current weights), else the learner's own forward pass
     resp = batch.loss_mask != 0
-    mismatch = (batch.behaviour_logprobs - batch.old_logprobs).abs()[resp].mean().item() if resp.any() else 0.0
+    mismatch_sum, mismatch_n = metrics.pop("mismatch_sum", 0.0), metrics.pop("mismatch_tokens", 0.0)
+    if batch.old_logprobs is not None:
+        mismatch = (batch.behaviour_logprobs - batch.old_logprobs).abs()[resp].mean().item() if resp.any() else 0.0
+    else:
+        mismatch = mismatch_sum / max(mismatch_n, 1.0)
     step_s = time.perf_counter() - t0
     spec = totals.spec
     exposed = timer.seconds["generation"]
@@ -189,8 +196,8 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
         logprob_mismatch=mismatch, engine_seconds=totals.seconds, exposed_generation_seconds=exposed,
         overlap_fraction=max(0.0, 1.0 - exposed / totals.seconds) if totals.seconds > 0 else 0.0,
         policy_lag_max=step - 1 - ro.policy_version, stale_groups_dropped=stale,
-        importance_weight=weight_stats(batch.old_logprobs, batch.behaviour_logprobs, batch.loss_mask,
-                                       cfg.algo.behaviour_weight_cap),
+        importance_weight={} if batch.old_logprobs is None else weight_stats(
+            batch.old_logprobs, batch.behaviour_logprobs, batch.loss_mask, cfg.algo.behaviour_weight_cap),
         acceptance_length=None if spec is None else spec.acceptance_length,
         spec=None if spec is None else {"drafts": spec.drafts, "drafted_tokens": spec.draft_tokens,
                                         "accepted_tokens": spec.accepted_tokens,

@@ -81,3 +81,23 @@ def test_speculative_run_records_acceptance_per_step(tmp_path):
         assert r["acceptance_length"] == pytest.approx(1 + sp["accepted_tokens"] / sp["drafts"])
         assert len(sp["acceptance_per_pos"]) == 3 and all(0 <= a <= 1 for a in sp["acceptance_per_pos"])
     assert 1 < s["acceptance_length"] <= 4 and "tokens per verification" in p.stdout
+
+
+def test_skipped_recompute_trains_like_the_recompute(tmp_path):
+    """Synchronous GRPO takes one optimizer step per on-policy batch, so by default the learner's
+    own detached forward pass stands in for the LogprobWorker's recompute: same loss, ratio 1."""
+    recs = {}
+    for name, extra in (("skip", []), ("recompute", ["algo.recompute_logprobs=true"])):
+        p = subprocess.run([sys.executable, "-m", "rlspec.train", *SMALL, "trainer.val_every=0", *extra,
+                            "trainer.save_final=false", "logging.plot=false", "logging.wandb_mode=disabled",
+                            f"hydra.run.dir={tmp_path / name}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        recs[name] = json.loads((tmp_path / name / "summary.json").read_text())["records"]
+    skip, full = recs["skip"], recs["recompute"]
+    assert all(r["stage_seconds"]["logprob"] == 0.0 for r in skip)
+    assert all(r["stage_seconds"]["logprob"] > 0.0 for r in full)
+    assert all(r["extra"]["train/ratio_mean"] == 1.0 and r["logprob_mismatch"] < 1e-3 for r in skip)
+    # the same rollouts (same weights and seed at step 1), the same loss and gradient up to float rounding
+    assert skip[0]["generated_tokens"] == full[0]["generated_tokens"]
+    assert skip[0]["loss"] == pytest.approx(full[0]["loss"], abs=1e-5)
+    assert skip[0]["extra"]["train/grad_norm"] == pytest.approx(full[0]["extra"]["train/grad_norm"], rel=1e-4)

@@ -66,12 +66,14 @@ def test_wrong_type_fails_naming_key():
     ("async_grpo.on_stale=reuse", "async_grpo.on_stale"),
     ("algo.off_policy_correction=vtrace", "algo.off_policy_correction"),
     ("algo.behaviour_weight_cap=0.5", "algo.behaviour_weight_cap"),
+    ("algo.recompute_logprobs=false algo.kl_coef=0.1", "algo.recompute_logprobs"),
+    ("algo.recompute_logprobs=false async_grpo.enabled=true", "algo.recompute_logprobs"),
     ("cluster.generator_threads=0", "cluster.generator_threads"),
     ("cluster.generator_nice=20", "cluster.generator_nice"),
 ])
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        validate(compose([override]))
+        validate(compose(override.split()))
 
 
 def test_async_on_colocated_gpus_is_refused():

@@ -33,7 +33,8 @@ def stack(tmp_path_factory):
                    "trainer.micro_batch_size=4", "trainer.lr=1e-3", "data.train.num_rows=64",
                    "data.val.num_rows=8", "generation.max_new_tokens=32", "logging.wandb_mode=disabled",
                    "cluster.placement=colocated", "cluster.num_generators=2", "cluster.logprob_world_size=2",
-                   "cluster.learner_world_size=2", "trainer.zero_stage=3", "cluster.refit_bucket_mb=1"])
+                   "cluster.learner_world_size=2", "trainer.zero_stage=3", "cluster.refit_bucket_mb=1",
+                   "algo.recompute_logprobs=true"])  # the log-prob fan-out runs every step
     tok = load_tokenizer(cfg.model.path, "model.path")
     train, val = load_data(cfg, tok)
     with RayCluster(cfg):

@@ -19,9 +19,8 @@ from rlspec.workers.logprob import load_causal_lm
 def finite_inputs(batch: TrainBatch) -> bool:
     """Advantages and the log-probs the loss uses are finite (a NaN there poisons every gradient)."""
     resp = batch.loss_mask != 0
-    parts = [batch.advantages, batch.old_logprobs[resp]]
-    if batch.ref_logprobs is not None:
-        parts.append(batch.ref_logprobs[resp])
+    parts = [batch.advantages, batch.behaviour_logprobs[resp]]
+    parts += [lp[resp] for lp in (batch.old_logprobs, batch.ref_logprobs) if lp is not None]
     return all(bool(torch.isfinite(p).all()) for p in parts)
 
 
@@ -64,11 +63,16 @@ class Learner:
             logp, ent = sequence_logprobs(self.engine, batch.input_ids[sl], batch.attention_mask[sl],
                                           self.temperature, with_entropy=True)
             # The ratio is taken against the proximal policy (the recompute); the behaviour weight
-            # corrects for the older weights that sampled the tokens (none: weight 1).
-            weight, mask = behaviour_weights(batch.old_logprobs[sl], batch.behaviour_logprobs[sl],
-                                             batch.loss_mask[sl], self.correction,
-                                             self.algo.behaviour_weight_cap)
-            x = LossInputs(logp=logp, old_logp=batch.old_logprobs[sl], advantages=batch.advantages[sl],
+            # corrects for the older weights that sampled the tokens (none: weight 1). Without a
+            # recompute the batch is on-policy and this is its only optimizer step (the weights do
+            # not move between micro-batches): the proximal policy is this forward pass, detached.
+            old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs[sl]
+            weight, mask = behaviour_weights(old, batch.behaviour_logprobs[sl], batch.loss_mask[sl],
+                                             self.correction, self.algo.behaviour_weight_cap)
+            resp = batch.loss_mask[sl] != 0  # sampler vs learner log-probs, as the loop reports them
+            sums["mismatch_sum"] += float((batch.behaviour_logprobs[sl] - logp.detach()).abs()[resp].sum())
+            sums["mismatch_tokens"] += float(resp.sum())
+            x = LossInputs(logp=logp, old_logp=old, advantages=batch.advantages[sl],
                            mask=mask, ref_logp=None if batch.ref_logprobs is None else batch.ref_logprobs[sl],
                            weight=None if self.correction == "none" else weight)
             loss, metrics = policy_loss(self.algo.loss, x, clip_low=self.algo.clip_low,
