@@ -70,9 +70,25 @@ class RolloutQueue:
             self.pending.append(self._submit(self.next_step))
             self.next_step += 1
 
-    def after_refit(self, generator_refits: list[Call]) -> None:
-        """The learner's new weights are on their way to the Generator: later calls sample them."""
-        self.refits.extend(generator_refits)
+    def before_refit(self, timer: StageTimer) -> None:
+        """A broadcast refit is a collective: the learner would block in it until the Generator
+        has finished the rollouts queued ahead of its receive. Wait for them here, where the wait
+        counts as exposed generation time."""
+        if self.ctx.actors.refit_mode == "broadcast":
+            with timer("generation"):
+                self.drain()
+
+    def refit(self, to_generator: list[Call], others: list[Call]) -> None:
+        """Wait for the refit calls the learner needs done, then fill the queue: later generate
+        calls sample the new weights. Broadcast (drained before): the Generator joins at once,
+        and waiting on its side too names a Generator that dies now instead of stalling the
+        collective. Object store: the Generator takes the weights after the rollouts already
+        queued on it; the next `take` waits for that."""
+        if self.ctx.actors.refit_mode == "broadcast":
+            wait([*to_generator, *others], self.ctx.actors.timeout_s)
+        else:
+            wait(others, self.ctx.actors.timeout_s)
+            self.refits.extend(to_generator)
         self.fill()
 
     def take(self, step: int, timer: StageTimer) -> tuple[list[Prompt], RolloutBatch, int]:

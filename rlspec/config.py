@@ -303,6 +303,14 @@ def recompute_logprobs(cfg: RLSpecConfig) -> bool:
     return a.kl_coef > 0 or off_policy_correction(cfg) != "none"
 
 
+def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
+    """Resolve the 'auto' algo settings in place (idempotent), so summary.json and every actor
+    see the values the run uses."""
+    cfg.algo.off_policy_correction = off_policy_correction(cfg)
+    cfg.algo.recompute_logprobs = recompute_logprobs(cfg)
+    return cfg
+
+
 def validate(cfg: RLSpecConfig) -> None:
     """Cross-field and value checks; raises ConfigError naming the key."""
     from rlspec.algo import ADVANTAGES, CORRECTIONS, LOSS_AGGREGATIONS, LOSSES

@@ -158,25 +158,15 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
         metrics = {k: sum(r[0][k] for r in per_rank) for k in per_rank[0][0]}  # global denominators
         metrics.update(per_rank[0][1])
     version = step
-    if queue is not None and actors.refit_mode == "broadcast":
-        # A broadcast is a collective: the learner would block in it until the Generator has
-        # finished the rollouts queued ahead of its receive. Wait for them here, where the wait
-        # counts as exposed generation time.
-        with timer("generation"):
-            queue.drain()
+    if queue is not None:
+        queue.before_refit(timer)
     with timer("train"):
         refit_t0 = time.perf_counter()
-        calls = actors.refit(version)
-        if queue is None or actors.refit_mode == "broadcast":
-            # broadcast under async: drained above, so the Generator joins at once; waiting on its
-            # side too means a Generator that dies now is named instead of stalling the collective
-            wait(calls, actors.timeout_s)
-            if queue is not None:
-                queue.after_refit([])
-        else:  # the Generator takes the weights after the rollouts already queued on it
-            to_gen = [c for c in calls if c.actor.startswith("generator")]
-            wait([c for c in calls if not c.actor.startswith("generator")], actors.timeout_s)
-            queue.after_refit(to_gen)
+        to_generator, others = actors.refit(version)
+        if queue is None:
+            wait([*to_generator, *others], actors.timeout_s)
+        else:
+            queue.refit(to_generator, others)
         refit_s = time.perf_counter() - refit_t0
     # sampler vs trainer log-probs of the sampled tokens: against the recompute when there is one
     # (under async that is the current weights), else the learner's own forward pass

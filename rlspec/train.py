@@ -19,7 +19,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from rlspec.config import ConfigError, RLSpecConfig, off_policy_correction, register_configs, validate
+from rlspec.config import ConfigError, RLSpecConfig, register_configs, resolve_auto, validate
 from rlspec.data.loading import DataError, PromptSet, load_prompts
 from rlspec.models import ModelError, load_tokenizer, resolve_checkpoint
 from rlspec.preemption import EXIT_NUMERICAL, EXIT_PREEMPTED, NumericalDivergence, Preempted
@@ -67,7 +67,7 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
     from rlspec.workers.cluster import RayCluster, launch_actors, wait
 
     validate(cfg)
-    cfg.algo.off_policy_correction = off_policy_correction(cfg)  # 'auto' resolved, as summary.json records it
+    resolve_auto(cfg)  # as summary.json records it
     if cfg.cluster.dry_run:
         from rlspec.placement import make_plan
 

@@ -2,7 +2,6 @@
 plain classes wrapped with `ray.remote` here, so tests can build them without Ray."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import socket
@@ -11,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rlspec.config import RLSpecConfig, off_policy_correction
+from rlspec.config import RLSpecConfig, resolve_auto
 from rlspec.workers import fanout
 
 
@@ -82,16 +81,17 @@ class Actors:
         """Rank r gets per_rank_args[r]."""
         return [self.call(h, f"learner[{r}]", method, *per_rank_args[r]) for r, h in enumerate(self.learners)]
 
-    def refit(self, version: int) -> list[Call]:
-        """Calls that put the learners' weights into every engine and log-prob worker."""
+    def refit(self, version: int) -> tuple[list[Call], list[Call]]:
+        """Calls that put the learners' weights into every engine and log-prob worker:
+        (the Generator's part, the learners' and log-prob workers' part)."""
         if self.refit_mode == "broadcast":
-            return [*self.learn("broadcast_weights", version),
-                    *[self.call(h, f"generator[{e}]", "receive_weights", version) for e, h in enumerate(self.generators)],
-                    *[self.call(h, f"logprob_worker[{r}]", "receive_weights", version)
-                      for r, h in enumerate(self.logprobs)]]
+            senders = self.learn("broadcast_weights", version)  # submitted first, as every receiver joins it
+            gens = [self.call(h, f"generator[{e}]", "receive_weights", version) for e, h in enumerate(self.generators)]
+            lps = [self.call(h, f"logprob_worker[{r}]", "receive_weights", version) for r, h in enumerate(self.logprobs)]
+            return gens, [*senders, *lps]
         weights = self.learn("full_weights")
-        return [*weights[1:], self.gen("push_weights", weights[0].ref, version),
-                self.lp("push_weights", weights[0].ref, version)]
+        return ([self.gen("push_weights", weights[0].ref, version)],
+                [*weights[1:], self.lp("push_weights", weights[0].ref, version)])
 
 
 def wait(calls: Call | list[Call], timeout_s: float, abort: Callable[[], bool] | None = None) -> Any:
@@ -201,7 +201,7 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
     from rlspec.workers.placement_groups import actor_nodes, actor_options, create_placement_groups, node_ips
 
     c, g, t = cfg.cluster, cfg.generation, cfg.trainer
-    algo = dataclasses.replace(cfg.algo, off_policy_correction=off_policy_correction(cfg))
+    algo = resolve_auto(cfg).algo  # train() did this already; a stack built directly has not
     plan = make_plan(c, g.tensor_parallel_size, g.expert_parallel)
     pgs = create_placement_groups(plan, c.actor_timeout_s)
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "VLLM_", "TORCH_", "DS_", "TRANSFORMERS_"))}
