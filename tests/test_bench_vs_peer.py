@@ -1,0 +1,76 @@
+"""scripts/bench_vs_peer.py's bookkeeping (time axis, time-to-accuracy, ratios) on hand-made runs,
+and scripts/make_benchmarks_page.py writing a page whose figures are the JSON files'."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_vs_peer as bvp  # noqa: E402
+
+
+def test_curve_takes_validation_time_out_of_the_time_axis():
+    val = [{"step": 0, "accuracy": 0.3, "started_at": 110.0, "seconds": 4.0},
+           {"step": 4, "accuracy": 0.5, "started_at": 130.0, "seconds": 2.0},
+           {"step": 8, "accuracy": 0.9, "started_at": 150.0, "seconds": 2.0}]
+    c = bvp.curve(val, launched=100.0)
+    assert [x["seconds"] for x in c] == [10.0, 26.0, 44.0]  # 30 - 4; 50 - 4 - 2
+
+
+def run(mode, seed, accs, secs, step_s, mem=1.0, tps=1000.0):
+    return {"mode": mode, "seed": seed, "steady_step_seconds": step_s, "tokens_per_second": tps,
+            "peak_memory_gib": mem, "final_accuracy": accs[-1], "time_to_last_step": secs[-1], "wall_seconds": 0.0,
+            "stage_seconds": {"generation": 1.0},
+            "curve": [{"step": 4 * i, "accuracy": a, "seconds": s} for i, (a, s) in enumerate(zip(accs, secs))]}
+
+
+def test_time_to_target_and_ratios():
+    fast = "rlspec sync / spec"
+    runs = [run(bvp.PEER, 0, [0.3, 0.5, 0.9], [20, 40, 60], 5.0, mem=1.0),
+            run(bvp.PEER, 1, [0.3, 0.7, 0.9], [20, 40, 60], 5.0, mem=1.0),
+            run(fast, 0, [0.3, 0.9, 1.0], [30, 40, 50], 2.5, mem=3.0),
+            run(fast, 1, [0.3, 0.95, 1.0], [30, 50, 60], 2.5, mem=3.0)]
+    s = bvp.summarise(runs, target=None)
+    rows = {r["mode"]: r for r in s["rows"]}
+    assert s["target_accuracy"] == pytest.approx(0.9)  # TRL's final seed mean
+    assert rows[bvp.PEER]["time_to_target"] == 60 and rows[bvp.PEER]["step_to_target"] == 8
+    # seed-mean curve 0.3, 0.925, 1.0 at 30, 45, 55 s: the target is first met at step 4
+    assert rows[fast]["time_to_target"] == 45 and rows[fast]["step_to_target"] == 4
+    assert rows[fast]["time_to_target_ratio_vs_peer"] == pytest.approx(60 / 45)
+    assert rows[fast]["step_time_ratio_vs_peer"] == pytest.approx(2.0)
+    assert s["best_rlspec_mode"] == fast
+    # the peer is better at memory and start-up; not at step time or time-to-accuracy
+    assert any(x.startswith("peak memory") for x in s["peer_better_at"])
+    assert any(x.startswith("start-up") for x in s["peer_better_at"])
+    assert not any(x.startswith(("per-step", "time to target")) for x in s["peer_better_at"])
+    # a target nobody reaches: no time, no ratio, no best mode
+    s = bvp.summarise(runs, target=1.01)
+    assert all(r["time_to_target"] is None for r in s["rows"]) and s["best_rlspec_mode"] is None
+    assert "| rlspec sync / spec |" in bvp.table(s)
+
+
+def test_benchmarks_page_is_generated_from_the_json_files(tmp_path):
+    bench = ROOT / "docs" / "bench"
+    out = tmp_path / "benchmarks.md"
+    p = subprocess.run([sys.executable, "scripts/make_benchmarks_page.py", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    text = out.read_text()
+    # a figure from each committed JSON appears on the page
+    default = json.loads((bench / "rollout_default.json").read_text())
+    assert f"{default[0]['tokens_per_second']:.0f}" in text
+    a2 = json.loads((bench / "async_2x2_default.json").read_text())
+    assert f"{a2['rows'][0]['steady_step_seconds']:.2f}" in text
+    assert "python scripts/bench_async.py --steps 20 --seeds 0 1 2" in text
+    if (bench / "vs_peer.json").exists():
+        peer = json.loads((bench / "vs_peer.json").read_text())
+        assert peer["command"] in text and "rlspec against TRL" in text
+        row = peer["summary"]["rows"][0]
+        assert f"{row['steady_step_seconds']:.2f}" in text
+    # the committed page is the generated one
+    committed = ROOT / "docs" / "benchmarks.md"
+    if committed.exists():
+        assert committed.read_text() == text, "docs/benchmarks.md is stale: run scripts/make_benchmarks_page.py"
