@@ -168,14 +168,9 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
         else:
             queue.refit(to_generator, others)
         refit_s = time.perf_counter() - refit_t0
-    # sampler vs trainer log-probs of the sampled tokens: against the recompute when there is one
-    # (under async that is the current weights), else the learner's own forward pass
-    resp = batch.loss_mask != 0
-    mismatch_sum, mismatch_n = metrics.pop("mismatch_sum", 0.0), metrics.pop("mismatch_tokens", 0.0)
-    if batch.old_logprobs is not None:
-        mismatch = (batch.behaviour_logprobs - batch.old_logprobs).abs()[resp].mean().item() if resp.any() else 0.0
-    else:
-        mismatch = mismatch_sum / max(mismatch_n, 1.0)
+    # sampler vs trainer log-probs of the sampled tokens, summed by the learners over their forward
+    # passes (the current weights, which are also what a recompute would use)
+    mismatch = metrics.pop("mismatch_sum", 0.0) / max(metrics.pop("mismatch_tokens", 0.0), 1.0)
     step_s = time.perf_counter() - t0
     spec = totals.spec
     exposed = timer.seconds["generation"]

@@ -35,6 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_async import fmt as f, mean_std, times  # noqa: E402  (the 2x2 benchmark's table helpers)
 
 PEER = "TRL GRPOTrainer"
 MODES = {  # name -> rlspec overrides; None: the peer
@@ -279,10 +282,6 @@ def run_one(mode: str, seed: int, a, work: Path) -> dict:
 
 # ---------------------------------------------------------------- summary, table, plot
 
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
 def summarise(runs: list[dict], target: float | None) -> dict:
     rows = []
     for mode in [m for m in MODES if any(r["mode"] == m for r in runs)]:
@@ -334,10 +333,6 @@ def peer_better_at(peer: dict, best: dict) -> list[str]:
     return out
 
 
-def f(v, std=None, p=2) -> str:
-    return "-" if v is None else f"{v:.{p}f}" + (f" ± {std:.{p}f}" if std is not None else "")
-
-
 def table(s: dict) -> str:
     head = ("| trainer / mode | step s | vs TRL | gen / prep / logprob / train s | rollout tok/s | peak mem GiB | "
             "held-out acc | to target s | vs TRL |")
@@ -345,13 +340,12 @@ def table(s: dict) -> str:
     for r in s["rows"]:
         st = r["stage_seconds"]
         stages = " / ".join(f(st.get(k), p=1) for k in ("generation", "prep", "logprob", "train"))
-        ratio = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
         lines.append(f"| {r['mode']} | {f(r['steady_step_seconds'], r['steady_step_seconds_std'])} | "
-                     f"{ratio(r.get('step_time_ratio_vs_peer'))} | {stages} | {f(r['tokens_per_second'], p=0)} | "
+                     f"{times(r.get('step_time_ratio_vs_peer'))} | {stages} | {f(r['tokens_per_second'], p=0)} | "
                      f"{f(r['peak_memory_gib'], r['peak_memory_gib_std'])} | "
                      f"{f(r['step0_accuracy'], p=3)} → {f(r['final_accuracy'], r['final_accuracy_std'], 3)} | "
                      f"{f(r['time_to_target'], p=0)} (step {r['step_to_target']}) | "
-                     f"{ratio(r.get('time_to_target_ratio_vs_peer'))} |")
+                     f"{times(r.get('time_to_target_ratio_vs_peer'))} |")
     return "\n".join(lines)
 
 
