@@ -66,7 +66,7 @@ def start_generator(overrides=(), draft_dir=None, seed=0, model_path=None):
     from rlspec.workers.generator import Generator
 
     cfg = compose(list(overrides))
-    if draft_dir is None and cfg.speculation.method == "draft_model":
+    if draft_dir is None and cfg.speculation.model:
         draft_dir = cfg.speculation.model
     return ray.remote(Generator).options(num_cpus=0).remote(
         model_path or cfg.model.path, cfg.generation, cfg.speculation, cfg.model.max_model_len, seed, 2, None, draft_dir)

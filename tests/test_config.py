@@ -27,9 +27,18 @@ def test_every_experiment_composes_and_validates(name):
 
 def test_every_group_option_composes():
     """Keys and types of every group file match the schema (validation is per experiment)."""
-    for group in sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir() and p.name != "experiment"):
+    for group in sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir() and p.name not in ("experiment", "draft")):
         for opt in group.glob("*.yaml"):
             compose([f"{group.name}={opt.stem}"])
+    # the draft group belongs to `python -m rlspec.draft.train` (conf/draft_train.yaml)
+    from hydra import compose as hcompose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import rlspec.draft.train  # noqa: F401 - registers draft_schema
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        for opt in (ROOT / "conf" / "draft").glob("*.yaml"):
+            cfg = OmegaConf.to_object(hcompose("draft_train", overrides=[f"draft={opt.stem}"]))
+            assert cfg.draft.kind == opt.stem and cfg.model.path.endswith("tiny/policy")
 
 
 def test_paper_experiments_select_paper_models():

@@ -23,6 +23,7 @@ N_SAMPLES, MAX_TOKENS, ALPHA = 1000, 8, 0.01
 SETTINGS = {"t1": dict(temperature=1.0), "t07_p09_k20": dict(temperature=0.7, top_p=0.9, top_k=20)}
 SPECS = {
     "draft_model": ["speculation=draft_model", "speculation.draft_sample_method=probabilistic"],
+    "eagle3": ["speculation=eagle3"],  # the shipped trained head (rlspec.draft.train)
     # a 1-token lookup window so that the short, high-entropy samples still get n-gram drafts
     "ngram": ["speculation=ngram", "speculation.prompt_lookup_min=1", "speculation.prompt_lookup_max=2"],
 }
