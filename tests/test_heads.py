@@ -148,3 +148,30 @@ def test_trained_head_accepts_in_vllm(ray_session):
     print(f"trained EAGLE-3 head: acceptance length {out.spec.acceptance_length:.3f}, per position "
           f"{out.spec.acceptance_per_pos}")
     assert out.spec.drafts > 500 and out.spec.acceptance_length > 1.5
+
+
+def test_eagle3_push_matches_a_fresh_engine(ray_session, built, prompts):
+    """Online draft training's push path: an engine started on a random head, then given the
+    trained head's weights in place, drafts exactly as a fresh engine started on the trained head
+    (greedy: same tokens, same draft and acceptance counts per position); pushing the random head
+    back brings acceptance back down."""
+    import ray
+    from safetensors.torch import load_file
+
+    def greedy(actor):
+        return ray.get(actor.generate.remote(prompts, 1, 0.0, 48), timeout=600)
+
+    pushed = start_generator(["speculation=eagle3", f"speculation.model={built['eagle3']}"], draft_dir=built["eagle3"])
+    try:
+        before = greedy(pushed).spec
+        ray.get(pushed.push_draft_weights.remote(load_file(f"{TRAINED_EAGLE3}/model.safetensors"), 1), timeout=600)
+        after = greedy(pushed)
+        ray.get(pushed.push_draft_weights.remote(load_file(f"{built['eagle3']}/model.safetensors"), 2), timeout=600)
+        back = greedy(pushed).spec
+    finally:
+        ray.kill(pushed)
+    fresh = _generate(["speculation=eagle3"], prompts, TRAINED_EAGLE3)
+    assert after.response_ids == fresh.response_ids
+    assert (after.spec.drafts, after.spec.accepted_per_pos) == (fresh.spec.drafts, fresh.spec.accepted_per_pos)
+    assert after.spec.acceptance_length > 1.5 > before.acceptance_length
+    assert (back.drafts, back.accepted_per_pos) == (before.drafts, before.accepted_per_pos)
