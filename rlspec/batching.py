@@ -23,4 +23,5 @@ def build_train_batch(rollouts: RolloutBatch, advantages: torch.Tensor, sample_w
         loss_mask[i, len(p) - 1: len(seq) - 1] = sample_weight[i]
         behaviour[i, len(p) - 1: len(seq) - 1] = torch.tensor(lp)
     return TrainBatch(input_ids, attention, loss_mask, advantages.float(), behaviour,
-                      policy_version=rollouts.policy_version)
+                      policy_version=rollouts.policy_version,
+                      prompt_lengths=torch.tensor([len(p) for p in rollouts.prompt_ids]))

@@ -179,7 +179,9 @@ def save(ctx, sampler, step: int, counters: dict) -> Path:
     tmp = begin(ctx.ckpt_root, step)
     actors = ctx.actors
     wait([*actors.learn("save_checkpoint", str(tmp)),
-          *([actors.lp("save_reference", str(tmp / "reference.pt"))] if ctx.cfg.algo.kl_coef > 0 else [])],
+          *([actors.lp("save_reference", str(tmp / "reference.pt"))] if ctx.cfg.algo.kl_coef > 0 else []),
+          *([actors.call(actors.draft_trainer, "draft_trainer", "save", str(tmp / "draft.pt"))]
+            if actors.draft_trainer is not None else [])],
          actors.timeout_s)
     state = DriverState(step=step, sampler=sampler.state(), rng=rng_state(),
                         records=[asdict(r) for r in ctx.log.records], val=list(ctx.log.val), counters=dict(counters))
@@ -202,6 +204,11 @@ def restore(ctx, sampler, ckpt: Path) -> DriverState:
     weights = actors.learn("full_weights")
     wait([*weights[1:], actors.gen("push_weights", weights[0].ref, state.step),
           actors.lp("push_weights", weights[0].ref, state.step)], actors.timeout_s)
+    if actors.draft_trainer is not None and (ckpt / "draft.pt").is_file():
+        # the online-trained head (its optimizer too); its feature cache refills from new rollouts
+        wait(actors.call(actors.draft_trainer, "draft_trainer", "load", str(ckpt / "draft.pt")), actors.timeout_s)
+        head = actors.call(actors.draft_trainer, "draft_trainer", "weights")
+        wait([head, actors.gen("push_draft_weights", head.ref, state.step)], actors.timeout_s)
     sampler.load_state(state.sampler)
     set_rng_state(state.rng)
     ctx.log.records = [StepRecord(**r) for r in state.records]

@@ -131,6 +131,25 @@ class GenerationConfig:
 
 
 @dataclass
+class OnlineDraftConfig:
+    """Online draft adaptation (EAGLE-3 heads): the LogprobWorker's forward pass over every rollout
+    also captures the head's inputs and labels into a bounded cache; a DraftTrainer actor trains
+    the head from it and pushes new weights into the Generator. No gradient reaches the policy."""
+    enabled: bool = False
+    # Push the trained head into the Generator every this many RL steps.
+    push_every: int = 1
+    # Head optimizer steps per RL step (run while the learner trains).
+    steps_per_rl_step: int = 4
+    batch_size: int = 32
+    lr: float = 3e-4
+    # Target log-probs kept per position (the soft label).
+    topk: int = 20
+    # Bound on the feature cache (oldest sequences evicted first).
+    cache_mb: int = 256
+    loss_decay: float = 0.8
+
+
+@dataclass
 class SpeculationConfig:
     # none | draft_model (a small LM) | eagle3 (a draft head) | mtp (the target's own MTP layers)
     # | ngram (prompt lookup) | suffix. Verification is lossless rejection sampling in vLLM.
@@ -157,6 +176,7 @@ class SpeculationConfig:
     # n-gram prompt lookup window.
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    online: OnlineDraftConfig = field(default_factory=OnlineDraftConfig)
 
 
 @dataclass
@@ -300,7 +320,8 @@ def recompute_logprobs(cfg: RLSpecConfig) -> bool:
     a = cfg.algo
     if a.recompute_logprobs is not None:
         return a.recompute_logprobs
-    return a.kl_coef > 0 or off_policy_correction(cfg) != "none"
+    # online draft adaptation captures its features in the LogprobWorker's forward pass
+    return a.kl_coef > 0 or off_policy_correction(cfg) != "none" or cfg.speculation.online.enabled
 
 
 def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
@@ -343,6 +364,8 @@ def validate(cfg: RLSpecConfig) -> None:
     _check(a.recompute_logprobs is not False or (a.kl_coef == 0 and off_policy_correction(cfg) == "none"),
            "algo.recompute_logprobs", "false, but the KL term or the off-policy correction "
            f"({off_policy_correction(cfg)}) needs the recomputed log-probs")
+    _check(a.recompute_logprobs is not False or not cfg.speculation.online.enabled, "algo.recompute_logprobs",
+           "false, but speculation.online.enabled captures the draft's features in the log-prob recompute")
     _check(a.behaviour_weight_cap >= 1.0, "algo.behaviour_weight_cap", "must be >= 1 (1 is on-policy)")
     q = cfg.async_grpo
     _check(q.max_policy_lag >= 0, "async_grpo.max_policy_lag", "must be >= 0")
@@ -384,6 +407,15 @@ def validate(cfg: RLSpecConfig) -> None:
                "must be greedy or probabilistic")
         _check(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculation.prompt_lookup_min",
                "must be in [1, prompt_lookup_max]")
+    o = sp.online
+    if o.enabled:
+        _check(sp.method == "eagle3", "speculation.online.enabled",
+               f"online draft adaptation trains EAGLE-3 heads; speculation.method is {sp.method!r}")
+        for key in ("push_every", "steps_per_rl_step", "batch_size", "topk", "cache_mb"):
+            _check(getattr(o, key) >= 1, f"speculation.online.{key}", "must be >= 1")
+        _check(o.lr > 0, "speculation.online.lr", "must be > 0")
+        _check(not cfg.async_grpo.enabled, "speculation.online.enabled",
+               "runs with the synchronous loop for now (async_grpo.enabled=false)")
     from rlspec.placement import make_plan
 
     make_plan(c, g.tensor_parallel_size, g.expert_parallel)  # names the key that does not fit

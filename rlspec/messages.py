@@ -86,6 +86,7 @@ class TrainBatch:
     old_logprobs: torch.Tensor | None = None  # [N, T] recomputed by the LogprobWorker
     ref_logprobs: torch.Tensor | None = None  # [N, T] reference policy, when KL is on
     policy_version: int = 0
+    prompt_lengths: torch.Tensor | None = None  # [N] tokens of each row's prompt
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -95,7 +96,7 @@ class TrainBatch:
         pick = lambda t: None if t is None else t[sl]  # noqa: E731
         return TrainBatch(self.input_ids[sl], self.attention_mask[sl], self.loss_mask[sl],
                           self.advantages[sl], self.behaviour_logprobs[sl], pick(self.old_logprobs),
-                          pick(self.ref_logprobs), self.policy_version)
+                          pick(self.ref_logprobs), self.policy_version, pick(self.prompt_lengths))
 
 
 @dataclass

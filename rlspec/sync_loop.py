@@ -150,6 +150,13 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
         with timer("logprob"):
             batch.old_logprobs, batch.ref_logprobs = wait(actors.lp("compute_logprobs", batch), actors.timeout_s,
                                                           abort=lambda: ctx.stop.preempt)
+    draft_call = None
+    if actors.draft_trainer is not None:
+        # the features go from the log-prob workers to the DraftTrainer through the object store;
+        # it trains while the learner does
+        feats = [h.take_features.remote() for h in actors.logprobs]
+        draft_call = actors.call(actors.draft_trainer, "draft_trainer", "update",
+                                 cfg.speculation.online.steps_per_rl_step, *feats)
     with timer("train"):
         world = len(actors.learners)
         num_tokens, num_seqs = float(batch.loss_mask.sum()), float((weight > 0).sum())
@@ -168,6 +175,7 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
         else:
             queue.refit(to_generator, others)
         refit_s = time.perf_counter() - refit_t0
+    draft = {} if draft_call is None else online_draft(ctx, draft_call, step, version, ro.policy_version, timer)
     # sampler vs trainer log-probs of the sampled tokens, summed by the learners over their forward
     # passes (the current weights, which are also what a recompute would use)
     mismatch = metrics.pop("mismatch_sum", 0.0) / max(metrics.pop("mismatch_tokens", 0.0), 1.0)
@@ -189,10 +197,31 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
                                         "acceptance_per_pos": spec.acceptance_per_pos,
                                         **({} if totals.draft_schedule is None else
                                            {"draft_schedule": totals.draft_schedule})},
-        extra={**{f"train/{k}": v for k, v in metrics.items()}, **stats, "refit_seconds": refit_s,
+        extra={**{f"train/{k}": v for k, v in metrics.items()}, **stats, **draft, "refit_seconds": refit_s,
                "response_length": ro.num_tokens / len(ro.response_ids),
                "truncated_frac": sum(ro.truncated) / len(ro.truncated),
                "behaviour_version": float(ro.policy_version)})
+
+
+def online_draft(ctx: Context, call, step: int, version: int, rollout_version: int, timer: StageTimer) -> dict:
+    """Finish the DraftTrainer's step; every push_every steps push its head into the Generator.
+    Metrics: draft/head_version (the head the Generator drafted this step's rollouts with: the
+    step of its last push, 0 = the initial head), draft/staleness (policy versions between those
+    rollouts and the newest data that head trained on), draft/pushed (a new head goes in after
+    this step: this step's acceptance is the 'before', the next step's the 'after')."""
+    c, o = ctx.counters, ctx.cfg.speculation.online
+    head_version, head_data = c.get("draft_head_version", 0), c.get("draft_head_data_version", 0)
+    t0 = time.perf_counter()
+    with timer("train"):  # the draft trains beside the learner; what is left of it is exposed here
+        st = wait(call, ctx.actors.timeout_s)
+        pushed = step % o.push_every == 0 and bool(st)
+        if pushed:
+            head = ctx.actors.call(ctx.actors.draft_trainer, "draft_trainer", "weights")
+            wait([head, ctx.actors.gen("push_draft_weights", head.ref, version)], ctx.actors.timeout_s)
+            c["draft_head_version"], c["draft_head_data_version"] = version, st["newest_version"]
+    return {"draft/head_version": float(head_version), "draft/staleness": float(rollout_version - head_data),
+            "draft/pushed": float(pushed), "draft/exposed_seconds": time.perf_counter() - t0,
+            **{f"draft/{k}": float(v) for k, v in st.items() if k != "newest_version"}}
 
 
 def run(ctx: Context) -> dict:

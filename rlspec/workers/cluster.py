@@ -42,6 +42,7 @@ class Actors:
     timeout_s: float
     refit_mode: str = "object_store"
     nodes: dict[str, str] = field(default_factory=dict)  # actor name -> Ray node ID
+    draft_trainer: Any = None  # online draft adaptation (speculation.online.enabled)
 
     @property
     def generator(self) -> Any:
@@ -221,8 +222,19 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
     gen_threads = c.generator_threads or threads
     generators = [start(gen_cls, GEN, e, model_dir, g, cfg.speculation, cfg.model.max_model_len, t.seed, gen_threads,
                         tokenizer_dir, draft_dir, c.generator_nice) for e in range(c.num_generators)]
+    draft_trainer, capture = None, None
+    if cfg.speculation.online.enabled:
+        from rlspec.workers.draft_trainer import DraftTrainer
+
+        sp = cfg.speculation
+        k = sp.max_speculative_tokens if sp.num_speculative_tokens == "auto" else int(sp.num_speculative_tokens)
+        # beside the driver, outside the placement plan: it needs no accelerator on this scale
+        draft_trainer = ray.remote(DraftTrainer).options(name="draft_trainer", num_cpus=0, max_restarts=0,
+                                                         runtime_env={"env_vars": env_vars}).remote(
+            draft_dir, model_dir, sp.online, k, t.seed, threads)
+        capture = wait(Call("draft_trainer", "capture_spec", draft_trainer.capture_spec.remote()), c.actor_timeout_s)
     logprobs = [start(lp_cls, LOGPROB, r, model_dir, cfg.algo.kl_coef > 0, g.temperature, t.micro_batch_size,
-                      threads, cfg.model.trust_remote_code) for r in range(c.logprob_world_size)]
+                      threads, cfg.model.trust_remote_code, capture) for r in range(c.logprob_world_size)]
     samples = g.num_prompts_per_step * g.num_generations_per_prompt
     # DeepSpeed's rendezvous runs on learner 0's node.
     master = node_ips(plan, pgs)[plan.roles[LEARNER].slots[0][0].node]
@@ -230,7 +242,7 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
     learners = [start(with_refit(Learner, RefitSender) if broadcast else Learner, LEARNER, r, model_dir, algo, t,
                       g.temperature, samples, r, c.learner_world_size, master, port, threads,
                       cfg.model.trust_remote_code) for r in range(c.learner_world_size)]
-    actors = Actors(generators, logprobs, learners, c.actor_timeout_s, c.refit)
+    actors = Actors(generators, logprobs, learners, c.actor_timeout_s, c.refit, draft_trainer=draft_trainer)
     wait([actors.gen("ping"), actors.lp("ping"), *actors.learn("ping")], c.actor_timeout_s)
     names = {**{f"generator[{e}]": h for e, h in enumerate(generators)},
              **{f"logprob_worker[{r}]": h for r, h in enumerate(logprobs)},

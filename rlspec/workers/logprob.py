@@ -5,7 +5,7 @@ import copy
 
 import torch
 
-from rlspec.algo.logprobs import sequence_logprobs
+from rlspec.algo.logprobs import sequence_logprobs, token_logprobs
 from rlspec.messages import TrainBatch
 
 
@@ -16,14 +16,20 @@ def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, trust_remote_c
 
 
 class LogprobWorker:
+    """capture: {"layer_ids": [...], "topk": K} turns on online draft adaptation's capture: the
+    policy's forward pass also keeps the hidden states at those layers and its top-K next-token
+    log-probs (rlspec.draft.capture) until `take_features` collects them."""
+
     def __init__(self, model_path: str, with_reference: bool, temperature: float, micro_batch_size: int,
-                 threads: int, trust_remote_code: bool = False):
+                 threads: int, trust_remote_code: bool = False, capture: dict | None = None):
         torch.set_num_threads(threads)
         self.policy = load_causal_lm(model_path, trust_remote_code=trust_remote_code).eval()
         # The reference is the initial policy and never moves.
         self.reference = copy.deepcopy(self.policy) if with_reference else None
         self.temperature, self.mbs = temperature, micro_batch_size
         self.policy_version = 0
+        self.capture = capture
+        self.features: list[dict] = []
 
     @torch.no_grad()
     def _run(self, model, batch: TrainBatch) -> torch.Tensor:
@@ -32,10 +38,36 @@ class LogprobWorker:
                for i in range(0, len(batch), self.mbs)]
         return torch.cat(out) * (batch.loss_mask != 0)  # [N, T], zero off the response
 
+    @torch.no_grad()
+    def _run_capturing(self, batch: TrainBatch) -> torch.Tensor:
+        """The policy's log-probs as `_run` computes them, from a forward pass that also returns
+        hidden states; the draft's features are kept aside (compact dtypes), nothing else changes."""
+        from rlspec.draft.capture import features_from_output
+
+        out, self.features = [], []
+        for i in range(0, len(batch), self.mbs):
+            ids, mask = batch.input_ids[i: i + self.mbs], batch.attention_mask[i: i + self.mbs]
+            o = self.policy(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
+            out.append(token_logprobs(o.logits[:, :-1], ids[:, 1:], self.temperature))
+            f = features_from_output(o, self.capture["layer_ids"], self.capture["topk"], self.temperature,
+                                     out_dtype=torch.bfloat16)
+            self.features.append({"ids": ids.clone(), "mask": mask.bool(), "aux_hidden": f.aux_hidden,
+                                  "topk_ids": f.topk_ids.to(torch.int32), "topk_logp": f.topk_logp.to(torch.float16),
+                                  "loss_from": batch.prompt_lengths[i: i + self.mbs].tolist(),
+                                  "policy_version": self.policy_version})
+        return torch.cat(out) * (batch.loss_mask != 0)
+
     def compute_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([N, T] current-policy log-probs, [N, T] reference log-probs or None)."""
         ref = self._run(self.reference, batch) if self.reference is not None else None
+        if self.capture is not None and batch.prompt_lengths is not None:
+            return self._run_capturing(batch), ref
         return self._run(self.policy, batch), ref
+
+    def take_features(self) -> list[dict]:
+        """The draft features of the last compute_logprobs call (then forgotten)."""
+        out, self.features = self.features, []
+        return out
 
     def push_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         missing, unexpected = self.policy.load_state_dict(weights, strict=False)

@@ -1,0 +1,114 @@
+"""DraftTrainer: online adaptation of an EAGLE-3 head during RL. It owns the head, its optimizer
+and the bounded feature cache the LogprobWorkers fill; the policy's tensors never reach it except
+as detached, compact features, so no gradient flows from the draft into the policy."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from rlspec.config import OnlineDraftConfig
+from rlspec.draft.cache import CachedSequence, FeatureCache
+from rlspec.draft.eagle3 import Eagle3Head, acceptance_length_proxy, ttt_loss
+
+
+def load_embedding(target_dir: str) -> torch.Tensor:
+    """The target's input embedding [V, H], read from its safetensors (one file or sharded)."""
+    from safetensors import safe_open
+
+    d, key = Path(target_dir), "model.embed_tokens.weight"
+    index = d / "model.safetensors.index.json"
+    name = json.loads(index.read_text())["weight_map"][key] if index.exists() else "model.safetensors"
+    with safe_open(str(d / name), framework="pt") as f:
+        return f.get_tensor(key).float()
+
+
+def pad_batch(items: list[CachedSequence]):
+    """Cached sequences -> right-padded (ids, mask, length, loss_from, aux, topk_ids, topk_logp)."""
+    T, B = max(len(s.ids) for s in items), len(items)
+    A, K = items[0].aux_hidden.shape[-1], items[0].topk_ids.shape[-1]
+    ids, aux = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, A)
+    tid, tlp = torch.zeros(B, T, K, dtype=torch.long), torch.zeros(B, T, K)
+    for i, s in enumerate(items):
+        n = len(s.ids)
+        ids[i, :n], aux[i, :n], tid[i, :n], tlp[i, :n] = s.ids, s.aux_hidden.float(), s.topk_ids, s.topk_logp.float()
+    length = torch.tensor([len(s.ids) for s in items])
+    mask = torch.arange(T)[None] < length[:, None]
+    return ids, mask, length, torch.tensor([s.loss_from for s in items]), aux, tid, tlp
+
+
+class DraftTrainer:
+    def __init__(self, head_dir: str, target_dir: str, online: OnlineDraftConfig, ttt_steps: int, seed: int,
+                 threads: int):
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self.o, self.ttt_steps = online, ttt_steps
+        self.head = Eagle3Head.from_checkpoint(head_dir, load_embedding(target_dir))
+        self.layer_ids = list(self.head.config["eagle_aux_hidden_state_layer_ids"])
+        self.opt = torch.optim.AdamW(self.head.parameters(), lr=online.lr)
+        self.cache = FeatureCache(online.cache_mb << 20)
+        self.rng = random.Random(seed)
+        self.steps = 0
+        self.newest_version: int | None = None  # newest policy version among the data trained on
+
+    def capture_spec(self) -> dict:
+        return {"layer_ids": self.layer_ids, "topk": self.o.topk}
+
+    def add(self, *feature_lists: list[dict]) -> int:
+        """Features from every LogprobWorker (lists of micro-batches) into the cache; returns its size."""
+        for fl in feature_lists:
+            for f in fl:
+                self.cache.add_batch(f["ids"], f["mask"], f["aux_hidden"], f["topk_ids"], f["topk_logp"],
+                                     f["loss_from"], f["policy_version"])
+        return len(self.cache)
+
+    def update(self, n_steps: int, *feature_lists: list[dict]) -> dict:
+        """One RL step's work: cache the new features, then train n steps."""
+        self.add(*feature_lists)
+        return self.train(n_steps)
+
+    def train(self, n_steps: int) -> dict:
+        """n optimizer steps on batches drawn from the cache; the mean loss and acceptance proxy."""
+        if not len(self.cache):
+            return {}
+        losses, accepts = [], []
+        self.head.train()
+        for _ in range(n_steps):
+            items = self.cache.sample(self.o.batch_size, self.rng)
+            ids, mask, length, loss_from, aux, tid, tlp = pad_batch(items)
+            logits = self.head.unrolled(ids, aux, mask, self.ttt_steps)
+            loss, stats = ttt_loss(logits, tid, tlp, loss_from, length, self.o.loss_decay)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+            self.opt.step()
+            self.steps += 1
+            losses.append(loss.item())
+            accepts.append(stats["accept"])
+            v = max(s.policy_version for s in items)
+            self.newest_version = v if self.newest_version is None else max(self.newest_version, v)
+        mean_accept = [sum(a[j] for a in accepts) / len(accepts) for j in range(min(map(len, accepts)))]
+        return {"loss": sum(losses) / len(losses), "accept_proxy": acceptance_length_proxy(mean_accept),
+                "cache_sequences": len(self.cache), "cache_mb": self.cache.bytes / 2**20,
+                "cache_evicted": self.cache.evicted, "optimizer_steps": self.steps,
+                "newest_version": self.newest_version}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The head under vLLM's checkpoint names, for Generator.push_draft_weights."""
+        return self.head.vllm_state_dict()
+
+    def save(self, path: str) -> None:
+        torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "steps": self.steps,
+                    "newest_version": self.newest_version, "rng": self.rng.getstate()}, path)
+
+    def load(self, path: str) -> None:
+        s = torch.load(path, weights_only=False)
+        self.head.load_state_dict(s["head"])
+        self.opt.load_state_dict(s["opt"])
+        self.steps, self.newest_version = s["steps"], s["newest_version"]
+        self.rng.setstate(s["rng"])
+
+    def ping(self) -> int:
+        return self.steps
