@@ -2,7 +2,8 @@
 
     checkpoints/
       step_00000004/        learner/ (DeepSpeed: weights, optimizer, scheduler, per rank),
-                            reference.pt (KL reference policy, when on), driver.pt (data-loader
+                            reference.pt (KL reference policy, when on), draft.pt (online-
+                            trained draft head and its optimizer, when on), driver.pt (data-loader
                             position, driver RNGs, run log, counters), config.json, COMPLETE
       step_00000008/
       latest                "step_00000008", written last

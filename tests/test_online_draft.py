@@ -90,3 +90,41 @@ def test_online_adaptation_leaves_the_policy_updates_bit_identical(tmp_path):
     assert [x["draft/staleness"] for x in d] == [0.0, 1.0, 2.0]  # rollouts of versions 0..2, head of version 0
     assert all(d[i]["draft/loss"] > 0 for i in range(3))
     assert not any(k.startswith("draft/") for k in off[0]["extra"])
+
+
+def _captured_batch(seed: int):
+    """A LogprobWorker (plain class, no Ray) with capture on, over a batch of random rollouts."""
+    from rlspec.batching import build_train_batch
+    from rlspec.messages import RolloutBatch
+    from rlspec.workers.logprob import LogprobWorker
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 282, (int(n),), generator=g).tolist() for n in torch.randint(5, 12, (6,), generator=g)]
+    responses = [torch.randint(1, 282, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (6,), generator=g)]
+    ro = RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], [False] * 6, policy_version=seed)
+    batch = build_train_batch(ro, torch.zeros(6), torch.ones(6), 0)
+    w = LogprobWorker(str(ROOT / "rlspec" / "assets" / "tiny" / "policy"), False, 1.0, 4, 1,
+                      capture={"layer_ids": [1, 2, 3], "topk": 8})
+    plain = w._run(w.policy, batch)
+    captured, _ = w.compute_logprobs(batch)
+    return plain, captured, w.take_features(), w, prompts
+
+
+def test_capture_keeps_logprobs_and_the_draft_state_round_trips(tmp_path):
+    from rlspec.config import OnlineDraftConfig
+    from rlspec.workers.draft_trainer import DraftTrainer
+
+    plain, captured, feats, worker, prompts = _captured_batch(0)
+    assert torch.equal(plain, captured)  # the capturing forward pass changes no log-prob bit
+    assert len(feats) == 2 and feats[0]["aux_hidden"].shape[-1] == 3 * 256 and worker.take_features() == []
+    assert feats[0]["loss_from"] == [len(p) for p in prompts[:4]]  # micro-batches of 4
+    cfg = OnlineDraftConfig(enabled=True, batch_size=4)
+    policy = str(ROOT / "rlspec" / "assets" / "tiny" / "policy")
+    a = DraftTrainer(str(ROOT / "rlspec" / "assets" / "tiny" / "eagle3"), policy, cfg, 3, seed=0, threads=1)
+    assert a.update(2, feats)["optimizer_steps"] == 2
+    a.save(str(tmp_path / "draft.pt"))
+    b = DraftTrainer(str(ROOT / "rlspec" / "assets" / "tiny" / "eagle3"), policy, cfg, 3, seed=5, threads=1)
+    b.load(str(tmp_path / "draft.pt"))
+    assert all(torch.equal(a.weights()[k], v) for k, v in b.weights().items())
+    b.add(feats)  # the same cache content and RNG: the next steps are the same steps
+    assert a.train(2)["loss"] == b.train(2)["loss"]
