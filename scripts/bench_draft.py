@@ -59,8 +59,10 @@ def train_generic_head(work: Path, text_lines: int, timeout: int) -> dict:
     return json.loads((head / "train_log.json").read_text())
 
 
-def run_arm(arm: str, head: Path | None, seed: int, steps: int, work: Path, timeout: int) -> dict:
+def run_arm(arm: str, head: Path | None, seed: int, steps: int, work: Path, timeout: int, resume: bool) -> dict:
     run_dir = work / f"{arm.replace(' / ', '_')}_seed{seed}"
+    reused = resume and (run_dir / "summary.json").exists() and \
+        len(json.loads((run_dir / "summary.json").read_text())["records"]) == steps
     spec = ["speculation=none"] if head is None else [
         "speculation=eagle3", f"speculation.model={head}",
         f"speculation.online.enabled={'true' if arm.endswith('/ on') else 'false'}"]
@@ -69,14 +71,15 @@ def run_arm(arm: str, head: Path | None, seed: int, steps: int, work: Path, time
            "logging.plot=false", "logging.wandb_mode=disabled", "logging.progress_bar=false",
            f"hydra.run.dir={run_dir}"]
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
+    p = None if reused else subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if p is not None and p.returncode != 0:
         raise SystemExit(f"{arm} seed {seed} failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
     s = json.loads((run_dir / "summary.json").read_text())
     recs = s["records"]
     q = max(1, len(recs) // 4)
     acc = [r["acceptance_length"] for r in recs]
-    out = {"arm": arm, "seed": seed, "run_dir": str(run_dir), "wall_seconds": time.time() - t0,
+    out = {"arm": arm, "seed": seed, "run_dir": str(run_dir), "reused": reused,
+           "wall_seconds": s["wall_seconds"] if reused else time.time() - t0,
            "tokens_per_second": s["tokens_per_second"], "val_accuracy": s["val_accuracy"],
            "acceptance_by_step": acc,
            "gen_tokens_per_s_by_step": [r["tokens_per_second"] for r in recs],
@@ -85,7 +88,7 @@ def run_arm(arm: str, head: Path | None, seed: int, steps: int, work: Path, time
            "late_acceptance": None if acc[0] is None else statistics.mean(acc[-q:])}
     print(f"  {arm:<13} seed {seed}: acceptance {fmt(out['early_acceptance'])} -> {fmt(out['late_acceptance'])}, "
           f"rollout {out['tokens_per_second']:.0f} tok/s, held-out acc {s['val_accuracy'][0]:.3f} -> "
-          f"{s['val_accuracy'][-1]:.3f} ({out['wall_seconds']:.0f} s)", flush=True)
+          f"{s['val_accuracy'][-1]:.3f} ({'reused, ' if reused else ''}{out['wall_seconds']:.0f} s)", flush=True)
     return out
 
 
@@ -184,6 +187,8 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--generic-lines", type=int, default=4000)
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse an arm's run directory under --work when it holds all --steps steps (an interrupted bench)")
     ap.add_argument("--report", help="print the table of an earlier --out JSON and exit")
     args = ap.parse_args()
     if args.report:
@@ -200,7 +205,7 @@ def main() -> None:
     for seed in args.seeds:  # interleaved: drift in machine speed spreads over every arm
         for arm in args.arms:
             runs.append(run_arm(arm, None if arm == "none" else heads[arm.split(" / ")[0]], seed, args.steps, work,
-                                args.timeout))
+                                args.timeout, args.resume))
     finals = [r for r in runs if r["arm"] == "none"]
     result = {
         "steps": args.steps, "seeds": args.seeds, "wall_seconds": time.time() - t0,
@@ -212,7 +217,7 @@ def main() -> None:
                         "proxy": dlog["evals"][-1]["acceptance_length_proxy"]},
         "drift": {"kl": [drift(str(Path(r["run_dir"]) / "final"), seed=r["seed"]) for r in finals],
                   "val_start": [r["val_accuracy"][0] for r in finals], "val_end": [r["val_accuracy"][-1] for r in finals]},
-        "runs": runs,
+        "runs": runs, "reused_runs": [f"{r['arm']} seed {r['seed']}" for r in runs if r["reused"]],
     }
     result["rows"] = summarise(runs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
