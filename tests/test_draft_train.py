@@ -4,6 +4,7 @@ objective and its acceptance proxy behave, and the offline trainer writes a head
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from conftest import ROOT
 
 POLICY = str(ROOT / "rlspec" / "assets" / "tiny" / "policy")
 EAGLE3 = str(ROOT / "rlspec" / "assets" / "tiny" / "eagle3")
+DRAFT = str(ROOT / "rlspec" / "assets" / "tiny" / "draft")
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +126,23 @@ def test_config_errors_name_the_key(tmp_path):
         validate(DraftTrainConfig(draft=DraftConfig(corpus="text", text_file=str(tmp_path / "missing.txt"))))
     with pytest.raises(ConfigError, match="draft.ttt_steps"):
         validate(DraftTrainConfig(draft=DraftConfig(ttt_steps=0)))
+    with pytest.raises(ConfigError, match="draft.init=null"):
+        validate(DraftTrainConfig(draft=DraftConfig(kind="draft_model")))
+    with pytest.raises(ConfigError, match="draft.kind"):
+        validate(DraftTrainConfig(draft=DraftConfig(kind="medusa")))
+    with pytest.raises(ConfigError, match="draft.steps"):
+        validate(DraftTrainConfig(draft=DraftConfig(steps=-1)))
+
+
+def test_draft_model_vocab_must_match_the_target(tmp_path):
+    from rlspec.config import ConfigError
+    from rlspec.draft.train import check_draft_vocab
+
+    cfg = json.loads((Path(DRAFT) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
+    check_draft_vocab(DRAFT, POLICY)
+    with pytest.raises(ConfigError, match="vocabulary of 300 tokens, the target's has 282"):
+        check_draft_vocab(str(tmp_path), POLICY)
 
 
 def test_cli_trains_a_head_that_vllm_serves(tmp_path):
@@ -143,6 +162,33 @@ def test_cli_trains_a_head_that_vllm_serves(tmp_path):
     v = logd["vllm"]
     assert v["k"] == 3 and v["drafts"] > 0 and len(v["acceptance_per_pos"]) == 3
     assert (out / "curves.png").exists() and (out / "config.json").exists()
+
+
+def test_cli_trains_a_draft_model_that_vllm_serves(tmp_path):
+    """The second kind: a small draft model (the tiny draft's architecture, freshly initialised so
+    there is something to learn) trained on the target's regenerated responses, written in its
+    initial dtype with the target's tokenizer, and served by vLLM as draft_model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fresh = tmp_path / "fresh"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DRAFT)).save_pretrained(fresh)
+    out = tmp_path / "draft"
+    r = subprocess.run([sys.executable, "-m", "rlspec.draft.train", "draft=draft_model", f"draft.init={fresh}",
+                        "draft.steps=60", "draft.lr=3e-3", "draft.warmup_steps=10",
+                        "draft.num_prompts=128", "draft.val_prompts=16", "draft.eval_every=30",
+                        "logging.wandb_mode=disabled", "logging.progress_bar=false", f"draft.out_dir={out}",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    logd = json.loads((out / "train_log.json").read_text())
+    first, last = logd["evals"][0], logd["evals"][-1]
+    assert logd["kind"] == "draft_model" and [e["step"] for e in logd["evals"]] == [0, 30, 60]
+    assert len(last["accept"]) == 1 and last["loss"][0] < first["loss"][0] - 1.0
+    assert last["acceptance_length_proxy"] > first["acceptance_length_proxy"] + 0.5
+    v = logd["vllm"]
+    assert v["k"] == 3 and v["drafts"] > 0 and len(v["acceptance_per_pos"]) == 3 and v["acceptance_length"] > 1.0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["dtype"] == json.loads((fresh / "config.json").read_text())["dtype"] and saved["vocab_size"] == 282 and (out / "tokenizer.json").exists()
 
 
 def test_cli_refuses_a_bad_key_and_a_missing_model(tmp_path):

@@ -231,7 +231,7 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
         # beside the driver, outside the placement plan: it needs no accelerator on this scale
         draft_trainer = ray.remote(DraftTrainer).options(name="draft_trainer", num_cpus=0, max_restarts=0,
                                                          runtime_env={"env_vars": env_vars}).remote(
-            draft_dir, model_dir, sp.online, k, t.seed, threads)
+            draft_dir, model_dir, sp.online, k, t.seed, threads, g.temperature)
         capture = wait(Call("draft_trainer", "capture_spec", draft_trainer.capture_spec.remote()), c.actor_timeout_s)
     logprobs = [start(lp_cls, LOGPROB, r, model_dir, cfg.algo.kl_coef > 0, g.temperature, t.micro_batch_size,
                       threads, cfg.model.trust_remote_code, capture) for r in range(c.logprob_world_size)]

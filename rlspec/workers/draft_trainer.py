@@ -41,10 +41,13 @@ def pad_batch(items: list[CachedSequence]):
 
 class DraftTrainer:
     def __init__(self, head_dir: str, target_dir: str, online: OnlineDraftConfig, ttt_steps: int, seed: int,
-                 threads: int):
+                 threads: int, temperature: float = 1.0):
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.o, self.ttt_steps = online, ttt_steps
+        # vLLM divides a drafter's logits by the request's temperature before sampling a draft;
+        # the captured labels are the policy's log-probs at that temperature
+        self.temperature = max(temperature, 1e-6)
         self.head = Eagle3Head.from_checkpoint(head_dir, load_embedding(target_dir))
         self.layer_ids = list(self.head.config["eagle_aux_hidden_state_layer_ids"])
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=online.lr)
@@ -78,7 +81,7 @@ class DraftTrainer:
         for _ in range(n_steps):
             items = self.cache.sample(self.o.batch_size, self.rng)
             ids, mask, length, loss_from, aux, tid, tlp = pad_batch(items)
-            logits = self.head.unrolled(ids, aux, mask, self.ttt_steps)
+            logits = [x / self.temperature for x in self.head.unrolled(ids, aux, mask, self.ttt_steps)]
             loss, stats = ttt_loss(logits, tid, tlp, loss_from, length, self.o.loss_decay)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
