@@ -1,6 +1,7 @@
 """DeepSpeed engine set-up for the learner: ZeRO stage from config, gloo on CPU, NCCL on GPU."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -30,7 +31,7 @@ def ds_config(t: TrainerConfig, samples_per_step: int, world_size: int) -> dict:
         "train_batch_size": samples_per_step,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": gas,
-        "gradient_clipping": t.grad_clip,
+        "gradient_clipping": t.grad_clip if t.zero_stage else 0.0,  # stage 0: SkippingAdamW clips
         "zero_optimization": {"stage": t.zero_stage},
         "zero_allow_untested_optimizer": True,  # a client torch AdamW: no fused-op JIT build
         "steps_per_print": 10**9,
@@ -41,12 +42,35 @@ def ds_config(t: TrainerConfig, samples_per_step: int, world_size: int) -> dict:
     return cfg
 
 
+class SkippingAdamW(torch.optim.AdamW):
+    """AdamW for ZeRO stage 0 that clips (DeepSpeed's clipping is off then) and refuses a
+    non-finite gradient: no parameter, moment or step count moves, and `overflow` is set, which
+    DeepSpeed's engine reads to report the step as not applied and to hold the scheduler back.
+    It also leaves the pre-clip norm where the engine picks it up (`_global_grad_norm`), which
+    DeepSpeed does not compute without ZeRO. ZeRO 1-3 do all of this in their own optimizer."""
+
+    overflow = False
+
+    def __init__(self, params, grad_clip: float, **kw):
+        super().__init__(params, **kw)
+        self.grad_clip = grad_clip
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+        self._global_grad_norm = float(norm)
+        self.overflow = not math.isfinite(self._global_grad_norm)
+        return None if self.overflow else super().step(closure)
+
+
 def make_engine(model: torch.nn.Module, t: TrainerConfig, samples_per_step: int, world_size: int):
     """(engine, scheduler): AdamW as a client optimizer (no fused-op JIT build), linear warmup."""
     import deepspeed
 
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,
-                            weight_decay=t.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    params = [p for p in model.parameters() if p.requires_grad]
+    kw = dict(lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    opt = SkippingAdamW(params, t.grad_clip, **kw) if t.zero_stage == 0 else torch.optim.AdamW(params, **kw)
     warm = max(t.warmup_steps, 0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,

@@ -88,13 +88,14 @@ class Learner:
             m = x.mask.float()
             sums["entropy"] += float((ent * m).sum() / max(num_tokens, 1.0))
         grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
-        # ZeRO 1-3 refuse a non-finite gradient themselves (the step is not applied); without
-        # ZeRO nothing does, so non-finite weights after the step end the run (last checkpoint).
-        skipped = (not self.engine.was_step_applied() or not math.isfinite(grad_norm)
-                   or not math.isfinite(sums["loss"]))
-        if self.trainer.zero_stage == 0 and skipped:
-            raise FloatingPointError("non-finite gradient under ZeRO stage 0: the update was applied; "
-                                     "resume from the last checkpoint (ZeRO >= 1 skips such updates)")
+        # ZeRO 1-3 refuse a non-finite gradient themselves (the step is not applied); without ZeRO,
+        # SkippingAdamW does. Should an update with a non-finite gradient still have gone in under
+        # stage 0 (an optimizer wrapper that ignores `overflow`), the weights are lost: end the run.
+        applied = self.engine.was_step_applied()
+        skipped = not applied or not math.isfinite(grad_norm) or not math.isfinite(sums["loss"])
+        if self.trainer.zero_stage == 0 and skipped and applied:
+            raise FloatingPointError("non-finite gradient under ZeRO stage 0 and the update was applied; "
+                                     "resume from the last checkpoint")
         stats = {"skipped": float(skipped), "grad_norm": grad_norm,
                  "lr": float(self.sched.get_last_lr()[0]), "micro_batches": float(n_micro),
                  "seconds": time.perf_counter() - t0}
