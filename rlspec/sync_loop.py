@@ -274,6 +274,7 @@ def guard_nonfinite(ctx: Context, sampler: PromptSampler, rec: StepRecord) -> No
                       f"({c['nonfinite_in_row']} in a row, {c['nonfinite_steps']} in all)")
     if c["nonfinite_in_row"] > ctx.cfg.trainer.max_nonfinite_steps:
         path = checkpoint.save(ctx, sampler, rec.step, c)
+        ctx.log.write_summary()  # with this step's count: the run ends here
         raise NumericalDivergence(f"{c['nonfinite_in_row']} non-finite updates in a row (more than "
                                   f"trainer.max_nonfinite_steps={ctx.cfg.trainer.max_nonfinite_steps}); "
                                   f"last good state in {path}")

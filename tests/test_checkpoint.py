@@ -95,7 +95,7 @@ def test_sigkill_mid_checkpoint_leaves_previous_loadable(tmp_path, where):
 
 
 def _ctx(limit: int, saved: list):
-    log = SimpleNamespace(notes={}, write=lambda msg: None)
+    log = SimpleNamespace(notes={}, write=lambda msg: None, write_summary=lambda: saved.append("summary"))
     return SimpleNamespace(counters={"nonfinite_steps": 0, "nonfinite_in_row": 0}, log=log,
                            cfg=SimpleNamespace(trainer=SimpleNamespace(max_nonfinite_steps=limit)), saved=saved)
 
@@ -113,4 +113,4 @@ def test_nonfinite_guard_counts_resets_and_stops_with_checkpoint(monkeypatch):
     assert ctx.counters == {"nonfinite_steps": 4, "nonfinite_in_row": 2} and not saved
     with pytest.raises(NumericalDivergence, match="3 non-finite updates in a row"):
         sync_loop.guard_nonfinite(ctx, None, rec(6, True))
-    assert saved == [6] and ctx.log.notes["nonfinite_steps"] == 5
+    assert saved == [6, "summary"] and ctx.log.notes["nonfinite_steps"] == 5

@@ -101,3 +101,33 @@ def test_skipped_recompute_trains_like_the_recompute(tmp_path):
     assert skip[0]["generated_tokens"] == full[0]["generated_tokens"]
     assert skip[0]["loss"] == pytest.approx(full[0]["loss"], abs=1e-5)
     assert skip[0]["extra"]["train/grad_norm"] == pytest.approx(full[0]["extra"]["train/grad_norm"], rel=1e-4)
+
+
+def test_nonfinite_updates_in_a_row_stop_with_exit_4_and_a_checkpoint(tmp_path):
+    """A policy with one NaN weight (finite inputs, NaN log-probs): every update is skipped; one
+    more than trainer.max_nonfinite_steps in a row writes a complete checkpoint and exits 4."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    policy = tmp_path / "policy"
+    shutil.copytree(ROOT / "rlspec" / "assets" / "tiny" / "policy", policy)
+    w = load_file(policy / "model.safetensors")
+    w["model.layers.3.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(w, policy / "model.safetensors", metadata={"format": "pt"})
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "rlspec.train", f"model.path={policy}", "trainer.max_steps=6",
+                        "trainer.max_nonfinite_steps=1", "trainer.val_every=0", "trainer.checkpoint_every=0",
+                        "generation.num_prompts_per_step=4", "generation.num_generations_per_prompt=4",
+                        "trainer.micro_batch_size=8", "data.val.num_rows=16", "generation.max_new_tokens=16",
+                        "logging.wandb_mode=disabled", "logging.plot=false", f"hydra.run.dir={run}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 4, p.stderr[-3000:]
+    assert "2 non-finite updates in a row (more than trainer.max_nonfinite_steps=1)" in p.stderr
+    from rlspec import checkpoint
+
+    ck = checkpoint.latest(run / "checkpoints")
+    assert ck is not None and ck.name == "step_00000002" and (ck / "COMPLETE").exists()
+    assert checkpoint.read_driver_state(ck).step == 2
+    s = json.loads((run / "summary.json").read_text())
+    assert s["nonfinite_steps"] == 2 and [r["extra"]["train/skipped"] for r in s["records"]] == [1.0, 1.0]
