@@ -152,9 +152,11 @@ class Eagle3Head(nn.Module):
 
 
 def ttt_loss(step_logits: list[torch.Tensor], target_ids: torch.Tensor, target_logp: torch.Tensor,
-             loss_from: torch.Tensor, length: torch.Tensor, decay: float = 0.8) -> tuple[torch.Tensor, dict]:
+             loss_from: torch.Tensor, length: torch.Tensor, decay: float = 0.8,
+             temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
     """EAGLE-3's objective: cross-entropy of each draft step against the target's next-token
-    distribution (top-k, renormalised), step j weighted by decay**j.
+    distribution (top-k, renormalised), step j weighted by decay**j. The draft's logits are taken
+    at `temperature`, as vLLM samples drafts (target_logp must be at that temperature too).
 
     target_ids/target_logp [B, T, K]: the target's top-K next-token ids and log-probs at every
     position u (predicting x_{u+1}); loss_from [B]: first position u whose prediction counts (the
@@ -174,7 +176,7 @@ def ttt_loss(step_logits: list[torch.Tensor], target_ids: torch.Tensor, target_l
             break
         ids = F.pad(target_ids[:, shift:], (0, 0, 0, shift))                                     # [B, T, K] at u=t+1+j
         p = F.pad(p_full[:, shift:], (0, 0, 0, shift))
-        logq = logits.float().log_softmax(-1)
+        logq = (logits.float() / max(temperature, 1e-6)).log_softmax(-1)
         ce = -(p * logq.gather(-1, ids)).sum(-1)                                                 # [B, T]
         loss_j = (ce * mask).sum() / mask.sum()
         total = total + decay ** j * loss_j

@@ -15,8 +15,9 @@ training-time-test objective over `draft.ttt_steps` draft steps (rlspec.draft.ea
 tokenizer (`draft.init`, default the tiny draft) on the same soft labels: its own next-token
 distribution against the target's, which is what vLLM's rejection sampler accepts on.
 Writes to draft.out_dir: the head (config.json + model.safetensors + tokenizer files, loadable as
-`speculation=eagle3 speculation.model=OUT_DIR`; a draft model as `speculation=draft_model`), train_log.json (loss and acceptance-proxy
-curves; with draft.eval_vllm, the acceptance vLLM measures with the new head) and curves.png.
+`speculation=eagle3 speculation.model=OUT_DIR`; a draft model as `speculation=draft_model`),
+train_log.json (loss and acceptance-proxy curves; with draft.eval_vllm, the acceptance vLLM
+measures with the new draft) and curves.png.
 """
 from __future__ import annotations
 
@@ -193,10 +194,9 @@ class HeadTrainer:
 
         ids, mask, length, loss_from = batch(seqs, self.pad)
         f = target_features(self.target, ids, mask.long(), self.layer_ids, self.d.topk, self.temperature)
-        # vLLM divides every drafter's logits by the request's temperature before sampling a draft
-        t = max(self.temperature, 1e-6)
-        logits = [x / t for x in self.head.unrolled(ids, f.aux_hidden, mask, self.d.ttt_steps)]
-        return ttt_loss(logits, f.topk_ids, f.topk_logp.float(), loss_from, length, self.d.loss_decay)
+        logits = self.head.unrolled(ids, f.aux_hidden, mask, self.d.ttt_steps)
+        return ttt_loss(logits, f.topk_ids, f.topk_logp.float(), loss_from, length, self.d.loss_decay,
+                        self.temperature)
 
     def step(self, seqs: list[Sequence]) -> dict:
         loss, stats = self.loss(seqs)
@@ -247,9 +247,8 @@ class DraftModelTrainer(HeadTrainer):
                     / max(self.temperature, 1e-6)).log_softmax(-1)
             top = logp.topk(min(self.d.topk, logp.shape[-1]), dim=-1)
         logits = self.head(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
-        # the draft samples at the rollout temperature too (vLLM applies it to both)
-        logits = F.pad(logits[:, 1:], (0, 0, 0, 1)) / max(self.temperature, 1e-6)
-        return ttt_loss([logits], top.indices, top.values, loss_from, length, 1.0)
+        return ttt_loss([F.pad(logits[:, 1:], (0, 0, 0, 1))], top.indices, top.values, loss_from, length, 1.0,
+                        self.temperature)
 
     def proxy_steps(self, accept: list[float]) -> list[float]:
         """A chain of ttt_steps drafts, each accepted with the one-step (teacher-forced) rate."""

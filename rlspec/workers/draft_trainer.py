@@ -45,9 +45,7 @@ class DraftTrainer:
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.o, self.ttt_steps = online, ttt_steps
-        # vLLM divides a drafter's logits by the request's temperature before sampling a draft;
-        # the captured labels are the policy's log-probs at that temperature
-        self.temperature = max(temperature, 1e-6)
+        self.temperature = temperature  # the rollouts' (the captured labels are at it too)
         self.head = Eagle3Head.from_checkpoint(head_dir, load_embedding(target_dir))
         self.layer_ids = list(self.head.config["eagle_aux_hidden_state_layer_ids"])
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=online.lr)
@@ -81,8 +79,8 @@ class DraftTrainer:
         for _ in range(n_steps):
             items = self.cache.sample(self.o.batch_size, self.rng)
             ids, mask, length, loss_from, aux, tid, tlp = pad_batch(items)
-            logits = [x / self.temperature for x in self.head.unrolled(ids, aux, mask, self.ttt_steps)]
-            loss, stats = ttt_loss(logits, tid, tlp, loss_from, length, self.o.loss_decay)
+            logits = self.head.unrolled(ids, aux, mask, self.ttt_steps)
+            loss, stats = ttt_loss(logits, tid, tlp, loss_from, length, self.o.loss_decay, self.temperature)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
