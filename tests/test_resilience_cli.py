@@ -1,6 +1,7 @@
 """Preemption, exact resume and actor faults through the real entry point (subprocesses)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from rlspec import checkpoint as ck
 from test_cli import SMALL
 
 BASE = [*SMALL, "trainer.max_steps=4", "trainer.val_every=0", "trainer.checkpoint_every=0", "trainer.save_final=false",
@@ -133,3 +135,51 @@ def test_sigusr2_checkpoints_and_the_run_goes_on(tmp_path):
     assert len(saved) == 1 and 1 <= int(saved[0].split("_")[1]) < 5, saved  # checkpoint_every=0: only the signal's
     assert [r["step"] for r in records(run)] == [1, 2, 3, 4, 5]
 
+
+
+def test_sigkill_of_the_driver_mid_checkpoint_leaves_the_last_one_loadable(tmp_path):
+    """kill -9 of the whole driver (its process group) while it writes checkpoint k: the half-written
+    directory stays hidden, `latest` still names k-1, and trainer.resume=auto continues from it."""
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    before, ray_dirs = ray_processes(), set(Path("/tmp").glob("rlspec-ray-*"))
+    every = "trainer.checkpoint_every=1"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rlspec.train", *BASE, every, f"hydra.run.dir={run}"],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    caught = None
+    try:
+        deadline = time.time() + 300
+        while proc.poll() is None and time.time() < deadline:
+            if (ckpts / "latest").is_file() and (writing := sorted(ckpts.glob(".tmp-step_*"))):
+                os.killpg(proc.pid, signal.SIGKILL)
+                caught = writing[0].name
+                break
+            time.sleep(0.005)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        orphans = left_behind(before)
+        for pid in orphans:  # keep the machine clean even when the assertion below fails
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for d in set(Path("/tmp").glob("rlspec-ray-*")) - ray_dirs:  # no __exit__ ran to remove it
+            shutil.rmtree(d, ignore_errors=True)
+    assert caught, "the run ended before a second checkpoint was being written:\n" + (tmp_path / "killed.log").read_text()[-3000:]
+    assert proc.returncode == -signal.SIGKILL and not orphans
+    assert (ckpts / caught).is_dir()  # killed mid-write: the half-written checkpoint is still on disk
+    k = int(caught.split("_")[1].split("-")[0])
+    assert not (ckpts / ck.step_dir_name(k)).exists()
+    assert (ckpts / "latest").read_text().strip() == ck.step_dir_name(k - 1)
+    found = ck.latest(ckpts)
+    assert found.name == ck.step_dir_name(k - 1) and ck.read_driver_state(found).step == k - 1
+
+    resumed = train(run, every)  # trainer.resume=auto is the default
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and f"(step {k - 1})" in resumed.stdout
+    assert [r["step"] for r in records(run)] == [1, 2, 3, 4]
+    assert not list(ckpts.glob(".tmp-*")) and ck.latest(ckpts).name == ck.step_dir_name(4)
+    print(f"killed the driver while it wrote {caught}; resumed from step {k - 1} and finished")
