@@ -25,6 +25,13 @@ ROLLOUT = {
                              "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
                              "--batch-sizes 1 8 64 256 --methods none draft_model:1 draft_model:3 draft_model:5 "
                              "draft_model:7 draft_model:auto ngram:3 --repeats 5 --out docs/bench/rollout_default.json"),
+    "rollout_wide_small.json": ("A widened dense target (the tiny policy at 4x width and 8 layers: 101M parameters, bf16), "
+                                "batch 1 and 8",
+                                "python scripts/bench_rollout.py --batch-sizes 1 8 --methods none draft_model:3 draft_model:5 "
+                                "draft_model:7 draft_model:auto --repeats 5 --out docs/bench/rollout_wide_small.json"),
+    "rollout_wide_big.json": ("The same widened target, batch 64 and 256",
+                              "python scripts/bench_rollout.py --batch-sizes 64 256 --methods none draft_model:3 draft_model:5 "
+                              "draft_model:7 draft_model:auto --repeats 3 --out docs/bench/rollout_wide_big.json"),
     "rollout_moe.json": ("A sparse-MoE target (512 experts of the tiny MLP, 2 active; bf16)",
                          "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --experts 512 --top-k 2 "
                          "--batch-sizes 1 8 64 256 --methods none draft_model:3 draft_model:auto --repeats 5 "
