@@ -117,7 +117,9 @@ def test_sigterm_checkpoints_exits_3_and_resume_continues_exactly(tmp_path):
 def test_killed_actor_restarts_from_checkpoint_and_finishes(tmp_path):
     run = tmp_path / "run"
     before = ray_processes()
-    proc, _, err, waited = interrupted(run, "trainer.checkpoint_every=1", "cluster.max_restarts=1", after_steps=2,
+    # the default skips the log-prob recompute on-policy, so the worker would sit idle: use it every step
+    proc, _, err, waited = interrupted(run, "trainer.checkpoint_every=1", "cluster.max_restarts=1",
+                                       "algo.recompute_logprobs=true", after_steps=2,
                                        act=lambda p: kill_actor_of(p.pid, "ray::LogprobWorker"), timeout=500)
     assert proc.returncode == 0, err[-3000:]
     assert "actor failure: logprob_worker died" in err and "restart 1/1 from" in err
