@@ -92,17 +92,18 @@ class AlgoConfig:
     # Overlong filtering (DAPO): truncated responses get no loss.
     overlong_filter: bool = False
     # Off-policy correction for rollouts sampled by older weights (rlspec/algo/offpolicy.py):
-    # decoupled_ppo (ratio against the proximal policy, i.e. the recomputed current-weights
-    # log-probs, times the behaviour weight pi_prox/pi_behav; tokens whose weight exceeds
+    # decoupled_ppo (ratio against the proximal policy, i.e. the current weights' log-probs,
+    # times the behaviour weight pi_prox/pi_behav; tokens whose weight exceeds
     # behaviour_weight_cap get no loss), tis (the same weight truncated to the cap), none, or
     # auto: decoupled_ppo when async_grpo runs with max_policy_lag >= 1, none otherwise.
     off_policy_correction: str = "auto"
     behaviour_weight_cap: float = 2.0
     # Recompute the rollouts' log-probs under the current weights on the LogprobWorker before the
-    # update. null (auto): only when something needs them: an off-policy correction (async lag >= 1)
-    # or the KL term. Otherwise the batch is on-policy and gets one optimizer step, so the ratio's
-    # denominator is the learner's own forward pass, detached (ratio 1 in value, as in PPO's first
-    # epoch), and the recompute is skipped.
+    # update. null (auto): only when the KL term's reference log-probs or online draft training's
+    # features are needed. Otherwise every batch gets exactly one optimizer step, so the current
+    # weights' log-probs (the PPO ratio's denominator and, under async, the proximal policy of
+    # the behaviour weight) are the learner's own forward pass, detached (ratio 1 in value, as in
+    # PPO's first epoch), and the recompute is skipped.
     recompute_logprobs: Optional[bool] = None
 
 
@@ -321,7 +322,7 @@ def recompute_logprobs(cfg: RLSpecConfig) -> bool:
     if a.recompute_logprobs is not None:
         return a.recompute_logprobs
     # online draft adaptation captures its features in the LogprobWorker's forward pass
-    return a.kl_coef > 0 or off_policy_correction(cfg) != "none" or cfg.speculation.online.enabled
+    return a.kl_coef > 0 or cfg.speculation.online.enabled
 
 
 def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
@@ -361,9 +362,8 @@ def validate(cfg: RLSpecConfig) -> None:
     _check(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
     _check(a.off_policy_correction in ("auto", *CORRECTIONS), "algo.off_policy_correction",
            f"{a.off_policy_correction!r} not in {['auto', *CORRECTIONS]}")
-    _check(a.recompute_logprobs is not False or (a.kl_coef == 0 and off_policy_correction(cfg) == "none"),
-           "algo.recompute_logprobs", "false, but the KL term or the off-policy correction "
-           f"({off_policy_correction(cfg)}) needs the recomputed log-probs")
+    _check(a.recompute_logprobs is not False or a.kl_coef == 0, "algo.recompute_logprobs",
+           "false, but the KL term (algo.kl_coef > 0) needs the reference policy's log-probs")
     _check(a.recompute_logprobs is not False or not cfg.speculation.online.enabled, "algo.recompute_logprobs",
            "false, but speculation.online.enabled captures the draft's features in the log-prob recompute")
     _check(a.behaviour_weight_cap >= 1.0, "algo.behaviour_weight_cap", "must be >= 1 (1 is on-policy)")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from rlspec import checkpoint
-from rlspec.algo import compute_advantages, overlong_mask, weight_stats, zero_variance_groups
+from rlspec.algo import compute_advantages, merge_weight_sums, overlong_mask, weight_stats, zero_variance_groups
 from rlspec.async_loop import RolloutQueue
 from rlspec.batching import build_train_batch
 from rlspec.config import RLSpecConfig, recompute_logprobs
@@ -162,7 +162,9 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
         num_tokens, num_seqs = float(batch.loss_mask.sum()), float((weight > 0).sum())
         shards = [(batch.shard(r, world), num_tokens, num_seqs) for r in range(world)]
         per_rank = wait(actors.learn_sharded("train_step", shards), actors.timeout_s)
-        metrics = {k: sum(r[0][k] for r in per_rank) for k in per_rank[0][0]}  # global denominators
+        metrics = {}
+        for r in per_rank:  # partial sums over global denominators
+            metrics = merge_weight_sums(metrics, r[0])
         metrics.update(per_rank[0][1])
     version = step
     if queue is not None:
@@ -179,6 +181,7 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
     # sampler vs trainer log-probs of the sampled tokens, summed by the learners over their forward
     # passes (the current weights, which are also what a recompute would use)
     mismatch = metrics.pop("mismatch_sum", 0.0) / max(metrics.pop("mismatch_tokens", 0.0), 1.0)
+    iw = {k: metrics.pop(k) for k in ("iw_sum", "iw_max", "iw_capped", "iw_tokens") if k in metrics}
     step_s = time.perf_counter() - t0
     spec = totals.spec
     exposed = timer.seconds["generation"]
@@ -189,8 +192,7 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
         logprob_mismatch=mismatch, engine_seconds=totals.seconds, exposed_generation_seconds=exposed,
         overlap_fraction=max(0.0, 1.0 - exposed / totals.seconds) if totals.seconds > 0 else 0.0,
         policy_lag_max=step - 1 - ro.policy_version, stale_groups_dropped=stale,
-        importance_weight={} if batch.old_logprobs is None else weight_stats(
-            batch.old_logprobs, batch.behaviour_logprobs, batch.loss_mask, cfg.algo.behaviour_weight_cap),
+        importance_weight=weight_stats(iw) if iw else {},
         acceptance_length=None if spec is None else spec.acceptance_length,
         spec=None if spec is None else {"drafts": spec.drafts, "drafted_tokens": spec.draft_tokens,
                                         "accepted_tokens": spec.accepted_tokens,

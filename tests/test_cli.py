@@ -84,23 +84,34 @@ def test_speculative_run_records_acceptance_per_step(tmp_path):
 
 
 def test_skipped_recompute_trains_like_the_recompute(tmp_path):
-    """Synchronous GRPO takes one optimizer step per on-policy batch, so by default the learner's
-    own detached forward pass stands in for the LogprobWorker's recompute: same loss, ratio 1."""
+    """Every batch gets exactly one optimizer step, so by default the learner's own detached forward
+    pass stands in for the LogprobWorker's recompute as the proximal policy: same loss and gradient.
+    Run asynchronously with lag 1: step 1 is on-policy, and step s > 1 trains on rollouts sampled by
+    the weights before step s-1's update, so its decoupled-PPO behaviour weights pi_prox / pi_behav
+    are taken from that forward pass (here step 1 has no update, every group agreeing, so step 3 is
+    the first off-policy one)."""
     recs = {}
     for name, extra in (("skip", []), ("recompute", ["algo.recompute_logprobs=true"])):
         p = subprocess.run([sys.executable, "-m", "rlspec.train", *SMALL, "trainer.val_every=0", *extra,
-                            "trainer.save_final=false", "logging.plot=false", "logging.wandb_mode=disabled",
-                            f"hydra.run.dir={tmp_path / name}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                            "trainer.max_steps=3", "async_grpo.enabled=true", "trainer.save_final=false", "logging.plot=false",
+                            "logging.wandb_mode=disabled", f"hydra.run.dir={tmp_path / name}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
         recs[name] = json.loads((tmp_path / name / "summary.json").read_text())["records"]
     skip, full = recs["skip"], recs["recompute"]
+    assert [r["policy_lag_max"] for r in skip] == [r["policy_lag_max"] for r in full] == [0, 1, 1]
     assert all(r["stage_seconds"]["logprob"] == 0.0 for r in skip)
     assert all(r["stage_seconds"]["logprob"] > 0.0 for r in full)
-    assert all(r["extra"]["train/ratio_mean"] == 1.0 and r["logprob_mismatch"] < 1e-3 for r in skip)
-    # the same rollouts (same weights and seed at step 1), the same loss and gradient up to float rounding
-    assert skip[0]["generated_tokens"] == full[0]["generated_tokens"]
-    assert skip[0]["loss"] == pytest.approx(full[0]["loss"], abs=1e-5)
-    assert skip[0]["extra"]["train/grad_norm"] == pytest.approx(full[0]["extra"]["train/grad_norm"], rel=1e-4)
+    assert all(r["extra"]["train/ratio_mean"] == pytest.approx(1.0, abs=1e-6) for r in skip)
+    assert skip[0]["logprob_mismatch"] < 1e-3
+    # the same rollouts (sampled by the same weights), the same loss, gradient and behaviour weights
+    # up to float rounding
+    for a, b in zip(skip, full):
+        assert a["generated_tokens"] == b["generated_tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["extra"]["train/grad_norm"] == pytest.approx(b["extra"]["train/grad_norm"], rel=1e-4)
+        assert a["importance_weight"] == pytest.approx(b["importance_weight"], rel=1e-4)
+    assert skip[2]["importance_weight"]["max"] > 1.001  # the lagged batch is off-policy
 
 
 def test_nonfinite_updates_in_a_row_stop_with_exit_4_and_a_checkpoint(tmp_path):

@@ -76,7 +76,6 @@ def test_wrong_type_fails_naming_key():
     ("algo.off_policy_correction=vtrace", "algo.off_policy_correction"),
     ("algo.behaviour_weight_cap=0.5", "algo.behaviour_weight_cap"),
     ("algo.recompute_logprobs=false algo.kl_coef=0.1", "algo.recompute_logprobs"),
-    ("algo.recompute_logprobs=false async_grpo.enabled=true", "algo.recompute_logprobs"),
     ("cluster.generator_threads=0", "cluster.generator_threads"),
     ("cluster.generator_nice=20", "cluster.generator_nice"),
 ])

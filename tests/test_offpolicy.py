@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from rlspec.algo import behaviour_weights, policy_loss, weight_stats
+from rlspec.algo import behaviour_weights, merge_weight_sums, policy_loss, weight_stats, weight_sums
 from rlspec.algo.losses import LossInputs
 from rlspec.config import RLSpecConfig, off_policy_correction
 
@@ -40,13 +40,17 @@ def test_none_is_weight_one_and_weights_are_zero_off_the_mask():
         behaviour_weights(PROX, BEHAV, ONES, "vtrace", cap=2.0)
 
 
-def test_weight_stats_over_loss_tokens():
-    s = weight_stats(PROX, BEHAV, ONES, cap=1.5)
-    assert s["mean"] == pytest.approx(3.4 / 3) and s["max"] == pytest.approx(2.0)
-    assert s["capped_frac"] == pytest.approx(1 / 3)
-    s = weight_stats(PROX, BEHAV, torch.tensor([[0.0, 1.0, 1.0]]), cap=1.5)
-    assert s == pytest.approx({"mean": 0.7, "max": 1.0, "capped_frac": 0.0})
-    assert weight_stats(PROX, BEHAV, torch.zeros(1, 3), cap=1.5) == {"mean": 1.0, "max": 1.0, "capped_frac": 0.0}
+def test_weight_stats_over_loss_tokens_merged_across_micro_batches():
+    s = weight_sums(PROX, BEHAV, ONES, cap=1.5)
+    assert s == pytest.approx({"iw_sum": 3.4, "iw_max": 2.0, "iw_capped": 1.0, "iw_tokens": 3.0})
+    assert weight_stats(s) == pytest.approx({"mean": 3.4 / 3, "max": 2.0, "capped_frac": 1 / 3})
+    # the same tokens split over two micro-batches (or ranks) give the same figures
+    a = weight_sums(PROX, BEHAV, torch.tensor([[1.0, 0.0, 0.0]]), cap=1.5)
+    b = weight_sums(PROX, BEHAV, torch.tensor([[0.0, 1.0, 1.0]]), cap=1.5)
+    assert weight_stats(merge_weight_sums(merge_weight_sums({}, b), a)) == pytest.approx(weight_stats(s))
+    assert weight_stats(b) == pytest.approx({"mean": 0.7, "max": 1.0, "capped_frac": 0.0})
+    empty = weight_sums(PROX, BEHAV, torch.zeros(1, 3), cap=1.5)
+    assert weight_stats(empty) == {"mean": 1.0, "max": 1.0, "capped_frac": 0.0}
 
 
 def _loss(logp, method, cap=1.5, adv=1.0):

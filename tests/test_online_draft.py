@@ -59,6 +59,8 @@ def test_online_turns_the_recompute_on():
     from rlspec.config import recompute_logprobs
 
     assert not recompute_logprobs(compose(["speculation=eagle3"]))
+    # the off-policy correction needs no recompute: the learner's forward pass is the proximal policy
+    assert not recompute_logprobs(compose(["speculation=eagle3", "async_grpo.enabled=true"]))
     assert recompute_logprobs(compose(["speculation=eagle3", "speculation.online.enabled=true"]))
 
 

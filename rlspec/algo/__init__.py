@@ -3,8 +3,10 @@ from rlspec.algo.advantages import ADVANTAGES, compute_advantages, register_adva
 from rlspec.algo.losses import (LOSS_AGGREGATIONS, LOSSES, aggregate, k3_kl, policy_loss,
                                 register_loss)
 from rlspec.algo.filters import overlong_mask, zero_variance_groups
-from rlspec.algo.offpolicy import CORRECTIONS, behaviour_weights, importance_weights, weight_stats
+from rlspec.algo.offpolicy import (CORRECTIONS, behaviour_weights, importance_weights, merge_weight_sums,
+                                   weight_stats, weight_sums)
 
-__all__ = ["ADVANTAGES", "CORRECTIONS", "behaviour_weights", "importance_weights", "weight_stats", "LOSSES", "LOSS_AGGREGATIONS", "aggregate", "compute_advantages",
+__all__ = ["ADVANTAGES", "CORRECTIONS", "behaviour_weights", "importance_weights", "merge_weight_sums",
+           "weight_stats", "weight_sums", "LOSSES", "LOSS_AGGREGATIONS", "aggregate", "compute_advantages",
            "k3_kl", "overlong_mask", "policy_loss", "register_advantage", "register_loss",
            "zero_variance_groups"]

@@ -2,7 +2,8 @@
 
 Three policies meet in a lagged update: pi_behav sampled the tokens (its log-probs come from the
 Generator, exact under lossless speculation), pi_prox is the learner's policy when the step begins
-(the LogprobWorker's recompute, `old_logprobs`), and pi_theta is the one being optimised. The PPO
+(the learner's own forward pass, detached, or the LogprobWorker's recompute, `old_logprobs`,
+when one runs), and pi_theta is the one being optimised. The PPO
 ratio is always pi_theta / pi_prox (losses.py); this module gives the per-token behaviour weight
 w = pi_prox / pi_behav that multiplies the policy-gradient term:
 
@@ -38,11 +39,22 @@ def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: t
     raise ValueError(f"unknown off-policy correction {method!r}; choose from {CORRECTIONS}")
 
 
-def weight_stats(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
-                 cap: float) -> dict[str, float]:
-    """Importance-weight figures over the loss-carrying tokens: mean, max, fraction above cap."""
-    sel = mask != 0
-    if not sel.any():
+def weight_sums(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
+                cap: float) -> dict[str, float]:
+    """Partial importance-weight figures over the loss-carrying tokens of one micro-batch, to be
+    added up (iw_max: maxed) over micro-batches and ranks, then given to weight_stats."""
+    w = importance_weights(prox_logp, behav_logp)[mask != 0]
+    return {"iw_sum": float(w.sum()), "iw_max": float(w.max()) if w.numel() else 0.0,
+            "iw_capped": float((w > cap).sum()), "iw_tokens": float(w.numel())}
+
+
+def merge_weight_sums(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: max(a.get(k, 0.0), v) if k == "iw_max" else a.get(k, 0.0) + v for k, v in b.items()}
+
+
+def weight_stats(sums: dict[str, float]) -> dict[str, float]:
+    """Mean, max and fraction above the cap of pi_prox / pi_behav, from merged weight_sums."""
+    n = sums.get("iw_tokens", 0.0)
+    if not n:
         return {"mean": 1.0, "max": 1.0, "capped_frac": 0.0}
-    w = importance_weights(prox_logp, behav_logp)[sel]
-    return {"mean": w.mean().item(), "max": w.max().item(), "capped_frac": (w > cap).float().mean().item()}
+    return {"mean": sums["iw_sum"] / n, "max": sums["iw_max"], "capped_frac": sums["iw_capped"] / n}

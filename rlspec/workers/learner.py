@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from rlspec.algo import behaviour_weights, policy_loss
+from rlspec.algo import behaviour_weights, merge_weight_sums, policy_loss, weight_sums
 from rlspec.algo.logprobs import sequence_logprobs
 from rlspec.algo.losses import LossInputs
 from rlspec.config import AlgoConfig, TrainerConfig
@@ -62,16 +62,19 @@ class Learner:
             sl = slice(i, i + mbs)
             logp, ent = sequence_logprobs(self.engine, batch.input_ids[sl], batch.attention_mask[sl],
                                           self.temperature, with_entropy=True)
-            # The ratio is taken against the proximal policy (the recompute); the behaviour weight
-            # corrects for the older weights that sampled the tokens (none: weight 1). Without a
-            # recompute the batch is on-policy and this is its only optimizer step (the weights do
-            # not move between micro-batches): the proximal policy is this forward pass, detached.
+            # The ratio is taken against the proximal policy: the current weights, before this
+            # step's update. The batch gets exactly this one optimizer step (the weights do not move
+            # between micro-batches), so without a recompute the proximal policy is this forward
+            # pass, detached. The behaviour weight corrects for the older weights that sampled the
+            # tokens (none: weight 1).
             old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs[sl]
-            weight, mask = behaviour_weights(old, batch.behaviour_logprobs[sl], batch.loss_mask[sl],
-                                             self.correction, self.algo.behaviour_weight_cap)
+            behav, cap = batch.behaviour_logprobs[sl], self.algo.behaviour_weight_cap
+            weight, mask = behaviour_weights(old, behav, batch.loss_mask[sl], self.correction, cap)
             resp = batch.loss_mask[sl] != 0  # sampler vs learner log-probs, as the loop reports them
-            sums["mismatch_sum"] += float((batch.behaviour_logprobs[sl] - logp.detach()).abs()[resp].sum())
+            sums["mismatch_sum"] += float((behav - logp.detach()).abs()[resp].sum())
             sums["mismatch_tokens"] += float(resp.sum())
+            # pi_prox / pi_behav, reported whatever the correction
+            sums.update(merge_weight_sums(sums, weight_sums(old, behav, batch.loss_mask[sl], cap)))
             x = LossInputs(logp=logp, old_logp=old, advantages=batch.advantages[sl],
                            mask=mask, ref_logp=None if batch.ref_logprobs is None else batch.ref_logprobs[sl],
                            weight=None if self.correction == "none" else weight)
