@@ -15,7 +15,8 @@ def stack(tmp_path_factory):
 
     cfg = compose(["generation.num_prompts_per_step=4", "generation.num_generations_per_prompt=4",
                    "trainer.micro_batch_size=8", "trainer.lr=1e-3", "data.train.num_rows=64",
-                   "data.val.num_rows=8", "generation.max_new_tokens=40", "logging.wandb_mode=disabled"])
+                   "data.val.num_rows=8", "generation.max_new_tokens=40", "logging.wandb_mode=disabled",
+                   "algo.recompute_logprobs=true"])  # the LogprobWorker is started and used
     tok = load_tokenizer(cfg.model.path, "model.path")
     train, val = load_data(cfg, tok)
     run_dir = tmp_path_factory.mktemp("run")

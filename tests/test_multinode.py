@@ -17,7 +17,8 @@ from test_cli import SMALL
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
 RUN = [*SMALL, "trainer.max_steps=3", "logging.wandb_mode=disabled", "logging.progress_bar=false",
-       "trainer.save_final=false", "logging.plot=false", "cluster.placement=disaggregated"]
+       "trainer.save_final=false", "logging.plot=false", "cluster.placement=disaggregated",
+       "algo.recompute_logprobs=true"]  # the LogprobWorker is started (and placed) only for a recompute
 
 
 def test_two_node_run_places_roles_on_both_nodes_and_matches_one_node(tmp_path):

@@ -92,7 +92,7 @@ class Actors:
             return gens, [*senders, *lps]
         weights = self.learn("full_weights")
         return ([self.gen("push_weights", weights[0].ref, version)],
-                [*weights[1:], self.lp("push_weights", weights[0].ref, version)])
+                [*weights[1:], *([self.lp("push_weights", weights[0].ref, version)] if self.logprobs else [])])
 
 
 def wait(calls: Call | list[Call], timeout_s: float, abort: Callable[[], bool] | None = None) -> Any:
@@ -233,8 +233,11 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
                                                          runtime_env={"env_vars": env_vars}).remote(
             draft_dir, model_dir, sp.online, k, t.seed, threads, g.temperature)
         capture = wait(Call("draft_trainer", "capture_spec", draft_trainer.capture_spec.remote()), c.actor_timeout_s)
+    # Without a recompute (algo.recompute_logprobs) nothing calls the log-prob workers: their slots
+    # stay in the plan, their processes are not started.
     logprobs = [start(lp_cls, LOGPROB, r, model_dir, cfg.algo.kl_coef > 0, g.temperature, t.micro_batch_size,
-                      threads, cfg.model.trust_remote_code, capture) for r in range(c.logprob_world_size)]
+                      threads, cfg.model.trust_remote_code, capture)
+                for r in range(c.logprob_world_size if algo.recompute_logprobs else 0)]
     samples = g.num_prompts_per_step * g.num_generations_per_prompt
     # DeepSpeed's rendezvous runs on learner 0's node.
     master = node_ips(plan, pgs)[plan.roles[LEARNER].slots[0][0].node]
@@ -243,7 +246,7 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
                       g.temperature, samples, r, c.learner_world_size, master, port, threads,
                       cfg.model.trust_remote_code) for r in range(c.learner_world_size)]
     actors = Actors(generators, logprobs, learners, c.actor_timeout_s, c.refit, draft_trainer=draft_trainer)
-    wait([actors.gen("ping"), actors.lp("ping"), *actors.learn("ping")], c.actor_timeout_s)
+    wait([actors.gen("ping"), *([actors.lp("ping")] if logprobs else []), *actors.learn("ping")], c.actor_timeout_s)
     names = {**{f"generator[{e}]": h for e, h in enumerate(generators)},
              **{f"logprob_worker[{r}]": h for r, h in enumerate(logprobs)},
              **{f"learner[{r}]": h for r, h in enumerate(learners)}}
