@@ -107,7 +107,8 @@ def async_command(r: dict, path: Path) -> str:
 def async_section(paths: list[Path]) -> list[str]:
     out = ["## Synchronous and asynchronous GRPO, speculation off and on (the paper's 2x2)", "",
            "Mean ± std over seeds; steady state = steps 2..N; exposed gen = what the learner waited for "
-           "rollouts, engine gen = the engine's own time for them; learner = log-prob recompute + update + refit.",
+           "rollouts, engine gen = the engine's own time for them; learner = log-prob recompute (when one runs) "
+           "+ update + refit.",
            ""]
     for p in paths:
         r = json.loads(p.read_text())
