@@ -204,7 +204,7 @@ def restore(ctx, sampler, ckpt: Path) -> DriverState:
          actors.timeout_s)
     weights = actors.learn("full_weights")
     wait([*weights[1:], actors.gen("push_weights", weights[0].ref, state.step),
-          *([actors.lp("push_weights", weights[0].ref, state.step)] if actors.logprobs else [])], actors.timeout_s)
+          *actors.lp_each("push_weights", weights[0].ref, state.step)], actors.timeout_s)
     if actors.draft_trainer is not None and (ckpt / "draft.pt").is_file():
         # the online-trained head (its optimizer too); its feature cache refills from new rollouts
         wait(actors.call(actors.draft_trainer, "draft_trainer", "load", str(ckpt / "draft.pt")), actors.timeout_s)

@@ -181,7 +181,7 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
     # sampler vs trainer log-probs of the sampled tokens, summed by the learners over their forward
     # passes (the current weights, which are also what a recompute would use)
     mismatch = metrics.pop("mismatch_sum", 0.0) / max(metrics.pop("mismatch_tokens", 0.0), 1.0)
-    iw = {k: metrics.pop(k) for k in ("iw_sum", "iw_max", "iw_capped", "iw_tokens") if k in metrics}
+    iw = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("iw_")]}  # offpolicy.weight_sums
     step_s = time.perf_counter() - t0
     spec = totals.spec
     exposed = timer.seconds["generation"]

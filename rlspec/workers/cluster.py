@@ -74,6 +74,11 @@ class Actors:
                  for r, h in enumerate(hs)]
         return parts[0] if len(parts) == 1 else fan_out("logprob_worker", method, parts, lambda rs: rs[0])
 
+    def lp_each(self, method: str, *args, **kwargs) -> list[Call]:
+        """lp(method) as a list to wait on with others: empty when no log-prob workers run (a run
+        that recomputes nothing starts none)."""
+        return [self.lp(method, *args, **kwargs)] if self.logprobs else []
+
     def learn(self, method: str, *args, **kwargs) -> list[Call]:
         """The same call on every learner rank."""
         return [self.call(h, f"learner[{r}]", method, *args, **kwargs) for r, h in enumerate(self.learners)]
@@ -92,7 +97,7 @@ class Actors:
             return gens, [*senders, *lps]
         weights = self.learn("full_weights")
         return ([self.gen("push_weights", weights[0].ref, version)],
-                [*weights[1:], *([self.lp("push_weights", weights[0].ref, version)] if self.logprobs else [])])
+                [*weights[1:], *self.lp_each("push_weights", weights[0].ref, version)])
 
 
 def wait(calls: Call | list[Call], timeout_s: float, abort: Callable[[], bool] | None = None) -> Any:
@@ -246,7 +251,7 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
                       g.temperature, samples, r, c.learner_world_size, master, port, threads,
                       cfg.model.trust_remote_code) for r in range(c.learner_world_size)]
     actors = Actors(generators, logprobs, learners, c.actor_timeout_s, c.refit, draft_trainer=draft_trainer)
-    wait([actors.gen("ping"), *([actors.lp("ping")] if logprobs else []), *actors.learn("ping")], c.actor_timeout_s)
+    wait([actors.gen("ping"), *actors.lp_each("ping"), *actors.learn("ping")], c.actor_timeout_s)
     names = {**{f"generator[{e}]": h for e, h in enumerate(generators)},
              **{f"logprob_worker[{r}]": h for r, h in enumerate(logprobs)},
              **{f"learner[{r}]": h for r, h in enumerate(learners)}}
