@@ -25,3 +25,14 @@ def build_train_batch(rollouts: RolloutBatch, advantages: torch.Tensor, sample_w
     return TrainBatch(input_ids, attention, loss_mask, advantages.float(), behaviour,
                       policy_version=rollouts.policy_version,
                       prompt_lengths=torch.tensor([len(p) for p in rollouts.prompt_ids]))
+
+
+def micro_batches(attention_mask: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
+    """Row indices of each micro-batch of `size` rows, longest rows first, and the width (input
+    positions) its longest row needs. A right-padded row's positions before that width attend to
+    the same tokens whatever follows, so cutting the padding changes no log-prob; it only stops
+    every micro-batch from paying for the step's single longest rollout. The losses' denominators
+    are the whole step's, so how rows are grouped does not change the summed loss or gradient."""
+    lengths = attention_mask.sum(dim=1)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    return [(idx, int(lengths[idx].max())) for idx in order.split(size)]

@@ -91,12 +91,21 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def rows(self, idx: slice | torch.Tensor, width: int | None = None) -> "TrainBatch":
+        """Rows idx, cut to the first `width` input positions (None: all): the padding past the
+        longest chosen row is dropped."""
+        t_cols = slice(None, None if width is None else width - 1)
+
+        def pick(t, cols=t_cols):
+            return None if t is None else t[idx][:, cols]
+
+        return TrainBatch(pick(self.input_ids, slice(width)), pick(self.attention_mask, slice(width)),
+                          pick(self.loss_mask), self.advantages[idx], pick(self.behaviour_logprobs),
+                          pick(self.old_logprobs), pick(self.ref_logprobs), self.policy_version,
+                          None if self.prompt_lengths is None else self.prompt_lengths[idx])
+
     def shard(self, rank: int, world: int) -> "TrainBatch":
-        sl = slice(rank * len(self) // world, (rank + 1) * len(self) // world)
-        pick = lambda t: None if t is None else t[sl]  # noqa: E731
-        return TrainBatch(self.input_ids[sl], self.attention_mask[sl], self.loss_mask[sl],
-                          self.advantages[sl], self.behaviour_logprobs[sl], pick(self.old_logprobs),
-                          pick(self.ref_logprobs), self.policy_version, pick(self.prompt_lengths))
+        return self.rows(slice(rank * len(self) // world, (rank + 1) * len(self) // world))
 
 
 @dataclass

@@ -109,17 +109,19 @@ def _captured_batch(seed: int):
                       capture={"layer_ids": [1, 2, 3], "topk": 8})
     plain = w._run(w.policy, batch)
     captured, _ = w.compute_logprobs(batch)
-    return plain, captured, w.take_features(), w, prompts
+    return plain, captured, w.take_features(), w, prompts, batch
 
 
 def test_capture_keeps_logprobs_and_the_draft_state_round_trips(tmp_path):
     from rlspec.config import OnlineDraftConfig
     from rlspec.workers.draft_trainer import DraftTrainer
 
-    plain, captured, feats, worker, prompts = _captured_batch(0)
+    plain, captured, feats, worker, prompts, batch = _captured_batch(0)
     assert torch.equal(plain, captured)  # the capturing forward pass changes no log-prob bit
     assert len(feats) == 2 and feats[0]["aux_hidden"].shape[-1] == 3 * 256 and worker.take_features() == []
-    assert feats[0]["loss_from"] == [len(p) for p in prompts[:4]]  # micro-batches of 4
+    from rlspec.batching import micro_batches
+    first = micro_batches(batch.attention_mask, 4)[0][0]  # micro-batches of 4, longest rows first
+    assert feats[0]["loss_from"] == [len(prompts[i]) for i in first]
     cfg = OnlineDraftConfig(enabled=True, batch_size=4)
     policy = str(ROOT / "rlspec" / "assets" / "tiny" / "policy")
     a = DraftTrainer(str(ROOT / "rlspec" / "assets" / "tiny" / "eagle3"), policy, cfg, 3, seed=0, threads=1)

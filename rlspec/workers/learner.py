@@ -9,6 +9,7 @@ import torch
 
 from rlspec.algo import behaviour_weights, merge_weight_sums, policy_loss, weight_sums
 from rlspec.algo.logprobs import sequence_logprobs
+from rlspec.batching import micro_batches
 from rlspec.algo.losses import LossInputs
 from rlspec.config import AlgoConfig, TrainerConfig
 from rlspec.engines.deepspeed_engine import init_distributed, make_engine
@@ -56,27 +57,26 @@ class Learner:
             return {"loss": float("nan")}, {"skipped": 1.0, "grad_norm": float("nan"), "lr": float(self.sched.get_last_lr()[0]),
                                             "micro_batches": 0.0, "seconds": time.perf_counter() - t0}
         self.engine.train()
-        mbs, sums = self.trainer.micro_batch_size, defaultdict(float)
-        n_micro = len(batch) // mbs
-        for i in range(0, len(batch), mbs):
-            sl = slice(i, i + mbs)
-            logp, ent = sequence_logprobs(self.engine, batch.input_ids[sl], batch.attention_mask[sl],
+        sums, chunks = defaultdict(float), micro_batches(batch.attention_mask, self.trainer.micro_batch_size)
+        for idx, width in chunks:
+            mb = batch.rows(idx, width)
+            logp, ent = sequence_logprobs(self.engine, mb.input_ids, mb.attention_mask,
                                           self.temperature, with_entropy=True)
             # The ratio is taken against the proximal policy: the current weights, before this
             # step's update. The batch gets exactly this one optimizer step (the weights do not move
             # between micro-batches), so without a recompute the proximal policy is this forward
             # pass, detached. The behaviour weight corrects for the older weights that sampled the
             # tokens (none: weight 1).
-            old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs[sl]
-            behav, cap = batch.behaviour_logprobs[sl], self.algo.behaviour_weight_cap
-            weight, mask = behaviour_weights(old, behav, batch.loss_mask[sl], self.correction, cap)
-            resp = batch.loss_mask[sl] != 0  # sampler vs learner log-probs, as the loop reports them
+            old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
+            behav, cap = mb.behaviour_logprobs, self.algo.behaviour_weight_cap
+            weight, mask = behaviour_weights(old, behav, mb.loss_mask, self.correction, cap)
+            resp = mb.loss_mask != 0  # sampler vs learner log-probs, as the loop reports them
             sums["mismatch_sum"] += float((behav - logp.detach()).abs()[resp].sum())
             sums["mismatch_tokens"] += float(resp.sum())
             # pi_prox / pi_behav, reported whatever the correction
-            sums.update(merge_weight_sums(sums, weight_sums(old, behav, batch.loss_mask[sl], cap)))
-            x = LossInputs(logp=logp, old_logp=old, advantages=batch.advantages[sl],
-                           mask=mask, ref_logp=None if batch.ref_logprobs is None else batch.ref_logprobs[sl],
+            sums.update(merge_weight_sums(sums, weight_sums(old, behav, mb.loss_mask, cap)))
+            x = LossInputs(logp=logp, old_logp=old, advantages=mb.advantages,
+                           mask=mask, ref_logp=mb.ref_logprobs,
                            weight=None if self.correction == "none" else weight)
             loss, metrics = policy_loss(self.algo.loss, x, clip_low=self.algo.clip_low,
                                         clip_high=self.algo.clip_high, kl_coef=self.algo.kl_coef,
@@ -100,7 +100,7 @@ class Learner:
             raise FloatingPointError("non-finite gradient under ZeRO stage 0 and the update was applied; "
                                      "resume from the last checkpoint")
         stats = {"skipped": float(skipped), "grad_norm": grad_norm,
-                 "lr": float(self.sched.get_last_lr()[0]), "micro_batches": float(n_micro),
+                 "lr": float(self.sched.get_last_lr()[0]), "micro_batches": float(len(chunks)),
                  "seconds": time.perf_counter() - t0}
         self.policy_version += 1
         return dict(sums), stats

@@ -6,6 +6,7 @@ import copy
 import torch
 
 from rlspec.algo.logprobs import sequence_logprobs, token_logprobs
+from rlspec.batching import micro_batches
 from rlspec.messages import TrainBatch
 
 
@@ -33,10 +34,11 @@ class LogprobWorker:
 
     @torch.no_grad()
     def _run(self, model, batch: TrainBatch) -> torch.Tensor:
-        out = [sequence_logprobs(model, batch.input_ids[i: i + self.mbs],
-                                 batch.attention_mask[i: i + self.mbs], self.temperature)
-               for i in range(0, len(batch), self.mbs)]
-        return torch.cat(out) * (batch.loss_mask != 0)  # [N, T], zero off the response
+        out = torch.zeros(batch.loss_mask.shape)
+        for idx, width in micro_batches(batch.attention_mask, self.mbs):
+            mb = batch.rows(idx, width)
+            out[idx, : width - 1] = sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature)
+        return out * (batch.loss_mask != 0)  # [N, T], zero off the response
 
     @torch.no_grad()
     def _run_capturing(self, batch: TrainBatch) -> torch.Tensor:
@@ -44,18 +46,18 @@ class LogprobWorker:
         hidden states; the draft's features are kept aside (compact dtypes), nothing else changes."""
         from rlspec.draft.capture import features_from_output
 
-        out, self.features = [], []
-        for i in range(0, len(batch), self.mbs):
-            ids, mask = batch.input_ids[i: i + self.mbs], batch.attention_mask[i: i + self.mbs]
+        out, self.features = torch.zeros(batch.loss_mask.shape), []
+        for idx, width in micro_batches(batch.attention_mask, self.mbs):
+            mb = batch.rows(idx, width)
+            ids, mask = mb.input_ids, mb.attention_mask
             o = self.policy(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
-            out.append(token_logprobs(o.logits[:, :-1], ids[:, 1:], self.temperature))
+            out[idx, : width - 1] = token_logprobs(o.logits[:, :-1], ids[:, 1:], self.temperature)
             f = features_from_output(o, self.capture["layer_ids"], self.capture["topk"], self.temperature,
                                      out_dtype=torch.bfloat16)
             self.features.append({"ids": ids.clone(), "mask": mask.bool(), "aux_hidden": f.aux_hidden,
                                   "topk_ids": f.topk_ids.to(torch.int32), "topk_logp": f.topk_logp.to(torch.float16),
-                                  "loss_from": batch.prompt_lengths[i: i + self.mbs].tolist(),
-                                  "policy_version": self.policy_version})
-        return torch.cat(out) * (batch.loss_mask != 0)
+                                  "loss_from": mb.prompt_lengths.tolist(), "policy_version": self.policy_version})
+        return out * (batch.loss_mask != 0)
 
     def compute_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([N, T] current-policy log-probs, [N, T] reference log-probs or None)."""
