@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -23,6 +24,7 @@ from rlspec.config import ConfigError, RLSpecConfig, register_configs, resolve_a
 from rlspec.data.loading import DataError, PromptSet, load_prompts
 from rlspec.models import ModelError, load_tokenizer, resolve_checkpoint
 from rlspec.preemption import EXIT_NUMERICAL, EXIT_PREEMPTED, NumericalDivergence, Preempted
+from rlspec.rewards import preload as preload_reward
 from rlspec.speculation import check_draft
 from rlspec.workers.cluster import ActorFailure
 
@@ -57,13 +59,10 @@ def load_data(cfg: RLSpecConfig, tokenizer) -> tuple[PromptSet, PromptSet]:
 
 
 def train(cfg: RLSpecConfig, run_dir: str) -> dict:
-    """Resolve models and data (failing before Ray starts), then run the loop on Ray actors;
+    """Resolve models and data (failing before any actor starts), then run the loop on Ray actors;
     after an actor failure, restart everything from the latest checkpoint up to
     cluster.max_restarts times."""
-    from rlspec.checkpoint import resolve_resume
-    from rlspec.metrics import RunLog
     from rlspec.preemption import StopRequest
-    from rlspec.sync_loop import Context, run
     from rlspec.workers.cluster import RayCluster, launch_actors, wait
 
     validate(cfg)
@@ -82,9 +81,28 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
     tok_dir = resolve_checkpoint(cfg.model.tokenizer, "model.tokenizer") if cfg.model.tokenizer else model_dir
     draft_dir = resolve_checkpoint(cfg.speculation.model, "speculation.model") if cfg.speculation.model else None
     check_draft(cfg.speculation, model_dir, draft_dir)
-    tokenizer = load_tokenizer(tok_dir, "model.tokenizer" if cfg.model.tokenizer else "model.path",
-                               cfg.model.trust_remote_code)
-    train_set, val_set = load_data(cfg, tokenizer)
+
+    def read_inputs():
+        tok = load_tokenizer(tok_dir, "model.tokenizer" if cfg.model.tokenizer else "model.path",
+                             cfg.model.trust_remote_code)
+        preload_reward(cfg.data.reward)
+        return (tok, *load_data(cfg, tok))
+
+    # The driver reads the tokenizer and data (and imports torch) while Ray starts, which is
+    # mostly a wait on Ray's own processes; bad data still fails before any actor starts.
+    cluster = RayCluster(cfg)
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(read_inputs)
+        try:
+            cluster.open()
+            tokenizer, train_set, val_set = reading.result()
+        except BaseException:
+            cluster.close()
+            raise
+    from rlspec.checkpoint import resolve_resume
+    from rlspec.metrics import RunLog
+    from rlspec.sync_loop import Context, run
+
     ckpt_root = cfg.trainer.checkpoint_dir or os.path.join(run_dir, "checkpoints")
     resume = resolve_resume(cfg.trainer.resume, ckpt_root)
     runlog = RunLog(run_dir, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
@@ -94,7 +112,7 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
     stop, restarts = StopRequest(), 0
     while True:
         try:
-            with RayCluster(cfg):
+            with cluster:
                 stop.install()  # after ray.init, which installs handlers of its own
                 actors = launch_actors(cfg, model_dir, tok_dir, draft_dir)
                 runlog.notes["placement"] = actors.nodes  # actor -> Ray node ID, as Ray reports it
@@ -110,6 +128,7 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
             if restarts >= cfg.cluster.max_restarts:
                 raise
             restarts += 1
+            cluster = RayCluster(cfg)
             runlog.notes["restarts"] = restarts
             resume = resolve_resume("auto", ckpt_root)
             print(f"rlspec: actor failure: {e}; restart {restarts}/{cfg.cluster.max_restarts} from "

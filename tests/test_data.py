@@ -1,6 +1,11 @@
+import glob
 import json
+import subprocess
+import sys
 
 import pytest
+
+from conftest import ROOT
 
 from rlspec.config import DatasetConfig, SyntheticConfig
 from rlspec.data.loading import DataError, PromptSampler, load_prompts, normalise_row
@@ -75,6 +80,22 @@ def test_bad_row_errors_name_file_and_row(tmp_path, tokenizer, row, line, what):
     with pytest.raises(DataError) as e:
         load(DatasetConfig(source=str(f)), tokenizer, on_bad_row="error")
     assert str(f) in str(e.value) and "row 2" in str(e.value) and what in str(e.value)
+
+
+def test_cli_bad_row_exits_2_naming_it_and_stops_the_ray_it_started(tmp_path):
+    """The driver reads data while Ray starts: a bad row still ends the run with exit 2 before any
+    actor starts, and the Ray it brought up is shut down with its session directory."""
+    f = tmp_path / "d.jsonl"
+    write_jsonl(f, [BAD_ROWS[0], BAD_ROWS[5]])
+    before = set(glob.glob("/tmp/rlspec-ray-*"))
+    p = subprocess.run([sys.executable, "-m", "rlspec.train", f"data.train.source={f}", "data.on_bad_row=error",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"{f}, row 2: invalid JSON" in p.stderr and "data.on_bad_row=error" in p.stderr
+    assert "Generator" not in p.stdout + p.stderr and "Learner" not in p.stdout + p.stderr
+    assert set(glob.glob("/tmp/rlspec-ray-*")) <= before  # session directory removed
+    left = subprocess.run(["pgrep", "-f", "rlspec-ray-"], capture_output=True, text=True).stdout.split()
+    assert not left, left
 
 
 def test_parquet_and_saved_dataset_load_through_datasets(tmp_path, tokenizer):
