@@ -59,8 +59,10 @@ def peer_section(path: Path) -> list[str]:
     if peer is not None and best is not None and peer["time_to_target"] is not None:
         start = best["curve"][0]["seconds"] - peer["curve"][0]["seconds"]
         gap = best["time_to_target"] - peer["time_to_target"]
-        when = lambda d: f"{abs(d):.0f} s {'later' if d > 0 else 'earlier'} than TRL"  # noqa: E731
-        share = f"{min(max(start / gap, 0.0), 1.0) * 100:.0f}% of the gap is start-up" if gap > 0 else "no gap"
+        when = lambda d: ("within 1 s of TRL (a tie)" if abs(d) < 1 else  # noqa: E731
+                          f"{abs(d):.0f} s {'later' if d > 0 else 'earlier'} than TRL")
+        share = (f"{min(max(start / gap, 0.0), 1.0) * 100:.0f}% of the gap is start-up" if gap >= 1 else
+                 f"the shorter steps made up the {start:.0f} s start-up gap" if abs(gap) < 1 and start > 0 else "no gap")
         out += [f"Reading: rlspec's best mode ({best['mode']}) reached the target {when(gap)} "
                 f"({best['time_to_target_ratio_vs_peer']:.2f}x TRL's speed to it), at step {best['step_to_target']} "
                 f"against TRL's step {peer['step_to_target']}. Its first validation came {when(start)} (start-up) "
