@@ -6,7 +6,6 @@ import sys
 import pytest
 
 from conftest import ROOT
-
 from rlspec.config import DatasetConfig, SyntheticConfig
 from rlspec.data.loading import DataError, PromptSampler, load_prompts, normalise_row
 from rlspec.data.synthetic import Problem, is_heldout, make_split, solution
