@@ -253,6 +253,11 @@ class TrainerConfig:
     warmup_steps: int = 0
     # Samples per learner forward/backward; gradient accumulation covers the rest of the batch.
     micro_batch_size: int = 64
+    # Forward each distinct prompt of a micro-batch once and the responses against its KV cache
+    # (rlspec.algo.logprobs.shared_prompt_forward): the same log-probs and gradients for the
+    # compute of one prompt per group. Off, or a model with sliding-window or recurrent layers:
+    # every row is forwarded whole.
+    shared_prompt_forward: bool = True
     zero_stage: int = 1
     # Save the final policy (Hugging Face format) to <run dir>/final.
     save_final: bool = True

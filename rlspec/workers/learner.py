@@ -8,7 +8,7 @@ from collections import defaultdict
 import torch
 
 from rlspec.algo import behaviour_weights, merge_weight_sums, policy_loss, weight_sums
-from rlspec.algo.logprobs import sequence_logprobs
+from rlspec.algo.logprobs import prompt_cache_supported, sequence_logprobs
 from rlspec.batching import micro_batches
 from rlspec.algo.losses import LossInputs
 from rlspec.config import AlgoConfig, TrainerConfig
@@ -39,6 +39,7 @@ class Learner:
         self.rank, self.world_size = rank, world_size
         model = load_causal_lm(model_path, trust_remote_code=trust_remote_code)
         model.config.use_cache = False
+        self.shared_prompts = trainer.shared_prompt_forward and prompt_cache_supported(model)
         self.engine, self.sched = make_engine(model, trainer, samples_per_step, world_size)
         self.policy_version = 0
 
@@ -60,8 +61,9 @@ class Learner:
         sums, chunks = defaultdict(float), micro_batches(batch.attention_mask, self.trainer.micro_batch_size)
         for idx, width in chunks:
             mb = batch.rows(idx, width)
-            logp, ent = sequence_logprobs(self.engine, mb.input_ids, mb.attention_mask,
-                                          self.temperature, with_entropy=True)
+            logp, ent = sequence_logprobs(self.engine, mb.input_ids, mb.attention_mask, self.temperature,
+                                          with_entropy=True,
+                                          prompt_lengths=mb.prompt_lengths if self.shared_prompts else None)
             # The ratio is taken against the proximal policy: the current weights, before this
             # step's update. The batch gets exactly this one optimizer step (the weights do not move
             # between micro-batches), so without a recompute the proximal policy is this forward
