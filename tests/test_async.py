@@ -87,3 +87,19 @@ def test_checkpoint_rewinds_prefetched_prompts_and_resume_finishes(tmp_path):
     recs = records(run)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
     assert [r["policy_lag_max"] for r in recs] == [0, 1, 0, 1, 1]  # the resume starts on-policy
+
+
+def test_actors_sleep_at_once_only_when_async_oversubscribes_the_cores():
+    """OMP_WAIT_POLICY=PASSIVE for the local actors when async GRPO runs more torch threads than
+    cores; the synchronous loop keeps OpenMP's spin-wait."""
+    from rlspec.config import RLSpecConfig
+    from rlspec.workers.cluster import actor_threads, local_actor_env
+
+    cfg = RLSpecConfig()
+    cfg.cluster.num_cpus, cfg.cluster.generator_threads = 2, 1
+    assert actor_threads(cfg) == 3  # the engine's 1 and the learner's 2 (no log-prob worker)
+    assert "OMP_WAIT_POLICY" not in local_actor_env(cfg)
+    cfg.async_grpo.enabled = True
+    assert local_actor_env(cfg)["OMP_WAIT_POLICY"] == "PASSIVE"
+    cfg.cluster.num_cpus = 3  # a core for every thread: nothing to wait on
+    assert "OMP_WAIT_POLICY" not in local_actor_env(cfg)
