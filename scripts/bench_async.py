@@ -157,7 +157,7 @@ def main() -> None:
             runs.append(run_cell(name, [*a.overrides, *cell, *extra], seed, a.steps, work, a.timeout))
     rows = summarise(runs)
     result = {"steps": a.steps, "seeds": a.seeds, "overrides": a.overrides, "async_overrides": a.async_set,
-              "cells": CELLS, "cpu_count": os.cpu_count(), "rows": rows, "runs": runs}
+              "cells": {n: CELLS[n] for n in a.cells}, "cpu_count": os.cpu_count(), "rows": rows, "runs": runs}
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows))
     print(f"wrote {a.out}")
