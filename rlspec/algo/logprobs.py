@@ -59,15 +59,17 @@ def shared_prompt_forward(model, input_ids: torch.Tensor, attention_mask: torch.
     input_ids, attention_mask [B, W] right-padded prompt + response; prompt_lengths [B].
     Returns (logits [B, R, V] predicting each response token, the response tokens [B, R], and
     place: [B, R] values -> the [B, W-1] grid of sequence_logprobs, 0 off the response)."""
-    B, W = input_ids.shape
-    pl = prompt_lengths.to(torch.long)
+    (B, W), dev = input_ids.shape, input_ids.device
+    pl = prompt_lengths.to(device=dev, dtype=torch.long)
     rows: dict[tuple[int, ...], int] = {}
-    inv = torch.tensor([rows.setdefault(tuple(input_ids[i, : pl[i]].tolist()), len(rows)) for i in range(B)])
+    lengths = pl.tolist()
+    inv = torch.tensor([rows.setdefault(tuple(input_ids[i, : lengths[i]].tolist()), len(rows)) for i in range(B)],
+                       device=dev)
     width = max(map(len, rows))
-    ids_p = torch.zeros(len(rows), width, dtype=torch.long)
-    mask_p = torch.zeros(len(rows), width, dtype=torch.long)
+    ids_p = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+    mask_p = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
     for prompt, u in rows.items():  # left-padded, so every prompt's last token sits in the last column
-        ids_p[u, width - len(prompt):] = torch.tensor(prompt)
+        ids_p[u, width - len(prompt):] = torch.tensor(prompt, device=dev)
         mask_p[u, width - len(prompt):] = 1
     out = model(input_ids=ids_p, attention_mask=mask_p, position_ids=(mask_p.cumsum(1) - 1).clamp(min=0),
                 use_cache=True)
@@ -75,18 +77,18 @@ def shared_prompt_forward(model, input_ids: torch.Tensor, attention_mask: torch.
     cache.batch_select_indices(inv)
     resp_len = attention_mask.sum(1) - pl
     R = max(int(resp_len.max()), 1)
-    steps = torch.arange(R)
+    steps = torch.arange(R, device=dev)
     resp_mask = (steps < resp_len[:, None]).long()
     resp_ids = input_ids.gather(1, (pl[:, None] + steps).clamp(max=W - 1)) * resp_mask
-    first = out.logits[inv, -1:]  # the prompt's last position predicts the first response token
+    logits = out.logits[inv, -1:]  # the prompt's last position predicts the first response token
     if R > 1:
         rest = model(input_ids=resp_ids[:, :-1], attention_mask=torch.cat([mask_p[inv], resp_mask[:, :-1]], 1),
                      position_ids=pl[:, None] + steps[:-1], past_key_values=cache, use_cache=False).logits
-        first = torch.cat([first, rest], 1)
+        logits = torch.cat([logits, rest], 1)
     cols = pl[:, None] - 1 + steps  # response token j of row i is predicted at position pl_i - 1 + j
 
     def place(values: torch.Tensor) -> torch.Tensor:
-        grid = torch.zeros(B, W - 1 + R, dtype=values.dtype)  # room for the padding's columns, cut off
+        grid = torch.zeros(B, W - 1 + R, dtype=values.dtype, device=dev)  # room for padding's columns, cut off
         return grid.scatter(1, cols, values * resp_mask)[:, : W - 1]
 
-    return first, resp_ids, place
+    return logits, resp_ids, place
