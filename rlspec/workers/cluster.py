@@ -95,9 +95,9 @@ class Actors:
         (the Generator's part, the learners' and log-prob workers' part)."""
         if self.refit_mode == "broadcast":
             senders = self.learn("broadcast_weights", version)  # submitted first, as every receiver joins it
-            gens = [self.call(h, f"generator[{e}]", "receive_weights", version) for e, h in enumerate(self.generators)]
-            lps = [self.call(h, f"logprob_worker[{r}]", "receive_weights", version) for r, h in enumerate(self.logprobs)]
-            return gens, [*senders, *lps]
+            # named as every other call names them ("generator" when there is one engine), so a
+            # dead engine reads the same whichever call finds it
+            return [self.gen("receive_weights", version)], [*senders, *self.lp_each("receive_weights", version)]
         weights = self.learn("full_weights")
         return ([self.gen("push_weights", weights[0].ref, version)],
                 [*weights[1:], *self.lp_each("push_weights", weights[0].ref, version)])
