@@ -92,10 +92,11 @@ class AlgoConfig:
     # Overlong filtering (DAPO): truncated responses get no loss.
     overlong_filter: bool = False
     # Off-policy correction for rollouts sampled by older weights (rlspec/algo/offpolicy.py):
+    # behaviour_ppo (the PPO ratio and its clip taken against the sampler's log-probs pi_behav),
     # decoupled_ppo (ratio against the proximal policy, i.e. the current weights' log-probs,
     # times the behaviour weight pi_prox/pi_behav; tokens whose weight exceeds
     # behaviour_weight_cap get no loss), tis (the same weight truncated to the cap), none, or
-    # auto: decoupled_ppo when async_grpo runs with max_policy_lag >= 1, none otherwise.
+    # auto: behaviour_ppo when async_grpo runs with max_policy_lag >= 1, none otherwise.
     off_policy_correction: str = "auto"
     behaviour_weight_cap: float = 2.0
     # Recompute the rollouts' log-probs under the current weights on the LogprobWorker before the
@@ -318,7 +319,7 @@ def off_policy_correction(cfg: RLSpecConfig) -> str:
     if c != "auto":
         return c
     q = cfg.async_grpo
-    return "decoupled_ppo" if q.enabled and q.max_policy_lag >= 1 else "none"
+    return "behaviour_ppo" if q.enabled and q.max_policy_lag >= 1 else "none"
 
 
 def recompute_logprobs(cfg: RLSpecConfig) -> bool:

@@ -89,11 +89,13 @@ def test_skipped_recompute_trains_like_the_recompute(tmp_path):
     Run asynchronously with lag 1: step 1 is on-policy, and step s > 1 trains on rollouts sampled by
     the weights before step s-1's update, so its decoupled-PPO behaviour weights pi_prox / pi_behav
     are taken from that forward pass (here step 1 has no update, every group agreeing, so step 3 is
-    the first off-policy one)."""
+    the first off-policy one). decoupled_ppo is named: it is the correction that takes both the
+    ratio and the weight from the proximal policy."""
     recs = {}
     for name, extra in (("skip", []), ("recompute", ["algo.recompute_logprobs=true"])):
         p = subprocess.run([sys.executable, "-m", "rlspec.train", *SMALL, "trainer.val_every=0", *extra,
-                            "trainer.max_steps=3", "async_grpo.enabled=true", "trainer.save_final=false", "logging.plot=false",
+                            "trainer.max_steps=3", "async_grpo.enabled=true", "algo.off_policy_correction=decoupled_ppo",
+                            "trainer.save_final=false", "logging.plot=false",
                             "logging.wandb_mode=disabled", f"hydra.run.dir={tmp_path / name}"],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]

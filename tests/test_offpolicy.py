@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from rlspec.algo import behaviour_weights, merge_weight_sums, policy_loss, weight_stats, weight_sums
+from rlspec.algo import (behaviour_weights, merge_weight_sums, policy_loss, ratio_reference, weight_stats,
+                         weight_sums)
 from rlspec.algo.losses import LossInputs
 from rlspec.config import RLSpecConfig, off_policy_correction
 
@@ -33,7 +34,7 @@ def test_none_is_weight_one_and_weights_are_zero_off_the_mask():
     w, keep = behaviour_weights(PROX, BEHAV, ONES, "none", cap=1.5)
     assert close(w, [[1.0, 1.0, 1.0]]) and close(keep, [[1.0, 1.0, 1.0]])
     mask = torch.tensor([[1.0, 0.0, 1.0]])
-    for method in ("none", "decoupled_ppo", "tis"):
+    for method in ("none", "decoupled_ppo", "tis", "behaviour_ppo"):
         w, keep = behaviour_weights(PROX, BEHAV, mask, method, cap=5.0)
         assert w[0, 1] == 0 and keep[0, 1] == 0
     with pytest.raises(ValueError, match="unknown off-policy correction"):
@@ -55,8 +56,8 @@ def test_weight_stats_over_loss_tokens_merged_across_micro_batches():
 
 def _loss(logp, method, cap=1.5, adv=1.0):
     w, keep = behaviour_weights(PROX, BEHAV, ONES, method, cap)
-    x = LossInputs(logp=logp, old_logp=PROX, advantages=torch.tensor([adv]), mask=keep,
-                   weight=None if method == "none" else w)
+    x = LossInputs(logp=logp, old_logp=ratio_reference(PROX, BEHAV, method), advantages=torch.tensor([adv]),
+                   mask=keep, weight=None if method in ("none", "behaviour_ppo") else w)
     return policy_loss("grpo", x, clip_low=0.2, clip_high=0.28, kl_coef=0.0, agg="token_mean",
                        num_tokens=3.0, num_seqs=1.0)[0].item()
 
@@ -76,11 +77,34 @@ def test_behaviour_weight_multiplies_the_clipped_surrogate():
     assert _loss(logp, "tis", adv=-1.0) == pytest.approx((1.5 + 1.5 * 0.4 + 1.0) / 3)
 
 
+def test_behaviour_ppo_clips_the_ratio_against_the_sampler():
+    assert torch.equal(ratio_reference(PROX, BEHAV, "behaviour_ppo"), BEHAV)
+    assert torch.equal(ratio_reference(PROX, BEHAV, "decoupled_ppo"), PROX)
+    w, keep = behaviour_weights(PROX, BEHAV, ONES, "behaviour_ppo", cap=1.5)
+    assert close(w, [[1.0, 1.0, 1.0]]) and close(keep, [[1.0, 1.0, 1.0]])
+    # At pi_theta = pi_prox the ratios are pi_prox / pi_behav = 2, 0.4, 1. A = +1: token 1 is
+    # clipped at 1.28, token 2 (0.4, below 1 - 0.2) is not clipped for a positive advantage.
+    assert _loss(PROX, "behaviour_ppo") == pytest.approx(-(1.28 + 0.4 + 1.0) / 3)
+    # A = -1: token 2 is clipped at 0.8; token 1 keeps its ratio 2 (no upper clip for A < 0).
+    assert _loss(PROX, "behaviour_ppo", adv=-1.0) == pytest.approx((2.0 + 0.8 + 1.0) / 3)
+    # The clipped token gets no gradient: the weights have already moved it past the trust region.
+    for adv, clipped in ((1.0, 0), (-1.0, 1)):
+        logp = PROX.clone().requires_grad_(True)
+        x = LossInputs(logp=logp, old_logp=BEHAV, advantages=torch.tensor([adv]), mask=ONES)
+        policy_loss("grpo", x, clip_low=0.2, clip_high=0.28, kl_coef=0.0, agg="token_mean",
+                    num_tokens=3.0, num_seqs=1.0)[0].backward()
+        grad = logp.grad[0]
+        assert grad[clipped] == 0 and all(grad[i] != 0 for i in range(3) if i != clipped)
+        # unclipped tokens: d/dlogp of -A * ratio / 3 = -A * ratio / 3
+        ratio = [2.0, 0.4, 1.0]
+        assert all(grad[i].item() == pytest.approx(-adv * ratio[i] / 3) for i in range(3) if i != clipped)
+
+
 def test_auto_correction_follows_the_async_config():
     cfg = RLSpecConfig()
     assert off_policy_correction(cfg) == "none"
     cfg.async_grpo.enabled = True
-    assert off_policy_correction(cfg) == "decoupled_ppo"
+    assert off_policy_correction(cfg) == "behaviour_ppo"
     cfg.async_grpo.max_policy_lag = 0
     assert off_policy_correction(cfg) == "none"
     cfg.algo.off_policy_correction = "tis"

@@ -10,12 +10,17 @@ w = pi_prox / pi_behav that multiplies the policy-gradient term:
 - decoupled_ppo (AReaL, arXiv 2505.24298): w as is; tokens with w > cap carry no loss.
 - tis (truncated importance sampling): min(w, cap); every token keeps its loss.
 - none: w = 1 (plain PPO against pi_prox).
+
+behaviour_ppo takes the ratio against pi_behav instead (`ratio_reference`), with weight 1: the
+ratio then starts at pi_prox / pi_behav, and PPO's clip stops pushing a token further once the
+weights since the sampler have already moved it past the clip range in its advantage's
+direction, a trust region measured from the policy that sampled the batch.
 """
 from __future__ import annotations
 
 import torch
 
-CORRECTIONS = ("none", "decoupled_ppo", "tis")
+CORRECTIONS = ("none", "decoupled_ppo", "tis", "behaviour_ppo")
 
 
 def importance_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor) -> torch.Tensor:
@@ -23,12 +28,17 @@ def importance_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor) -> tor
     return torch.exp((prox_logp - behav_logp).clamp(-20.0, 20.0))
 
 
+def ratio_reference(prox_logp: torch.Tensor, behav_logp: torch.Tensor, method: str) -> torch.Tensor:
+    """[B, T] log-probs the PPO ratio is taken against: pi_behav for behaviour_ppo, else pi_prox."""
+    return behav_logp if method == "behaviour_ppo" else prox_logp
+
+
 def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
                       method: str, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight [B, T], mask [B, T]): the factor on each token's policy-gradient term and the
     tokens that keep their loss. Both are zero off `mask`."""
     m = mask.float()
-    if method == "none":
+    if method in ("none", "behaviour_ppo"):
         return m, m
     w = importance_weights(prox_logp, behav_logp) * m
     if method == "decoupled_ppo":

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from rlspec.algo import behaviour_weights, merge_weight_sums, policy_loss, weight_sums
+from rlspec.algo import behaviour_weights, merge_weight_sums, policy_loss, ratio_reference, weight_sums
 from rlspec.algo.logprobs import prompt_cache_supported, sequence_logprobs
 from rlspec.batching import micro_batches
 from rlspec.algo.losses import LossInputs
@@ -64,22 +64,23 @@ class Learner:
             logp, ent = sequence_logprobs(self.engine, mb.input_ids, mb.attention_mask, self.temperature,
                                           with_entropy=True,
                                           prompt_lengths=mb.prompt_lengths if self.shared_prompts else None)
-            # The ratio is taken against the proximal policy: the current weights, before this
-            # step's update. The batch gets exactly this one optimizer step (the weights do not move
-            # between micro-batches), so without a recompute the proximal policy is this forward
-            # pass, detached. The behaviour weight corrects for the older weights that sampled the
-            # tokens (none: weight 1).
-            old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
+            # The proximal policy is the current weights, before this step's update. The batch
+            # gets exactly this one optimizer step (the weights do not move between micro-batches),
+            # so without a recompute it is this forward pass, detached. The ratio is taken against
+            # it (behaviour_ppo: against the sampler's log-probs), and the behaviour weight corrects
+            # for the older weights that sampled the tokens (none, behaviour_ppo: weight 1).
+            prox = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
             behav, cap = mb.behaviour_logprobs, self.algo.behaviour_weight_cap
-            weight, mask = behaviour_weights(old, behav, mb.loss_mask, self.correction, cap)
+            old = ratio_reference(prox, behav, self.correction)
+            weight, mask = behaviour_weights(prox, behav, mb.loss_mask, self.correction, cap)
             resp = mb.loss_mask != 0  # sampler vs learner log-probs, as the loop reports them
             sums["mismatch_sum"] += float((behav - logp.detach()).abs()[resp].sum())
             sums["mismatch_tokens"] += float(resp.sum())
             # pi_prox / pi_behav, reported whatever the correction
-            sums.update(merge_weight_sums(sums, weight_sums(old, behav, mb.loss_mask, cap)))
+            sums.update(merge_weight_sums(sums, weight_sums(prox, behav, mb.loss_mask, cap)))
             x = LossInputs(logp=logp, old_logp=old, advantages=mb.advantages,
                            mask=mask, ref_logp=mb.ref_logprobs,
-                           weight=None if self.correction == "none" else weight)
+                           weight=None if self.correction in ("none", "behaviour_ppo") else weight)
             loss, metrics = policy_loss(self.algo.loss, x, clip_low=self.algo.clip_low,
                                         clip_high=self.algo.clip_high, kl_coef=self.algo.kl_coef,
                                         agg=self.algo.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
