@@ -57,7 +57,7 @@ def test_weight_stats_over_loss_tokens_merged_across_micro_batches():
 def _loss(logp, method, cap=1.5, adv=1.0):
     w, keep = behaviour_weights(PROX, BEHAV, ONES, method, cap)
     x = LossInputs(logp=logp, old_logp=ratio_reference(PROX, BEHAV, method), advantages=torch.tensor([adv]),
-                   mask=keep, weight=None if method in ("none", "behaviour_ppo") else w)
+                   mask=keep, weight=w)
     return policy_loss("grpo", x, clip_low=0.2, clip_high=0.28, kl_coef=0.0, agg="token_mean",
                        num_tokens=3.0, num_seqs=1.0)[0].item()
 

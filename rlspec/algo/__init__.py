@@ -7,6 +7,6 @@ from rlspec.algo.offpolicy import (CORRECTIONS, behaviour_weights, importance_we
                                    ratio_reference, weight_stats, weight_sums)
 
 __all__ = ["ADVANTAGES", "CORRECTIONS", "behaviour_weights", "importance_weights", "merge_weight_sums",
-           "ratio_reference", "weight_stats", "weight_sums", "LOSSES", "LOSS_AGGREGATIONS", "aggregate", "compute_advantages",
-           "k3_kl", "overlong_mask", "policy_loss", "register_advantage", "register_loss",
+           "ratio_reference", "weight_stats", "weight_sums", "LOSSES", "LOSS_AGGREGATIONS", "aggregate",
+           "compute_advantages", "k3_kl", "overlong_mask", "policy_loss", "register_advantage", "register_loss",
            "zero_variance_groups"]

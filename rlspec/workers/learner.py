@@ -68,7 +68,7 @@ class Learner:
             # gets exactly this one optimizer step (the weights do not move between micro-batches),
             # so without a recompute it is this forward pass, detached. The ratio is taken against
             # it (behaviour_ppo: against the sampler's log-probs), and the behaviour weight corrects
-            # for the older weights that sampled the tokens (none, behaviour_ppo: weight 1).
+            # for the older weights that sampled the tokens (none, behaviour_ppo: the mask, weight 1).
             prox = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
             behav, cap = mb.behaviour_logprobs, self.algo.behaviour_weight_cap
             old = ratio_reference(prox, behav, self.correction)
@@ -80,7 +80,7 @@ class Learner:
             sums.update(merge_weight_sums(sums, weight_sums(prox, behav, mb.loss_mask, cap)))
             x = LossInputs(logp=logp, old_logp=old, advantages=mb.advantages,
                            mask=mask, ref_logp=mb.ref_logprobs,
-                           weight=None if self.correction in ("none", "behaviour_ppo") else weight)
+                           weight=weight)
             loss, metrics = policy_loss(self.algo.loss, x, clip_low=self.algo.clip_low,
                                         clip_high=self.algo.clip_high, kl_coef=self.algo.kl_coef,
                                         agg=self.algo.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
