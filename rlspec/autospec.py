@@ -6,7 +6,8 @@ depends on how many sequences are still running (a rollout batch shrinks as sequ
 So k is chosen per batch-size bucket, from two measured things:
 - step costs t(B, k): seconds of one engine step with B running sequences drafting k tokens
   (k=0: the draft still reads the new tokens to keep its KV cache in step; OFF: no draft at all),
-  timed on the engine itself at start (`calibrate` in the Generator);
+  timed on the engine itself at start (`calibrate` in the Generator: round-robin over k,
+  median per (B, k), made non-decreasing in k);
 - acceptance: the conditional probability a_i that draft position i is accepted given the ones
   before it were, from vLLM's per-position counters after every generate call.
 Expected tokens per verification with k drafts: L(k) = 1 + sum_{i<k} prod_{j<=i} a_j; the planner
@@ -47,6 +48,18 @@ def expected_tokens(accept: list[float], k: int) -> float:
         run *= a
         total += run
     return total
+
+
+def non_decreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of a sequence (pool adjacent violators): measured
+    step costs ordered by draft length, where timing noise made a longer draft look cheaper."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
 
 
 def bucket_ranges(buckets: list[int], max_batch: int) -> list[tuple[int, int, int]]:

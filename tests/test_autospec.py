@@ -1,7 +1,7 @@
 """The adaptive draft-length planner (pure): expected tokens, bucket ranges, choice of k."""
 import pytest
 
-from rlspec.autospec import OFF, DraftLengthPlanner, bucket_ranges, expected_tokens
+from rlspec.autospec import OFF, DraftLengthPlanner, bucket_ranges, expected_tokens, non_decreasing
 
 
 def test_expected_tokens_limits():
@@ -9,6 +9,16 @@ def test_expected_tokens_limits():
     assert expected_tokens([0.0] * 5, 5) == 1.0          # none accepted: the target's own token
     assert expected_tokens([0.5, 0.5], 0) == 1.0         # k = 0
     assert expected_tokens([0.8, 0.5, 1.0], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.4)
+
+
+def test_non_decreasing_pools_the_violators_and_keeps_the_mean():
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]          # already ordered: unchanged
+    assert non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    # a noisy cheap k=2 pools back through k=1 and k=0: three equal costs at the mean of the three
+    assert non_decreasing([2.0, 2.3, 1.4, 3.0]) == pytest.approx([1.9, 1.9, 1.9, 3.0])
+    costs = [5.0, 1.0, 4.0, 2.0, 6.0]
+    fit = non_decreasing(costs)
+    assert all(a <= b for a, b in zip(fit, fit[1:])) and sum(fit) == pytest.approx(sum(costs))
 
 
 def test_bucket_ranges_cover_every_batch_size_once():

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 
 import torch
 
-from rlspec.autospec import OFF, DraftLengthPlanner, DraftPlan
+from rlspec.autospec import OFF, DraftLengthPlanner, DraftPlan, non_decreasing
 from rlspec.config import GenerationConfig, SpeculationConfig
 from rlspec.engines.vllm_engine import (engine_env, make_llm, reload_draft_weights, reload_weights,
                                          with_tied_head)
@@ -84,8 +85,8 @@ class Generator:
         if self.spec_config["method"] != "ngram":  # n-gram lookup costs nothing to skip
             self.llm.collective_rpc(_set_drafting, args=(not off,))
 
-    def _time_steps(self, prompt_ids: list[list[int]], batch: int, k: int, steps: int = 8) -> float:
-        """Median seconds of an engine decode step with `batch` sequences drafting k (or OFF)."""
+    def _time_steps(self, prompt_ids: list[list[int]], batch: int, k: int, steps: int) -> list[float]:
+        """Seconds of `steps` engine decode steps with `batch` sequences drafting k (or OFF)."""
         from vllm import SamplingParams, TokensPrompt
 
         self._set_k(OFF if k == OFF else (lambda b: k))
@@ -103,16 +104,25 @@ class Generator:
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-        decode = sorted(times[2:])  # the first step prefills, the second is the first decode
-        return decode[len(decode) // 2]
+        return times[2:]  # the first step prefills, the second is the first decode
 
-    def calibrate(self, prompt_ids: list[list[int]]) -> DraftLengthPlanner:
-        """Time engine steps at each bucket (up to the engine's max_num_seqs) for every k and OFF;
-        acceptance comes from the calls themselves."""
+    def calibrate(self, prompt_ids: list[list[int]], rounds: int = 3, steps: int = 4) -> DraftLengthPlanner:
+        """Time engine steps at each bucket (up to the engine's max_num_seqs) for every k and OFF,
+        `rounds` times round-robin so that load drift on shared cores hits every k alike; the
+        median per (bucket, k), made non-decreasing in k (a longer draft never costs less).
+        Acceptance comes from the calls themselves."""
         t0 = time.perf_counter()
         max_batch = len(self._scheduler().dynamic_sd_lookup) - 1
         buckets = [b for b in self.auto_buckets if b < max_batch] + [max_batch]
-        seconds = {(b, k): self._time_steps(prompt_ids, b, k) for b in buckets for k in [OFF, *range(self.k_max + 1)]}
+        ks = [OFF, *range(self.k_max + 1)]
+        samples: dict[tuple[int, int], list[float]] = {(b, k): [] for b in buckets for k in ks}
+        for _ in range(rounds):
+            for b, k in samples:
+                samples[(b, k)] += self._time_steps(prompt_ids, b, k, steps)
+        seconds = {}
+        for b in buckets:
+            costs = non_decreasing([statistics.median(samples[(b, k)]) for k in ks])
+            seconds.update({(b, k): c for k, c in zip(ks, costs)})
         self.calibration_seconds = time.perf_counter() - t0
         return DraftLengthPlanner(k_max=self.k_max, max_batch=max_batch, step_seconds=seconds)
 
