@@ -9,7 +9,8 @@ So k is chosen per batch-size bucket, from two measured things:
   timed on the engine itself at start (`calibrate` in the Generator: round-robin over k,
   median per (B, k), made non-decreasing in k);
 - acceptance: the conditional probability a_i that draft position i is accepted given the ones
-  before it were, from vLLM's per-position counters after every generate call.
+  before it were, from vLLM's per-position counters after every generate call (accepted over
+  reached, counts of earlier calls decayed).
 Expected tokens per verification with k drafts: L(k) = 1 + sum_{i<k} prod_{j<=i} a_j; the planner
 picks argmax_k L(k) / t(B, k) per bucket, and switches speculation off for a whole call when no
 bucket beats OFF, so a rollout never runs slower than it would without speculation.
@@ -82,7 +83,8 @@ class DraftLengthPlanner:
     max_batch: int
     step_seconds: dict[tuple[int, int], float]   # (bucket, k or OFF) -> seconds per engine step
     accept: list[float] = field(default_factory=list)  # [k_max] conditional acceptance a_i
-    ema: float = 0.5                             # weight of the newest call's acceptance
+    decay: float = 0.9   # weight left on a position's earlier counts each time it is measured again
+    counts: list[list[float]] = field(default_factory=list, repr=False)  # per position: [accepted, reached]
 
     @property
     def buckets(self) -> list[int]:
@@ -127,17 +129,24 @@ class DraftLengthPlanner:
 
     def observe(self, drafts: int, accepted_per_pos: list[int], k_min: int) -> None:
         """Update a_i from one call's counters. Only positions every draft of the call covered
-        (i < k_min, the smallest k > 0 the call's schedule used) are measured without bias."""
+        (i < k_min, the smallest k > 0 the call's schedule used) are measured without bias. a_i is
+        accepted over reached, both counted with earlier calls' counts decayed: a call of a few
+        drafts (batch 1, or the probe that alone measures the last positions) moves it by what it
+        measured, not as much as a call of thousands."""
         if drafts <= 0 or k_min <= 0:
             return
-        first = not self.accept
-        if first:
+        if not self.accept:
             self.accept = [0.0] * self.k_max
-        prev = drafts
+        if not self.counts:
+            self.counts = [[0.0, 0.0] for _ in range(self.k_max)]
+        reached = drafts
         for i in range(min(k_min, len(accepted_per_pos), self.k_max)):
-            a = accepted_per_pos[i] / prev if prev else 0.0
-            self.accept[i] = a if first else (1 - self.ema) * self.accept[i] + self.ema * a
-            prev = accepted_per_pos[i]
+            c = self.counts[i]
+            c[0] = self.decay * c[0] + accepted_per_pos[i]
+            c[1] = self.decay * c[1] + reached
+            if c[1] > 0:
+                self.accept[i] = c[0] / c[1]
+            reached = accepted_per_pos[i]
 
     def calls_k_min(self, plan: DraftPlan, batch_size: int) -> int:
         """Smallest positive k among the buckets a call starting at this batch size can pass."""

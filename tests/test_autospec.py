@@ -64,8 +64,20 @@ def test_plan_follows_acceptance():
 
 def test_observe_updates_only_positions_every_draft_covered():
     pl = _planner(lambda b, k: 1.0, [0.5, 0.5, 0.5])
-    pl.ema = 1.0
     pl.observe(drafts=100, accepted_per_pos=[80, 40, 0], k_min=2)
     assert pl.accept == [0.8, 0.5, 0.5]   # a_0 = 80/100, a_1 = 40/80, a_2 untouched (k_min = 2)
     pl.observe(drafts=0, accepted_per_pos=[0, 0, 0], k_min=3)
     assert pl.accept == [0.8, 0.5, 0.5]   # no drafts: nothing measured
+
+
+def test_observe_weighs_calls_by_their_drafts():
+    pl = _planner(lambda b, k: 1.0, [])
+    pl.observe(drafts=10000, accepted_per_pos=[9000, 8100, 0], k_min=3)
+    assert pl.accept == pytest.approx([0.9, 0.9, 0.0])
+    # a call of 8 drafts that all failed barely moves what 10000 measured (decay 0.9)
+    pl.observe(drafts=8, accepted_per_pos=[0, 0, 0], k_min=1)
+    assert pl.accept[0] == pytest.approx(8100 / 9008) and pl.accept[1:] == pytest.approx([0.9, 0.0])
+    # the counts decay: after many small calls at 0.5, the estimate follows them
+    for _ in range(60):
+        pl.observe(drafts=100, accepted_per_pos=[50, 25, 0], k_min=1)
+    assert pl.accept[0] == pytest.approx(0.5, abs=0.01)
