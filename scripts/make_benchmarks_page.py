@@ -21,21 +21,27 @@ import bench_vs_peer  # noqa: E402
 
 # bench_rollout.py writes bare records; the commands that produced the committed files:
 ROLLOUT = {
-    "rollout_default.json": ("The default experiment's pair (tiny policy and tiny draft, fp32 engine)",
-                             "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
-                             "--batch-sizes 1 8 64 256 --methods none draft_model:1 draft_model:3 draft_model:5 "
-                             "draft_model:7 draft_model:auto ngram:3 --repeats 5 --out docs/bench/rollout_default.json"),
+    "rollout_default_small.json": ("The default experiment's pair (tiny policy and tiny draft, fp32 engine), batch 1 and 8",
+                                   "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
+                                   "--batch-sizes 1 8 --methods none draft_model:1 draft_model:3 draft_model:5 "
+                                   "draft_model:7 draft_model:auto ngram:3 --repeats 31 "
+                                   "--out docs/bench/rollout_default_small.json"),
+    "rollout_default_big.json": ("The same pair at batch 64 and 256 (the default experiment's rollout batch)",
+                                 "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
+                                 "--batch-sizes 64 256 --methods none draft_model:1 draft_model:3 draft_model:5 "
+                                 "draft_model:7 draft_model:auto ngram:3 --repeats 15 "
+                                 "--out docs/bench/rollout_default_big.json"),
     "rollout_wide_small.json": ("A widened dense target (the tiny policy at 4x width and 8 layers: 101M parameters, bf16), "
-                                "batch 1 and 8",
+                                "batch 1 and 8 (measured at b8548b7, before auto's calibration and acceptance estimate took their present form)",
                                 "python scripts/bench_rollout.py --batch-sizes 1 8 --methods none draft_model:3 draft_model:5 "
                                 "draft_model:7 draft_model:auto --repeats 5 --out docs/bench/rollout_wide_small.json"),
-    "rollout_wide_big.json": ("The same widened target, batch 64 and 256",
+    "rollout_wide_big.json": ("The same widened target, batch 64 and 256 (measured at b8548b7)",
                               "python scripts/bench_rollout.py --batch-sizes 64 256 --methods none draft_model:3 draft_model:5 "
                               "draft_model:7 draft_model:auto --repeats 3 --out docs/bench/rollout_wide_big.json"),
-    "rollout_moe.json": ("A sparse-MoE target (512 experts of the tiny MLP, 2 active; bf16)",
+    "rollout_moe.json": ("A sparse-MoE target (512 experts of the tiny MLP, 2 active, load-balanced router; bf16)",
                          "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --experts 512 --top-k 2 "
-                         "--batch-sizes 1 8 64 256 --methods none draft_model:3 draft_model:auto --repeats 5 "
-                         "--out docs/bench/rollout_moe.json"),
+                         "--batch-sizes 1 8 64 256 --methods none draft_model:3 draft_model:5 draft_model:auto "
+                         "--repeats 9 --out docs/bench/rollout_moe.json"),
 }
 
 

@@ -60,8 +60,9 @@ def test_benchmarks_page_is_generated_from_the_json_files(tmp_path):
     assert p.returncode == 0, p.stderr
     text = out.read_text()
     # a figure from each committed JSON appears on the page
-    default = json.loads((bench / "rollout_default.json").read_text())
-    assert f"{default[0]['tokens_per_second']:.0f}" in text
+    for name in ("rollout_default_small.json", "rollout_default_big.json"):
+        default = json.loads((bench / name).read_text())
+        assert f"{default[0]['tokens_per_second']:.0f}" in text and f"--out docs/bench/{name}" in text
     a2 = json.loads((bench / "async_2x2_default.json").read_text())
     assert f"{a2['rows'][0]['steady_step_seconds']:.2f}" in text
     assert "python scripts/bench_async.py --steps 20 --seeds 0 1 2" in text
