@@ -7,7 +7,8 @@ So k is chosen per batch-size bucket, from two measured things:
 - step costs t(B, k): seconds of one engine step with B running sequences drafting k tokens
   (k=0: the draft still reads the new tokens to keep its KV cache in step; OFF: no draft at all),
   timed on the engine itself at start (`calibrate` in the Generator: round-robin over k,
-  median per (B, k), made non-decreasing in k);
+  median per (B, k), made non-decreasing in k), plus a per-bucket offset measured on every call's
+  own decode steps (`observe_steps`);
 - acceptance: the conditional probability a_i that draft position i is accepted given the ones
   before it were, from vLLM's per-position counters after every generate call (accepted over
   reached, counts of earlier calls decayed).
@@ -83,8 +84,13 @@ class DraftLengthPlanner:
     max_batch: int
     step_seconds: dict[tuple[int, int], float]   # (bucket, k or OFF) -> seconds per engine step
     accept: list[float] = field(default_factory=list)  # [k_max] conditional acceptance a_i
-    decay: float = 0.9   # weight left on a position's earlier counts each time it is measured again
+    decay: float = 0.9   # weight left on earlier counts each time a position or cost is measured again
     counts: list[list[float]] = field(default_factory=list, repr=False)  # per position: [accepted, reached]
+    calibrated: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # step costs as timed
+    cost_counts: dict[int, list[float]] = field(default_factory=dict, repr=False)  # bucket: [sum offset, n]
+
+    def __post_init__(self):
+        self.calibrated = dict(self.step_seconds)
 
     @property
     def buckets(self) -> list[int]:
@@ -147,6 +153,40 @@ class DraftLengthPlanner:
             if c[1] > 0:
                 self.accept[i] = c[0] / c[1]
             reached = accepted_per_pos[i]
+
+    def predicted(self, batch: int, k: int) -> float:
+        """Calibrated seconds of a step at any batch size: log-log between the nearest buckets."""
+        bs = self.buckets
+        lo = max([b for b in bs if b <= batch], default=bs[0])
+        hi = min([b for b in bs if b >= batch], default=bs[-1])
+        t_lo, t_hi = self.calibrated[(lo, k)], self.calibrated[(hi, k)]
+        if lo == hi:
+            return t_lo
+        w = math.log(batch / lo) / math.log(hi / lo)
+        return math.exp((1 - w) * math.log(t_lo) + w * math.log(t_hi))
+
+    def observe_steps(self, steps: list[tuple[int, int, float]]) -> None:
+        """Refine step costs from one call's decode steps, (running batch, k or OFF, seconds) each.
+        Start-up timing runs one sample per prompt at a fixed length; a real call runs groups of
+        samples whose lengths spread, and pays per-step work the timing does not (output of n
+        samples per prompt, finished requests). That shows up as an offset per step whatever k
+        is, so it is estimated as one: per bucket, the mean of measured minus predicted over the
+        steps in the bucket's range (earlier calls' counts decayed), added to every k's calibrated
+        cost. A per-(bucket, k) correction would favour the k a call did not use, whose costs
+        keep the timing's bias; a common offset moves every k alike and so does not."""
+        bucket_of = {n: b for lo, hi, b in bucket_ranges(self.buckets, self.max_batch) for n in range(lo, hi + 1)}
+        per_bucket: dict[int, list[float]] = {}
+        for n, k, seconds in steps:
+            if n in bucket_of and (bucket_of[n], k) in self.calibrated:
+                per_bucket.setdefault(bucket_of[n], []).append(seconds - self.predicted(n, k))
+        for b, diffs in per_bucket.items():
+            c = self.cost_counts.setdefault(b, [0.0, 0.0])
+            c[0] = self.decay * c[0] + sum(diffs)
+            c[1] = self.decay * c[1] + len(diffs)
+            offset = c[0] / c[1]
+            for k in [OFF, *range(self.k_max + 1)]:
+                if (b, k) in self.calibrated:  # never below a tenth of what was timed
+                    self.step_seconds[(b, k)] = max(self.calibrated[(b, k)] + offset, 0.1 * self.calibrated[(b, k)])
 
     def calls_k_min(self, plan: DraftPlan, batch_size: int) -> int:
         """Smallest positive k among the buckets a call starting at this batch size can pass."""

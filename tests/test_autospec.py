@@ -81,3 +81,24 @@ def test_observe_weighs_calls_by_their_drafts():
     for _ in range(60):
         pl.observe(drafts=100, accepted_per_pos=[50, 25, 0], k_min=1)
     assert pl.accept[0] == pytest.approx(0.5, abs=0.01)
+
+
+def test_observe_steps_adds_the_measured_offset_to_every_k_of_a_bucket():
+    pl = _planner(lambda b, k: (1.0 if b == 1 else 4.0) * (1 + 0.1 * k), [0.9] * 3)
+    assert pl.predicted(16, 2) == pytest.approx((1.2 * 4.8) ** 0.5)     # log-log between buckets 1, 256
+    assert pl.predicted(300, 2) == pytest.approx(4.8)                   # beyond the last bucket: its cost
+    # bucket 256's range (17..256): k=3 steps 0.6 s over the prediction, a k=1 step 0.3 s over;
+    # bucket 1's range (1..16): a step at the predicted cost
+    pl.observe_steps([(256, 3, 5.2 + 0.6), (200, 3, pl.predicted(200, 3) + 0.6), (100, 1, pl.predicted(100, 1) + 0.3),
+                      (16, 2, pl.predicted(16, 2))])
+    assert pl.step_seconds[(256, 0)] == pytest.approx(4.0 + 0.5)        # every k, OFF too, moves by the mean
+    assert pl.step_seconds[(256, 3)] == pytest.approx(5.2 + 0.5)
+    assert pl.step_seconds[(256, OFF)] == pytest.approx(3.6 + 0.5)
+    assert pl.step_seconds[(1, 2)] == pytest.approx(1.2)
+    # a per-step overhead favours longer drafts: with it, k=3 beats k=2 at bucket 256 by more
+    gain = lambda: pl.tokens_per_second(256, 3) / pl.tokens_per_second(256, 2)  # noqa: E731
+    before = gain()
+    pl.observe_steps([(256, 2, 4.8 + 2.0)] * 10)
+    assert gain() > before
+    # later calls weigh by their steps, earlier ones decayed
+    assert pl.cost_counts[256][1] == pytest.approx(0.9 * 3 + 10)

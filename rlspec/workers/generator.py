@@ -54,6 +54,9 @@ class Generator:
         self.calibration_seconds = 0.0
         self.calls = 0
         self.last_lengths: list[int] | None = None
+        self.step_log: list[tuple[int, int, float]] | None = None  # a call's (running, waiting, seconds)
+        if self.auto:
+            self._time_engine_steps()
 
     def spec_counters(self) -> SpecStats | None:
         """vLLM's cumulative speculation counters (None without speculation)."""
@@ -72,6 +75,33 @@ class Generator:
         return int(self.spec_config["num_speculative_tokens"]) if self.spec_config else 0
 
     # -- num_speculative_tokens=auto ------------------------------------------------------------
+    def _time_engine_steps(self) -> None:
+        """Time every engine step while `step_log` is a list (during a generate call), with the
+        scheduler's running and waiting counts before it: what 'auto' refines its costs from."""
+        engine, sched = self.llm.llm_engine, self._scheduler()
+        step = engine.step
+
+        def timed_step(*args, **kwargs):
+            if self.step_log is None:
+                return step(*args, **kwargs)
+            n, waiting, t0 = len(sched.running), len(sched.waiting), time.perf_counter()
+            out = step(*args, **kwargs)
+            self.step_log.append((n, waiting, time.perf_counter() - t0))
+            return out
+
+        engine.step = timed_step
+
+    def _decode_steps(self, log: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
+        """A call's decode steps as (running batch, k or OFF, seconds): steps with prompts still
+        waiting prefill, and the first after them, are left out (as in calibration)."""
+        out, after_prefill = [], True
+        for n, waiting, seconds in log:
+            if waiting or after_prefill:
+                after_prefill = bool(waiting)
+                continue
+            out.append((n, OFF if self.plan.off else self.plan.k_at(n), seconds))
+        return out
+
     def _scheduler(self):
         return self.llm.llm_engine.engine_core.engine_core.scheduler
 
@@ -147,8 +177,12 @@ class Generator:
             self.calls += 1
             self._set_k(OFF if self.plan.off else self.plan.k_at)
         before = self.spec_counters()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
-                                 use_tqdm=False)
+        self.step_log = [] if self.auto else None
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
+                                     use_tqdm=False)
+        finally:
+            steps, self.step_log = self.step_log, None
         seconds = time.perf_counter() - t0
         prompts, responses, logprobs, truncated = [], [], [], []
         for p, out in zip(prompt_ids, outs):
@@ -162,6 +196,7 @@ class Generator:
         if self.auto:
             self.last_lengths = [len(r) for r in responses]
             self.planner.observe(spec.drafts, spec.accepted_per_pos, self.planner.calls_k_min(self.plan, len(responses)))
+            self.planner.observe_steps(self._decode_steps(steps))
         return RolloutBatch(prompts, responses, logprobs, truncated, self.policy_version, seconds, spec,
                             draft_schedule=self.draft_schedule())
 
