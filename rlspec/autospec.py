@@ -183,10 +183,12 @@ class DraftLengthPlanner:
             c = self.cost_counts.setdefault(b, [0.0, 0.0])
             c[0] = self.decay * c[0] + sum(diffs)
             c[1] = self.decay * c[1] + len(diffs)
-            offset = c[0] / c[1]
-            for k in [OFF, *range(self.k_max + 1)]:
-                if (b, k) in self.calibrated:  # never below a tenth of what was timed
-                    self.step_seconds[(b, k)] = max(self.calibrated[(b, k)] + offset, 0.1 * self.calibrated[(b, k)])
+            cells = [(b, k) for k in [OFF, *range(self.k_max + 1)] if (b, k) in self.calibrated]
+            # a few fast tail steps must not make the cheapest cell (OFF) look free: measured steps
+            # at most halve it, and every k moves by the same amount
+            offset = max(c[0] / c[1], -0.5 * min(self.calibrated[x] for x in cells))
+            for cell in cells:
+                self.step_seconds[cell] = self.calibrated[cell] + offset
 
     def calls_k_min(self, plan: DraftPlan, batch_size: int) -> int:
         """Smallest positive k among the buckets a call starting at this batch size can pass."""

@@ -102,3 +102,6 @@ def test_observe_steps_adds_the_measured_offset_to_every_k_of_a_bucket():
     assert gain() > before
     # later calls weigh by their steps, earlier ones decayed
     assert pl.cost_counts[256][1] == pytest.approx(0.9 * 3 + 10)
+    # steps far faster than timed lower every k of the bucket by at most half its cheapest cost
+    pl.observe_steps([(1, 2, 0.01)] * 50)
+    assert pl.step_seconds[(1, OFF)] == pytest.approx(0.45) and pl.step_seconds[(1, 3)] == pytest.approx(1.3 - 0.45)
