@@ -96,6 +96,10 @@ class DraftLengthPlanner:
     def buckets(self) -> list[int]:
         return sorted({b for b, _ in self.step_seconds})
 
+    def bucket_of(self) -> dict[int, int]:
+        """Every batch size up to max_batch -> the bucket whose costs it takes."""
+        return {n: b for lo, hi, b in bucket_ranges(self.buckets, self.max_batch) for n in range(lo, hi + 1)}
+
     def tokens_per_second(self, bucket: int, k: int) -> float:
         """Per-sequence emitted tokens per second at this bucket with k drafts (or OFF)."""
         t = self.step_seconds[(bucket, k)]
@@ -122,9 +126,7 @@ class DraftLengthPlanner:
     def call_seconds(self, plan: DraftPlan | None, lengths: list[int]) -> float:
         """Predicted engine seconds to generate responses of these lengths (plan None: OFF).
         Sequences advance L(k) tokens per step; a step's batch is those not yet finished."""
-        bucket_of = {}
-        for lo, hi, b in bucket_ranges(self.buckets, self.max_batch):
-            bucket_of.update({n: b for n in range(lo, hi + 1)})
+        bucket_of = self.bucket_of()
         total = 0.0
         for t in range(max(lengths, default=0)):
             running = min(sum(1 for n in lengths if n > t), self.max_batch)
@@ -174,7 +176,7 @@ class DraftLengthPlanner:
         steps in the bucket's range (earlier calls' counts decayed), added to every k's calibrated
         cost. A per-(bucket, k) correction would favour the k a call did not use, whose costs
         keep the timing's bias; a common offset moves every k alike and so does not."""
-        bucket_of = {n: b for lo, hi, b in bucket_ranges(self.buckets, self.max_batch) for n in range(lo, hi + 1)}
+        bucket_of = self.bucket_of()
         per_bucket: dict[int, list[float]] = {}
         for n, k, seconds in steps:
             if n in bucket_of and (bucket_of[n], k) in self.calibrated:

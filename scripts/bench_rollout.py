@@ -66,13 +66,11 @@ def widen(src: str, dst: str, factor: int, extra_layers: int) -> str:
     return dst
 
 
-def router_inputs(src: str, prompts: list[list[int]], max_new_tokens: int = 48, seed: int = 0) -> list[torch.Tensor]:
+def router_inputs(model, prompts: list[list[int]], max_new_tokens: int = 48, seed: int = 0) -> list[torch.Tensor]:
     """What each layer's MoE router would see: the post-attention-norm hidden states of the dense
-    model over these prompts and continuations it samples (temperature 1), one [tokens, hidden]
-    tensor per layer. The expansion is function-preserving, so the MoE's routers see exactly these."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model (a transformers Qwen3) over these prompts and continuations it samples (temperature 1),
+    one [tokens, hidden] tensor per layer. The expansion is function-preserving, so the MoE's
+    routers see exactly these."""
     acts: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
     hooks = [layer.post_attention_layernorm.register_forward_hook(
         lambda mod, args, out, i=i: acts[i].append(out[0].detach())) for i, layer in enumerate(model.model.layers)]
@@ -120,7 +118,7 @@ def moeify(src: str, dst: str, experts: int, top_k: int, router: str = "balanced
     (a random gate on the raw hidden states). Returns the checkpoint directory and the mean number
     of experts per layer a batch of 256 held-out tokens touches. Written in the hub layout."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = json.loads((Path(src) / "config.json").read_text())
     sd = load_file(str(Path(src) / "model.safetensors"))
@@ -128,8 +126,9 @@ def moeify(src: str, dst: str, experts: int, top_k: int, router: str = "balanced
     if not prompts:
         raise ValueError("moeify needs prompts to measure routing on")
     half = len(prompts) // 2  # the gate is fit on one half, its balance measured on the other
-    fit = router_inputs(src, prompts[:half], seed=seed) if router == "balanced" else None
-    held = router_inputs(src, prompts[half:], seed=seed + 1)
+    dense = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    fit = router_inputs(dense, prompts[:half], seed=seed) if router == "balanced" else None
+    held = router_inputs(dense, prompts[half:], seed=seed + 1)
     out, touched = {}, []
     for name, w in sd.items():
         m = re.match(r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", name)
