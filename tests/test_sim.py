@@ -122,6 +122,21 @@ def test_async_overlaps_and_lag2_skips_the_tail():
     assert rollout(cfg).seconds < rollout(lag1).seconds  # refilled slots never drain
 
 
+def test_lag_l_keeps_l_batches_in_flight():
+    """At lag L >= 2 each engine decodes L batches' sequences at once, so a batch takes 1/L of
+    the verifications its own sequences need, each over L times the batch."""
+    cfg = compose(["+scenario=paper_235b_async"])
+    tau, lengths = tokens_per_verification(cfg.spec), response_lengths(cfg)
+    for lag in (2, 3):
+        ro = rollout(replace(cfg, cluster=replace(cfg.cluster, policy_lag=lag)))
+        assert ro.seqs_per_engine == pytest.approx(len(lengths) / (cfg.cluster.gen_gpus // cfg.cluster.gen_tp))
+        assert ro.mean_occupancy == pytest.approx(lag * ro.seqs_per_engine)
+        assert ro.verifications == pytest.approx(sum(lengths) / len(lengths) / (tau * lag))
+    # Decode is memory-bound here: a wider batch shares each expert read, so lag 3 is cheaper per batch.
+    lag3 = replace(cfg, cluster=replace(cfg.cluster, policy_lag=3))
+    assert rollout(lag3).seconds < rollout(cfg).seconds
+
+
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_every_scenario_composes_and_validates(name):
     cfg = compose([f"+scenario={name}"])

@@ -190,22 +190,26 @@ def rollout_tail(cfg: SimConfig) -> RolloutEstimate:
 
 
 def rollout_continuous(cfg: SimConfig) -> RolloutEstimate:
-    """Async with lag >= 2: every engine keeps its slots full by starting the next batch's
-    prompts as sequences finish, so a batch costs its share of steady-state throughput."""
+    """Async with lag L >= 2: every engine keeps its slots full by starting later batches'
+    prompts as sequences finish, so a batch costs its share of steady-state throughput. Up to L
+    batches are in flight (rlspec's queue submits L + 1 steps ahead; NeMo RL's async collector
+    admits num_prompts_per_step x max_trajectory_age_steps groups), and when generation is the
+    slower side the engines stay at that cap, so each holds L x (batch / engines) sequences."""
     w, m, g = cfg.workload, cfg.model.target, cfg.cluster.gen_tp
     tau = tokens_per_verification(cfg.spec)
     lengths = response_lengths(cfg)
-    E = _engines(cfg)
-    B = len(lengths) / E
+    L = cfg.cluster.policy_lag
+    B = len(lengths) / _engines(cfg)  # one batch's sequences per engine
     mean = sum(lengths) / len(lengths)
     # A slot's context at a random step is length-biased: E[l^2] / (2 E[l]) generated tokens on average.
     age = sum(x * x for x in lengths) / len(lengths) / (2 * mean)
     P = float(w.prompt_tokens)
-    steps = mean / tau  # every step advances each of the B slots by tau tokens
-    t = steps * verification_seconds(cfg, B, P + age, tau)
+    # Each step advances L*B slots by tau tokens: a batch's B*mean tokens take mean / (tau L) steps.
+    steps = mean / (tau * L)
+    t = steps * verification_seconds(cfg, L * B, P + age, tau)
     t += forward_seconds(m, cfg.gpu, cfg.eff, g, B, P, P / 2)  # the batch's prefills
-    kv_per_gpu = B * (P + 2 * age) * kv_bytes_per_token(m) / g
-    return _finish(cfg, t, steps, tau, B, B, kv_per_gpu)
+    kv_per_gpu = L * B * (P + 2 * age) * kv_bytes_per_token(m) / g
+    return _finish(cfg, t, steps, tau, L * B, B, kv_per_gpu)
 
 
 def _finish(cfg, seconds, steps, tau, occupancy, seqs, kv_per_gpu) -> RolloutEstimate:
