@@ -117,9 +117,10 @@ class ClusterConfig:
     gen_tp: int = 1
     # async: GPUs in the generation pool (the remaining num_gpus - gen_gpus train).
     gen_gpus: int = 0
-    # async: how many policy versions a rollout may lag. With lag >= 2 engines refill finished
-    # slots from the next batch (no tail wait); with lag 1 each batch still waits for its longest
-    # rollout, but generation overlaps training.
+    # async: how many policy versions a rollout may lag. With lag L >= 2 engines refill finished
+    # slots from the next batches and hold L batches at once (NeMo RL's async collector; no tail
+    # wait); with lag 1 each batch still waits for its longest rollout, but generation overlaps
+    # training. rlspec's own queue generates whole batches: model it with lag 1.
     policy_lag: int = 1
 
 

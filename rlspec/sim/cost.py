@@ -191,10 +191,11 @@ def rollout_tail(cfg: SimConfig) -> RolloutEstimate:
 
 def rollout_continuous(cfg: SimConfig) -> RolloutEstimate:
     """Async with lag L >= 2: every engine keeps its slots full by starting later batches'
-    prompts as sequences finish, so a batch costs its share of steady-state throughput. Up to L
-    batches are in flight (rlspec's queue submits L + 1 steps ahead; NeMo RL's async collector
-    admits num_prompts_per_step x max_trajectory_age_steps groups), and when generation is the
-    slower side the engines stay at that cap, so each holds L x (batch / engines) sequences."""
+    prompts as sequences finish, so a batch costs its share of steady-state throughput. This is
+    NeMo RL's async collector (the paper's system): it admits num_prompts_per_step x
+    max_trajectory_age_steps groups, so up to L batches are in flight, and when generation is the
+    slower side the engines stay at that cap, each holding L x (batch / engines) sequences.
+    rlspec's own queue generates one whole batch per call, which is the lag-1 model at any lag."""
     w, m, g = cfg.workload, cfg.model.target, cfg.cluster.gen_tp
     tau = tokens_per_verification(cfg.spec)
     lengths = response_lengths(cfg)
