@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, compose as compose_trainer
-from rlspec.sim.calibrate import Measured, RunError, calibrate, fit, load_run, sim_config_for_run
+from rlspec.sim.calibrate import Measured, RunError, calibrate, cli, fit, load_run, sim_config_for_run
 from rlspec.sim.config import EfficiencyConfig, SimConfigError, compose, validate
 from rlspec.sim.cost import (compare, draft_cost_ratio, forward_seconds, implied_acceptance_rate,
                              infer_mean_response, logprob_seconds, refit_seconds, response_lengths, rollout,
@@ -218,6 +218,18 @@ def test_calibrate_recovers_efficiencies_and_predicts_another_k_and_batch(tmp_pa
     for rows in (r["fit"], r["checks"][str(check)]):
         for stage, (meas, sim) in rows.items():
             assert sim == pytest.approx(meas, rel=1e-3), stage
+
+
+def test_calibrate_cli_reads_the_run_config_and_writes_its_report(tmp_path, capsys):
+    fit_run = _write_run(tmp_path / "k3", ["speculation=draft_model", "speculation.num_speculative_tokens=3"],
+                         28.0, [1.0, 0.97, 0.93])
+    check = _write_run(tmp_path / "k1", ["speculation=draft_model", "speculation.num_speculative_tokens=1",
+                                         "generation.num_prompts_per_step=16"], 27.5, [0.99])
+    assert cli([str(fit_run), "--check", str(check), "--length-cv", "0.16", "--prompt-tokens", "10"]) == 0
+    r = json.loads((fit_run / "sim_calibration.json").read_text())
+    assert r["gpu"] == "cpu_2core"  # a CPU run (cluster.gpus_per_node=0) picks the CPU preset
+    assert r["eff"]["train_mfu"] == pytest.approx(TRUE_EFF.train_mfu, rel=1e-3)
+    assert f"check run {check}" in capsys.readouterr().out
 
 
 def test_calibrate_names_what_a_run_dir_lacks(tmp_path):

@@ -218,7 +218,7 @@ def cli(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     try:
         rcfg, _, _ = load_run(a.run_dir)
-        gpu = a.gpu or ("cpu_2core" if rcfg["cluster"]["gpus_per_generator"] == 0 else None)
+        gpu = a.gpu or ("cpu_2core" if rcfg["cluster"]["gpus_per_node"] == 0 else None)
         if gpu is None:
             raise RunError("--gpu: a GPU run needs its preset named (e.g. --gpu h200)")
         r = calibrate(a.run_dir, a.check, gpu, a.length_cv, a.prompt_tokens)
