@@ -6,6 +6,18 @@ from dataclasses import dataclass, field
 import torch
 
 
+def step_moments(steps: list[tuple[int, float]]) -> list[float]:
+    """[count, sum n, sum n^2, sum t, sum n t] over engine steps of n running sequences taking t
+    seconds: the sufficient statistics of a least-squares line t = a + b n, additive over calls
+    and engines."""
+    return [float(len(steps)), float(sum(n for n, _ in steps)), float(sum(n * n for n, _ in steps)),
+            sum(t for _, t in steps), sum(n * t for n, t in steps)]
+
+
+def add_moments(a: list[float] | None, b: list[float] | None) -> list[float] | None:
+    return a if b is None else b if a is None else [x + y for x, y in zip(a, b)]
+
+
 @dataclass
 class SpecStats:
     """Speculative-decoding counters over one generate call (differences of vLLM's counters)."""
@@ -50,6 +62,8 @@ class RolloutBatch:
     seconds: float = 0.0             # wall time inside the engine
     spec: SpecStats | None = None    # speculation counters for this call (None: no speculation)
     draft_schedule: list[list[int]] | None = None  # 'auto': [first, last, k] batch-size ranges used
+    # step_moments() of the call's decode steps (prefill steps left out): engine step cost vs batch
+    decode_moments: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +72,8 @@ class RolloutBatch:
     def select(self, idx: list[int]) -> "RolloutBatch":
         return RolloutBatch([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
                             [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
-                            self.policy_version, self.seconds, self.spec, self.draft_schedule)
+                            self.policy_version, self.seconds, self.spec, self.draft_schedule,
+                            self.decode_moments)
 
     @staticmethod
     def concat(parts: list["RolloutBatch"], mixed_versions: bool = False) -> "RolloutBatch":
@@ -134,3 +149,6 @@ class StepRecord:
     # pi_prox / pi_behav over the loss-carrying tokens: mean, max, capped_frac (above the cap).
     importance_weight: dict = field(default_factory=dict)
     extra: dict[str, float] = field(default_factory=dict)
+    # step_moments() of every engine decode step this step (what `rlspec.sim calibrate` fits the
+    # engine's per-sequence cost from)
+    decode_step_moments: list[float] | None = None

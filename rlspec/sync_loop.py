@@ -20,7 +20,7 @@ from rlspec.async_loop import RolloutQueue
 from rlspec.batching import build_train_batch
 from rlspec.config import RLSpecConfig, recompute_logprobs
 from rlspec.data.loading import Prompt, PromptSampler, PromptSet
-from rlspec.messages import RolloutBatch, SpecStats, StepRecord
+from rlspec.messages import RolloutBatch, SpecStats, StepRecord, add_moments
 from rlspec.metrics import RunLog, StageTimer
 from rlspec.preemption import Abandoned, NumericalDivergence, Preempted, StopRequest
 from rlspec.rewards import REWARDS
@@ -59,11 +59,13 @@ class GenTotals:
     seconds: float = 0.0
     spec: SpecStats | None = None
     draft_schedule: list | None = None  # 'auto': the last call's [first, last, k] ranges
+    decode_moments: list | None = None  # engine decode steps' step_moments(), every call and engine
 
     def add(self, ro: RolloutBatch) -> None:
         self.tokens += ro.num_tokens
         self.seconds += ro.seconds
         self.draft_schedule = ro.draft_schedule
+        self.decode_moments = add_moments(self.decode_moments, ro.decode_moments)
         if ro.spec is not None:
             self.spec = ro.spec if self.spec is None else self.spec + ro.spec
 
@@ -202,7 +204,8 @@ def train_step(ctx: Context, sampler: PromptSampler, step: int, queue: RolloutQu
         extra={**{f"train/{k}": v for k, v in metrics.items()}, **stats, **draft, "refit_seconds": refit_s,
                "response_length": ro.num_tokens / len(ro.response_ids),
                "truncated_frac": sum(ro.truncated) / len(ro.truncated),
-               "behaviour_version": float(ro.policy_version)})
+               "behaviour_version": float(ro.policy_version)},
+        decode_step_moments=totals.decode_moments)
 
 
 def online_draft(ctx: Context, call, step: int, version: int, rollout_version: int, timer: StageTimer) -> dict:

@@ -14,7 +14,9 @@ from rlspec.sim.calibrate import Measured, RunError, calibrate, cli, fit, load_r
 from rlspec.sim.config import EfficiencyConfig, SimConfigError, compose, validate
 from rlspec.sim.cost import (compare, draft_cost_ratio, forward_seconds, implied_acceptance_rate,
                              infer_mean_response, logprob_seconds, refit_seconds, response_lengths, rollout,
-                             step, textbook_speedup, tokens_per_verification, train_seconds, without_speculation)
+                             step, textbook_speedup, tokens_per_verification, train_seconds, verification_seconds,
+                             without_speculation)
+from rlspec.messages import step_moments
 from rlspec.sim.shapes import active_params, total_params
 
 SCENARIOS = sorted(p.stem for p in (ROOT / "conf" / "sim" / "scenario").glob("*.yaml"))
@@ -180,26 +182,33 @@ def test_validate_names_the_bad_key(override, key):
 # Calibration on a synthetic run: summary.json written by the simulator itself with known
 # efficiencies, so the fit must recover them and predict a second run exactly.
 
-# calibrate takes decode GEMMs to run at the log-prob pass's MFU, so the synthetic truth does too
-TRUE_EFF = EfficiencyConfig(forward_overhead_s=0.012, logprob_mfu=0.2, decode_flops=0.2, train_mfu=0.25,
+# The engine's GEMM efficiency (decode_flops) is read off the decode steps' line, so the synthetic
+# truth gives it a value of its own; runs without a step line borrow the log-prob or training MFU.
+TRUE_EFF = EfficiencyConfig(forward_overhead_s=0.012, logprob_mfu=0.2, decode_flops=0.15, train_mfu=0.25,
                             refit_overhead_s=0.05, prep_s_per_sample=2e-4)
 
 
-def _write_run(path: Path, overrides: list[str], response_length: float, per_pos: list[float]) -> Path:
+def _write_run(path: Path, overrides: list[str], response_length: float, per_pos: list[float],
+               eff: EfficiencyConfig = TRUE_EFF, recompute: bool = True, steps: bool = True) -> Path:
     rcfg = compose_trainer(overrides)
     from omegaconf import OmegaConf
     path.mkdir(parents=True)
     (path / ".hydra").mkdir()
     (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(OmegaConf.to_container(OmegaConf.structured(rcfg))))
     rcfg_dict = yaml.safe_load((path / ".hydra" / "config.yaml").read_text())
-    m = Measured({}, 0.0, 0.0, response_length, per_pos, 1)
+    m = Measured({"logprob": float(recompute)}, 0.0, 0.0, response_length, per_pos, 1)
     from rlspec.sim.calibrate import load_gpu
-    s = step(sim_config_for_run(rcfg_dict, m, load_gpu("cpu_2core"), 0.16, 10, TRUE_EFF))
+    cfg = sim_config_for_run(rcfg_dict, m, load_gpu("cpu_2core"), 0.16, 10, eff)
+    s = step(cfg)
     st = s.stage_seconds
+    # decode steps as the Generator times them: a batch draining from 256 to 16 sequences
+    ctx, tau = 10 + response_length / 2, tokens_per_verification(cfg.spec)
+    decode = [(n, verification_seconds(cfg, n, ctx, tau)) for n in range(256, 15, -16)]
     rec = {"stage_seconds": {"data": 0.0, "prep": st["prep"], "generation": st["generation"],
                              "logprob": st["logprob"], "train": st["train"] + st["refit"]},
            "step_seconds": s.step_seconds, "generated_tokens": 0,
            "spec": {"acceptance_per_pos": per_pos} if per_pos else None,
+           "decode_step_moments": step_moments(decode) if steps else None,
            "extra": {"refit_seconds": st["refit"], "response_length": response_length}}
     warmup = {**rec, "stage_seconds": {k: 3 * v for k, v in rec["stage_seconds"].items()}}  # dropped
     (path / "summary.json").write_text(json.dumps({"records": [warmup, rec, rec]}))
@@ -218,6 +227,18 @@ def test_calibrate_recovers_efficiencies_and_predicts_another_k_and_batch(tmp_pa
     for rows in (r["fit"], r["checks"][str(check)]):
         for stage, (meas, sim) in rows.items():
             assert sim == pytest.approx(meas, rel=1e-3), stage
+
+
+def test_calibrate_without_a_step_line_or_recompute_borrows_the_training_mfu(tmp_path):
+    """An older run (no decode_step_moments) of rlspec's default (no log-prob recompute): decode
+    GEMMs are taken to run at the training pass's MFU, the one matmul efficiency it measured."""
+    truth = replace(TRUE_EFF, decode_flops=TRUE_EFF.train_mfu)
+    run = _write_run(tmp_path / "k3", ["speculation=draft_model", "speculation.num_speculative_tokens=3"],
+                     28.0, [1.0, 0.97, 0.93], truth, recompute=False, steps=False)
+    r = calibrate(str(run), [], "cpu_2core", 0.16, 10)
+    for key in ("forward_overhead_s", "decode_flops", "train_mfu"):
+        assert r["eff"][key] == pytest.approx(getattr(truth, key), rel=1e-3), key
+    assert r["fit"]["logprob"] == [0.0, 0.0]
 
 
 def test_calibrate_cli_reads_the_run_config_and_writes_its_report(tmp_path, capsys):

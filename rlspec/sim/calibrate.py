@@ -8,9 +8,11 @@ that run had (shapes from the checkpoints' config.json, hardware from a conf/sim
 fits one efficiency per stage to the run's steady state (the median over steps after the first,
 which pays one-time start-up costs):
 
-    logprob    -> eff.logprob_mfu, also taken as the engine's eff.decode_flops
+    engine decode steps (seconds vs running sequences, a least-squares line over every step the
+               run timed) -> eff.decode_flops, from the line's slope: the cost of one more sequence
+    logprob    -> eff.logprob_mfu (also the engine's eff.decode_flops when the run has no step line)
     generation -> eff.forward_overhead_s (eff.decode_flops when the roofline alone is too slow)
-    train (minus refit) -> eff.train_mfu
+    train (minus refit) -> eff.train_mfu (and decode_flops without a line or a log-prob stage)
     refit -> eff.refit_overhead_s         data + prep -> eff.prep_s_per_sample
 
 Each --check run is then simulated with its own config and the fitted efficiencies (never fitted
@@ -28,7 +30,7 @@ from omegaconf import OmegaConf
 
 from rlspec.sim.config import (CONF_DIR, ClusterConfig, EfficiencyConfig, GPUSpec, ModelPair, SimConfig,
                                SpeculationConfig, WorkloadConfig, validate)
-from rlspec.sim.cost import step
+from rlspec.sim.cost import step, tokens_per_verification, verification_seconds
 from rlspec.sim.shapes import shape_from_hf_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -48,6 +50,10 @@ class Measured:
     response_length: float
     acceptance_per_pos: list[float]
     steps_used: int
+    # Engine decode step seconds = intercept + slope x running sequences, fitted over the steady
+    # steps' decode_step_moments (None: the run did not record them, or too few batch sizes).
+    step_line: tuple[float, float] | None = None
+    step_batch_range: tuple[float, float] = (0.0, 0.0)  # mean -/+ one std of the running sequences
 
 
 def load_run(run_dir: str | Path) -> tuple[dict, dict, Measured]:
@@ -71,8 +77,22 @@ def load_run(run_dir: str | Path) -> tuple[dict, dict, Measured]:
     measured = Measured(stages, med([r["extra"].get("refit_seconds", 0.0) for r in steady]),
                         med([r["step_seconds"] for r in steady]),
                         med([r["extra"].get("response_length", r["generated_tokens"] / _samples(rcfg))
-                             for r in steady]), pos, len(steady))
+                             for r in steady]), pos, len(steady), *step_line(steady))
     return rcfg, summary, measured
+
+
+def step_line(records: list[dict]) -> tuple[tuple[float, float] | None, tuple[float, float]]:
+    """Least-squares line through the records' engine decode steps (seconds vs running batch)."""
+    moments = [r["decode_step_moments"] for r in records if r.get("decode_step_moments")]
+    if not moments:
+        return None, (0.0, 0.0)
+    c, sn, snn, st, snt = (sum(col) for col in zip(*moments))
+    var = snn / c - (sn / c) ** 2
+    if c < 3 or var <= 1.0:  # one batch size: no slope to read
+        return None, (0.0, 0.0)
+    slope = (snt / c - sn / c * st / c) / var
+    mean, std = sn / c, var ** 0.5
+    return (st / c - slope * mean, slope), (max(1.0, mean - std), mean + std)
 
 
 def _samples(rcfg: dict) -> int:
@@ -126,7 +146,8 @@ def sim_config_for_run(rcfg: dict, m: Measured, gpu: GPUSpec, length_cv: float, 
             num_prompts_per_step=g["num_prompts_per_step"], num_generations_per_prompt=g["num_generations_per_prompt"],
             prompt_tokens=round(prompt_len), max_new_tokens=g["max_new_tokens"],
             mean_response_tokens=min(m.response_length, g["max_new_tokens"]), response_length_cv=length_cv,
-            padded=True, kl_reference=rcfg["algo"]["kl_coef"] > 0),
+            padded=True, kl_reference=rcfg["algo"]["kl_coef"] > 0,
+            recompute_logprobs=m.stage_seconds.get("logprob", 0.0) > 0),
         spec=SpeculationConfig(method=method, k=k, acceptance_per_pos=m.acceptance_per_pos[:k]),
         cluster=ClusterConfig(num_gpus=1, mode="sync", gen_tp=1),
         eff=eff or EfficiencyConfig(), plot=False)
@@ -146,11 +167,27 @@ def fit(cfg: SimConfig, m: Measured) -> EfficiencyConfig:
     """One efficiency per stage so the simulated steady-state step matches `m`. One run cannot
     separate generation's compute efficiency from its per-forward overhead, so the engine's GEMMs
     are taken to run at the MFU the same run's log-prob pass measured (the same model's matmuls on
-    the same machine; an upper bound for skinny decode GEMMs) and the overhead is fitted."""
+    the same machine; an upper bound for skinny decode GEMMs), or its training pass when the run
+    skipped the recompute, and the overhead is fitted."""
     s0 = step(cfg).stage_seconds
-    logprob_mfu = cfg.eff.logprob_mfu * s0["logprob"] / m.stage_seconds["logprob"]
+    train_only = max(m.stage_seconds["train"] - m.refit_seconds, 1e-9)  # the trainer times refit inside train
+    train_mfu = cfg.eff.train_mfu * s0["train"] / train_only
+    if m.stage_seconds.get("logprob", 0.0) > 0:
+        logprob_mfu = cfg.eff.logprob_mfu * s0["logprob"] / m.stage_seconds["logprob"]
+    else:  # no recompute stage: nothing to fit, and decode borrows the training pass's MFU
+        logprob_mfu = train_mfu
     e = replace(cfg.eff, logprob_mfu=logprob_mfu, decode_flops=min(1.0, logprob_mfu))
     with_eff = lambda **kw: replace(cfg, eff=replace(e, **kw))  # noqa: E731
+    if m.step_line is not None and m.step_line[1] > 0:
+        # The engine's own cost per extra sequence: the simulated verification's slope over the
+        # batch sizes the run's decode steps covered, matched by the GEMM efficiency.
+        lo, hi = m.step_batch_range
+        ctx = cfg.workload.prompt_tokens + m.response_length / 2
+        tau = tokens_per_verification(cfg.spec)
+        slope = lambda c: (verification_seconds(c, hi, ctx, tau) - verification_seconds(c, lo, ctx, tau)) / (hi - lo)  # noqa: E731
+        if slope(with_eff(decode_flops=1.0)) < m.step_line[1]:  # compute-bound: the slope sets the efficiency
+            e = replace(e, decode_flops=_bisect(lambda x: slope(with_eff(decode_flops=x)), 1e-4, 1.0,
+                                                m.step_line[1], increasing=False))
     gen = lambda c: step(c).stage_seconds["generation"]  # noqa: E731
     target = m.stage_seconds["generation"]
     if gen(with_eff(forward_overhead_s=0.0)) <= target:
@@ -159,11 +196,9 @@ def fit(cfg: SimConfig, m: Measured) -> EfficiencyConfig:
     else:  # the roofline alone is slower than measured: decode beats that efficiency
         e = replace(e, forward_overhead_s=0.0, decode_flops=_bisect(
             lambda x: gen(with_eff(forward_overhead_s=0.0, decode_flops=x)), 1e-4, 1.0, target, increasing=False))
-    s = step(replace(cfg, eff=e)).stage_seconds
-    train_only = max(m.stage_seconds["train"] - m.refit_seconds, 1e-9)
-    refit_wire = s["refit"] - e.refit_overhead_s
+    refit_wire = step(replace(cfg, eff=e)).stage_seconds["refit"] - e.refit_overhead_s
     n = cfg.workload.num_prompts_per_step * cfg.workload.num_generations_per_prompt
-    return replace(e, train_mfu=e.train_mfu * s["train"] / train_only,
+    return replace(e, train_mfu=train_mfu,
                    refit_overhead_s=max(0.0, m.refit_seconds - refit_wire),
                    prep_s_per_sample=(m.stage_seconds["prep"] + m.stage_seconds.get("data", 0.0)) / n)
 

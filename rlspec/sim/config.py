@@ -87,6 +87,9 @@ class WorkloadConfig:
     padded: bool = False
     # A reference-policy forward in the log-prob stage (KL penalty on).
     kl_reference: bool = False
+    # A log-prob recompute stage before the update. NeMo RL runs one every step; rlspec skips it
+    # unless the KL term or online draft training needs it (algo.recompute_logprobs).
+    recompute_logprobs: bool = True
 
 
 @dataclass

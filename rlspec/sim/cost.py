@@ -249,6 +249,8 @@ def batch_flops(cfg: SimConfig) -> float:
 
 
 def logprob_seconds(cfg: SimConfig) -> float:
+    if not cfg.workload.recompute_logprobs:
+        return 0.0
     passes = 2 if cfg.workload.kl_reference else 1
     return passes * batch_flops(cfg) / (_train_gpus(cfg.cluster) * cfg.gpu.peak_flops * cfg.eff.logprob_mfu)
 

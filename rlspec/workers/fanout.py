@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from rlspec.messages import RolloutBatch
+from rlspec.messages import RolloutBatch, add_moments
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -19,6 +19,8 @@ def merge_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
     specs = [p.spec for p in parts if p.spec is not None]
     out.spec = sum(specs[1:], specs[0]) if specs else None
     out.draft_schedule = parts[0].draft_schedule
+    for p in parts:
+        out.decode_moments = add_moments(out.decode_moments, p.decode_moments)
     return out
 
 

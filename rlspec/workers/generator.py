@@ -13,7 +13,7 @@ from rlspec.autospec import OFF, DraftLengthPlanner, DraftPlan, non_decreasing
 from rlspec.config import GenerationConfig, SpeculationConfig
 from rlspec.engines.vllm_engine import (engine_env, make_llm, reload_draft_weights, reload_weights,
                                          with_tied_head)
-from rlspec.messages import RolloutBatch, SpecStats
+from rlspec.messages import RolloutBatch, SpecStats, step_moments
 from rlspec.speculation import vllm_speculative_config
 
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -55,8 +55,7 @@ class Generator:
         self.calls = 0
         self.last_lengths: list[int] | None = None
         self.step_log: list[tuple[int, int, float]] | None = None  # a call's (running, waiting, seconds)
-        if self.auto:
-            self._time_engine_steps()
+        self._time_engine_steps()
 
     def spec_counters(self) -> SpecStats | None:
         """vLLM's cumulative speculation counters (None without speculation)."""
@@ -74,10 +73,11 @@ class Generator:
     def k_max(self) -> int:
         return int(self.spec_config["num_speculative_tokens"]) if self.spec_config else 0
 
-    # -- num_speculative_tokens=auto ------------------------------------------------------------
+    # -- engine step timing; num_speculative_tokens=auto -----------------------------------------
     def _time_engine_steps(self) -> None:
         """Time every engine step while `step_log` is a list (during a generate call), with the
-        scheduler's running and waiting counts before it: what 'auto' refines its costs from."""
+        scheduler's running and waiting counts before it: what 'auto' refines its costs from and
+        what every call reports (RolloutBatch.decode_moments) for `rlspec.sim calibrate`."""
         engine, sched = self.llm.llm_engine, self._scheduler()
         step = engine.step
 
@@ -91,16 +91,21 @@ class Generator:
 
         engine.step = timed_step
 
-    def _decode_steps(self, log: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
-        """A call's decode steps as (running batch, k or OFF, seconds): steps with prompts still
-        waiting prefill, and the first after them, are left out (as in calibration)."""
+    @staticmethod
+    def _decode_only(log: list[tuple[int, int, float]]) -> list[tuple[int, float]]:
+        """A call's decode steps as (running batch, seconds): steps with prompts still waiting
+        prefill, and the first after them, are left out (as in calibration)."""
         out, after_prefill = [], True
         for n, waiting, seconds in log:
             if waiting or after_prefill:
                 after_prefill = bool(waiting)
                 continue
-            out.append((n, OFF if self.plan.off else self.plan.k_at(n), seconds))
+            out.append((n, seconds))
         return out
+
+    def _decode_steps(self, decode: list[tuple[int, float]]) -> list[tuple[int, int, float]]:
+        """(running batch, k or OFF, seconds) under the call's 'auto' plan."""
+        return [(n, OFF if self.plan.off else self.plan.k_at(n), seconds) for n, seconds in decode]
 
     def _scheduler(self):
         return self.llm.llm_engine.engine_core.engine_core.scheduler
@@ -177,7 +182,7 @@ class Generator:
             self.calls += 1
             self._set_k(OFF if self.plan.off else self.plan.k_at)
         before = self.spec_counters()
-        self.step_log = [] if self.auto else None
+        self.step_log = []
         try:
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
                                      use_tqdm=False)
@@ -193,12 +198,13 @@ class Generator:
                 logprobs.append([float(step[t].logprob) for t, step in zip(ids, c.logprobs)])
                 truncated.append(c.finish_reason == "length")
         spec = None if before is None else self.spec_counters() - before
+        decode = self._decode_only(steps)
         if self.auto:
             self.last_lengths = [len(r) for r in responses]
             self.planner.observe(spec.drafts, spec.accepted_per_pos, self.planner.calls_k_min(self.plan, len(responses)))
-            self.planner.observe_steps(self._decode_steps(steps))
+            self.planner.observe_steps(self._decode_steps(decode))
         return RolloutBatch(prompts, responses, logprobs, truncated, self.policy_version, seconds, spec,
-                            draft_schedule=self.draft_schedule())
+                            draft_schedule=self.draft_schedule(), decode_moments=step_moments(decode))
 
     def draft_schedule(self) -> list[list[int]] | None:
         """The k per batch-size range the last call used under 'auto' ([] when it ran without
