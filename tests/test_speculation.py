@@ -151,3 +151,17 @@ def test_auto_draft_length_exact_probing_then_off(plain, prompts):
     assert off.response_ids == base.response_ids
     assert off.draft_schedule == [] and off.spec.drafts == 0 and off.spec.draft_tokens == 0
     ray.kill(auto)
+
+
+def test_every_call_reports_its_decode_steps(plain, prompts):
+    """The engine-step moments `rlspec.sim calibrate` fits: without speculation every running
+    sequence gains one token per decode step, so the running counts summed over the decode steps
+    are the tokens left after the prefill step and the step after it (2 per sequence), and the
+    steps' seconds are part of the call's."""
+    ro = call(plain, "generate", prompts, 4, 1.0, 32)
+    count, sum_n, sum_nn, sum_t, sum_nt = ro.decode_moments
+    lengths = [len(r) for r in ro.response_ids]
+    assert count == max(lengths) - 2
+    assert sum_n == sum(max(0, n - 2) for n in lengths)
+    assert sum_n <= sum_nn <= sum_n * len(lengths)
+    assert 0 < sum_t < ro.seconds and sum_nt <= sum_t * len(lengths)
