@@ -2,7 +2,8 @@
 
 A slot is one GPU (plus `cluster.cpus_per_slot` CPUs), or on CPU machines (`gpus_per_node=0`)
 `cpus_per_slot` CPUs. Each node becomes one Ray placement group of its slots (STRICT_PACK), so
-the plan is what Ray places. Two modes:
+the plan is what Ray places; the nodes an engine wider than a node spans (tensor parallel over
+several nodes) share one placement group (PACK over exactly those nodes' GPUs). Two modes:
 - colocated: generation, log-prob and training share every slot; the synchronous loop runs one
   stage at a time, so each actor gets an equal share of its slot's resources;
 - disaggregated: generation engines get slots of their own and log-prob workers share the rest
@@ -22,8 +23,8 @@ GEN, LOGPROB, LEARNER = "generator", "logprob_worker", "learner"
 
 @dataclass(frozen=True)
 class Slot:
-    node: int   # index of the node (= its placement group)
-    index: int  # bundle index inside that node's placement group
+    node: int   # index of the node
+    index: int  # the slot's index on that node
 
 
 @dataclass
@@ -69,6 +70,28 @@ class PlacementPlan:
         k = len(self.tenants[slot])
         part = lambda total: math.floor(total / k * 1e4) / 1e4  # noqa: E731
         return {"num_cpus": part(self.cpus_per_slot), "num_gpus": part(1.0) if self.on_gpu else 0.0}
+
+    def units(self) -> list[list[int]]:
+        """Plan nodes that share one Ray placement group: a node alone, or every node an engine
+        wider than a node spans (vLLM's Ray executor takes its TP workers' bundles from the one
+        placement group its engine runs in). Nodes the plan leaves idle are left out."""
+        parent = list(range(self.nodes))
+
+        def root(n: int) -> int:
+            while parent[n] != n:
+                n = parent[n]
+            return n
+
+        for role in self.roles.values():
+            for slots in role.slots:
+                first, *rest = sorted({s.node for s in slots})
+                for n in rest:
+                    parent[root(n)] = root(first)
+        groups: dict[int, list[int]] = {}
+        for n in range(self.nodes):
+            if self.slots_per_node[n]:
+                groups.setdefault(root(n), []).append(n)
+        return sorted(groups.values())
 
     def gpus(self, role: str) -> int:
         return len({s for slots in self.roles[role].slots for s in slots}) if self.on_gpu else 0

@@ -118,3 +118,29 @@ def test_dry_run_of_a_plan_that_does_not_fit_names_the_key(tmp_path):
                        text=True, timeout=120)
     assert p.returncode == 2
     assert "rlspec: error: cluster.num_generators: colocated placement needs 32 GPUs" in p.stderr
+
+
+def test_a_wide_engine_shares_one_placement_group_over_its_nodes():
+    plan = make_plan(compose(["+experiment=qwen3_235b_a22b"], plain=False).cluster, 8, True)
+    units = plan.units()
+    assert units == [[2 * u, 2 * u + 1] for u in range(64)]  # every engine: two whole GB200 nodes
+    single = make_plan(ClusterConfig(nodes=4, gpus_per_node=4, placement="colocated", num_generators=8,
+                                     learner_world_size=16, logprob_world_size=16), tensor_parallel_size=2)
+    assert single.units() == [[0], [1], [2], [3]]
+
+
+def test_a_wide_engine_places_its_tp_workers_on_both_ray_nodes(tmp_path):
+    """Two Ray nodes on loopback with 2 (declared) GPUs each, a TP-4 engine colocated with 4
+    learner ranks: the engine's bundles span both nodes, a task in each bundle (as vLLM's Ray
+    executor starts its TP workers) lands 2 per node, and each learner shares its GPU's node."""
+    import json
+
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "wide_engine_probe.py")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    a, b = r["nodes"]
+    assert r["groups"] == 1 and r["bundle_indices"] == "0,1,2,3"
+    assert sorted(r["workers"]) == [a, a, b, b]
+    assert r["learners"] == r["workers"]  # learner rank i shares the GPU of the engine's worker i
+    assert r["engine"] == r["workers"][0] and r["master_ip"]

@@ -257,12 +257,12 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
     from rlspec.workers.generator import Generator
     from rlspec.workers.learner import Learner
     from rlspec.workers.logprob import LogprobWorker
-    from rlspec.workers.placement_groups import actor_nodes, actor_options, create_placement_groups, node_ips
+    from rlspec.workers.placement_groups import actor_nodes, actor_options, create_placement_groups, slot_ip
 
     c, g, t = cfg.cluster, cfg.generation, cfg.trainer
     algo = resolve_auto(cfg).algo  # train() did this already; a stack built directly has not
     plan = make_plan(c, g.tensor_parallel_size, g.expert_parallel)
-    pgs = create_placement_groups(plan, c.actor_timeout_s)
+    placed = create_placement_groups(plan, c.actor_timeout_s)
     # Actors on a cluster started elsewhere get the driver's settings passed; those of the local
     # Ray that RayCluster started have them already. A runtime_env costs a fresh worker process
     # (~1.2 s to an actor's start on 2 cores, against ~0.4 s in one of the workers Ray prestarts).
@@ -276,7 +276,7 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
     threads, broadcast = c.threads_per_actor, c.refit == "broadcast"
 
     def start(cls, role: str, i: int, *args):
-        o = actor_options(plan, pgs, role, i)
+        o = actor_options(plan, placed, role, i)
         return ray.remote(cls).options(name=f"{role}_{i}", max_restarts=0, **runtime_env(o["env"]),
                                        **o["options"]).remote(*args)
 
@@ -303,7 +303,7 @@ def launch_actors(cfg: RLSpecConfig, model_dir: str, tokenizer_dir: str, draft_d
                 for r in range(c.logprob_world_size if algo.recompute_logprobs else 0)]
     samples = g.num_prompts_per_step * g.num_generations_per_prompt
     # DeepSpeed's rendezvous runs on learner 0's node.
-    master = node_ips(plan, pgs)[plan.roles[LEARNER].slots[0][0].node]
+    master = slot_ip(placed, plan.roles[LEARNER].slots[0][0])
     port = free_port()
     learners = [start(with_refit(Learner, RefitSender) if broadcast else Learner, LEARNER, r, model_dir, algo, t,
                       g.temperature, samples, r, c.learner_world_size, master, port, threads,
