@@ -130,6 +130,11 @@ class GenerationConfig:
     # MoE targets: shard experts over the engine's GPUs (vLLM enable_expert_parallel) instead of
     # tensor-slicing every expert.
     expert_parallel: bool = False
+    # vLLM sleep mode: after every generate call the engine offloads its weights to CPU memory and
+    # frees its KV cache, so colocated training gets the GPU; weights come back for the refit, the
+    # KV cache for the next call. null (auto): on when colocated on GPUs without async GRPO. Needs
+    # a platform with vLLM sleep mode (CUDA, ROCm); true elsewhere stops the engine's start.
+    sleep_mode: Optional[bool] = None
 
 
 @dataclass
@@ -336,6 +341,9 @@ def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
     see the values the run uses."""
     cfg.algo.off_policy_correction = off_policy_correction(cfg)
     cfg.algo.recompute_logprobs = recompute_logprobs(cfg)
+    if cfg.generation.sleep_mode is None:
+        c = cfg.cluster
+        cfg.generation.sleep_mode = c.placement == "colocated" and c.gpus_per_node > 0 and not cfg.async_grpo.enabled
     return cfg
 
 
@@ -379,6 +387,8 @@ def validate(cfg: RLSpecConfig) -> None:
     _check(q.on_stale in ("regenerate", "drop"), "async_grpo.on_stale", "must be regenerate or drop")
     _check(not (q.enabled and c.placement == "colocated" and c.gpus_per_node > 0), "async_grpo.enabled",
            "needs cluster.placement=disaggregated: colocated roles share every GPU one stage at a time")
+    _check(not (q.enabled and g.sleep_mode), "generation.sleep_mode",
+           "true, but async GRPO keeps the engines generating while the learner trains")
     _check(a.dynamic_sampling_max_rounds >= 0, "algo.dynamic_sampling_max_rounds", "must be >= 0")
     _check(g.num_prompts_per_step > 0, "generation.num_prompts_per_step", "must be > 0")
     _check(g.num_generations_per_prompt >= 2, "generation.num_generations_per_prompt",

@@ -90,6 +90,20 @@ def test_async_on_colocated_gpus_is_refused():
         validate(cfg)
 
 
+def test_sleep_mode_is_on_for_colocated_gpus_only():
+    from rlspec.config import resolve_auto
+
+    def sleep(*overrides):
+        return resolve_auto(compose(list(overrides), plain=False)).generation.sleep_mode
+
+    assert sleep("+experiment=rl_zero_qwen3_8b") is True          # colocated GB200 nodes
+    assert sleep("+experiment=rl_think_qwen3_8b_async") is False  # generation never waits
+    assert sleep() is False                                       # the CPU default
+    cfg = compose(["+experiment=rl_think_qwen3_8b_async", "generation.sleep_mode=true"], plain=False)
+    with pytest.raises(ConfigError, match="^generation.sleep_mode: true, but async GRPO"):
+        validate(cfg)
+
+
 @pytest.mark.parametrize("override,key", [
     ("generation.top_p=0.9", "generation.top_p"),
     ("generation.top_k=20", "generation.top_k"),

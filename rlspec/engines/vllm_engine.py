@@ -47,6 +47,14 @@ def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: i
         kwargs["distributed_executor_backend"] = "ray"
     if gen.expert_parallel:
         kwargs["enable_expert_parallel"] = True
+    if gen.sleep_mode:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            raise RuntimeError(f"generation.sleep_mode=true: vLLM has no sleep mode on this platform "
+                               f"({current_platform.device_name}); it needs a CUDA or ROCm GPU "
+                               "(set generation.sleep_mode=false)")
+        kwargs["enable_sleep_mode"] = True
     if speculative_config:
         kwargs["speculative_config"] = speculative_config
     return LLM(**kwargs)

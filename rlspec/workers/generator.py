@@ -46,6 +46,7 @@ class Generator:
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.policy_version = 0
         self.draft_version = 0
+        self.asleep: set[str] = set()  # sleep mode: what the engine has released ("weights", "kv_cache")
         self.auto = self.spec_config is not None and spec.num_speculative_tokens == "auto"
         self.auto_buckets = sorted(spec.auto_buckets)
         self.probe_every = spec.auto_probe_every
@@ -163,7 +164,28 @@ class Generator:
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, max_tokens: int,
                  seed: int | None = None, top_p: float = 1.0, top_k: int = -1) -> RolloutBatch:
-        """n samples per prompt, prompt-major: rows [i*n, (i+1)*n) belong to prompt i."""
+        """n samples per prompt, prompt-major: rows [i*n, (i+1)*n) belong to prompt i. Under
+        generation.sleep_mode the engine releases its GPU memory when the call is done."""
+        self.wake_up()
+        try:
+            return self._generate(prompt_ids, n, temperature, max_tokens, seed, top_p, top_k)
+        finally:
+            self.sleep()
+
+    def sleep(self) -> None:
+        """Sleep mode: weights to CPU memory, KV cache freed (vLLM sleep level 1; the draft's
+        weights stay too, so a refit without new draft weights keeps them)."""
+        if self.gen.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        todo = sorted(self.asleep & set(tags))
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self.asleep -= set(todo)
+
+    def _generate(self, prompt_ids, n, temperature, max_tokens, seed, top_p, top_k) -> RolloutBatch:
         from vllm import SamplingParams, TokensPrompt
 
         if self.spec_config is not None:
@@ -216,6 +238,7 @@ class Generator:
     def push_weights(self, weights: dict[str, torch.Tensor], version: int,
                      draft_weights: dict[str, torch.Tensor] | None = None) -> float:
         """Refit the target (and, when given, the draft); returns seconds taken."""
+        self.wake_up(("weights",))  # sleep mode: the KV cache waits for the next generate call
         seconds = reload_weights(self.llm, with_tied_head(weights, self.tied_embeddings).items())
         if draft_weights is not None:
             seconds += self.push_draft_weights(draft_weights, version)
@@ -226,6 +249,7 @@ class Generator:
         """Refit the draft model or head alone (online draft training pushes through here)."""
         if self.spec_config is None or "model" not in self.spec_config:
             raise RuntimeError("this Generator has no draft model to refit")
+        self.wake_up(("weights",))
         seconds = reload_draft_weights(self.llm, weights)
         self.draft_version = version
         return seconds
