@@ -337,8 +337,8 @@ def recompute_logprobs(cfg: RLSpecConfig) -> bool:
 
 
 def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
-    """Resolve the 'auto' algo settings in place (idempotent), so summary.json and every actor
-    see the values the run uses."""
+    """Resolve the 'auto' settings (algo, generation.sleep_mode) in place (idempotent), so
+    summary.json and every actor see the values the run uses."""
     cfg.algo.off_policy_correction = off_policy_correction(cfg)
     cfg.algo.recompute_logprobs = recompute_logprobs(cfg)
     if cfg.generation.sleep_mode is None:

@@ -164,11 +164,12 @@ def _bisect(f, lo: float, hi: float, target: float, increasing: bool) -> float:
 
 
 def fit(cfg: SimConfig, m: Measured) -> EfficiencyConfig:
-    """One efficiency per stage so the simulated steady-state step matches `m`. One run cannot
-    separate generation's compute efficiency from its per-forward overhead, so the engine's GEMMs
-    are taken to run at the MFU the same run's log-prob pass measured (the same model's matmuls on
-    the same machine; an upper bound for skinny decode GEMMs), or its training pass when the run
-    skipped the recompute, and the overhead is fitted."""
+    """One efficiency per stage so the simulated steady-state step matches `m`. The generation
+    stage alone cannot separate the engine's compute efficiency from its per-forward overhead:
+    the efficiency comes from the slope of the run's engine-step line (step seconds vs running
+    sequences), or without one from the log-prob pass's MFU (the same model's matmuls on the same
+    machine; an upper bound for skinny decode GEMMs), or the training pass's when the run skipped
+    the recompute; the overhead is then fitted to the stage."""
     s0 = step(cfg).stage_seconds
     train_only = max(m.stage_seconds["train"] - m.refit_seconds, 1e-9)  # the trainer times refit inside train
     train_mfu = cfg.eff.train_mfu * s0["train"] / train_only
@@ -184,8 +185,9 @@ def fit(cfg: SimConfig, m: Measured) -> EfficiencyConfig:
         lo, hi = m.step_batch_range
         ctx = cfg.workload.prompt_tokens + m.response_length / 2
         tau = tokens_per_verification(cfg.spec)
-        slope = lambda c: (verification_seconds(c, hi, ctx, tau) - verification_seconds(c, lo, ctx, tau)) / (hi - lo)  # noqa: E731
-        if slope(with_eff(decode_flops=1.0)) < m.step_line[1]:  # compute-bound: the slope sets the efficiency
+        slope = lambda c: (verification_seconds(c, hi, ctx, tau)  # noqa: E731
+                           - verification_seconds(c, lo, ctx, tau)) / (hi - lo)
+        if slope(with_eff(decode_flops=1.0)) < m.step_line[1]:  # compute-bound: the slope sets it
             e = replace(e, decode_flops=_bisect(lambda x: slope(with_eff(decode_flops=x)), 1e-4, 1.0,
                                                 m.step_line[1], increasing=False))
     gen = lambda c: step(c).stage_seconds["generation"]  # noqa: E731
