@@ -2,7 +2,7 @@
 worker, one CPU each): the tiny experiment runs across both, generation on one node and
 log-prob + training on the other (from Ray's own placement info), weights broadcast over the gloo
 refit group, and every figure of the run equals a single-node run with the same seeds (which
-refits through Ray's object store instead). About 4 minutes on 2 cores; run under the CPU lock:
+refits through Ray's object store instead). About 2 minutes on 2 cores; run under the CPU lock:
     flock /tmp/rlspec-cpu.lock nice -n 10 python -m pytest tests/test_multinode.py -m multinode
 """
 import json
