@@ -95,7 +95,7 @@ class Generator:
     @staticmethod
     def _decode_only(log: list[tuple[int, int, float]]) -> list[tuple[int, float]]:
         """A call's decode steps as (running batch, seconds): steps with prompts still waiting
-        prefill, and the first after them, are left out (as in calibration)."""
+        prefill, and the first after them, are left out."""
         out, after_prefill = [], True
         for n, waiting, seconds in log:
             if waiting or after_prefill:
@@ -132,15 +132,16 @@ class Generator:
         ids = [f"rlspec-cal-{k}-{batch}-{i}" for i in range(batch)]
         for i, rid in enumerate(ids):
             engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids[i % len(prompt_ids)]), params)
-        times = []
-        while engine.has_unfinished_requests() and len(times) < steps + 2:
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
+        self.step_log = []  # timed by the step wrapper, as every call's decode steps are
+        try:
+            while engine.has_unfinished_requests() and len(self._decode_only(self.step_log)) < steps:
+                engine.step()
+        finally:
+            log, self.step_log = self.step_log, None
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-        return times[2:]  # the first step prefills, the second is the first decode
+        return [seconds for _, seconds in self._decode_only(log)]
 
     def calibrate(self, prompt_ids: list[list[int]], rounds: int = 3, steps: int = 4) -> DraftLengthPlanner:
         """Time engine steps at each bucket (up to the engine's max_num_seqs) for every k and OFF,
