@@ -9,9 +9,17 @@ from typing import Optional, Union
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from rlspec.cluster.plan import PlanError, make_plan
+
 ASSETS = Path(__file__).resolve().parent / "assets"
-# `${asset:tiny/policy}` names a model or dataset shipped inside the package.
-OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel), replace=True)
+
+
+def register_resolvers() -> None:
+    """`${asset:tiny/policy}` names a model or dataset shipped inside the package (idempotent)."""
+    OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel), replace=True)
+
+
+register_resolvers()  # the defaults below use it
 
 
 class ConfigError(ValueError):
@@ -163,7 +171,7 @@ class SpeculationConfig:
     method: str = "none"
     # Draft length k (tokens proposed per verification), or 'auto': k (0 .. max_speculative_tokens,
     # or speculation off) chosen per batch-size bucket and per step from measured step costs and
-    # measured acceptance per position, maximising tokens/s (rlspec/autospec.py).
+    # measured acceptance per position, maximising tokens/s (rlspec/speculation/adaptive.py).
     num_speculative_tokens: Union[int, str] = 3
     # Largest k 'auto' may choose (the engine is built for it).
     max_speculative_tokens: int = 5
@@ -185,10 +193,23 @@ class SpeculationConfig:
     prompt_lookup_max: int = 4
     online: OnlineDraftConfig = field(default_factory=OnlineDraftConfig)
 
+    @property
+    def adaptive(self) -> bool:
+        """num_speculative_tokens=auto: k chosen per call and batch size (rlspec/speculation/adaptive.py)."""
+        return self.method != "none" and self.num_speculative_tokens == "auto"
+
+    @property
+    def k_max(self) -> int:
+        """The k the engine is built for: the fixed k, or under 'auto' the largest it may choose
+        (0 without speculation)."""
+        if self.method == "none":
+            return 0
+        return int(self.max_speculative_tokens if self.adaptive else self.num_speculative_tokens)
+
 
 @dataclass
 class AsyncGRPOConfig:
-    # Generation runs ahead of the learner through a bounded rollout queue (rlspec/async_loop.py).
+    # Generation runs ahead of the learner through a bounded rollout queue (rlspec/loops/queue.py).
     enabled: bool = False
     # Most policy versions a trained rollout may trail the learner by. 0 keeps the synchronous
     # loop's order exactly (every rollout on-policy); 1 is one-step-off (the paper's lag 1).
@@ -208,7 +229,7 @@ class ClusterConfig:
     address: Optional[str] = None
     # CPUs Ray may schedule on a local cluster (None: all of this machine's).
     num_cpus: Optional[int] = None
-    # Nodes the run spans; every role is placed on them (rlspec/placement.py).
+    # Nodes the run spans; every role is placed on them (rlspec/cluster/plan.py).
     nodes: int = 1
     # GPUs per node; 0 on CPU machines, where a placement slot is cpus_per_slot CPUs.
     gpus_per_node: int = 0
@@ -268,7 +289,7 @@ class TrainerConfig:
     # Save the final policy (Hugging Face format) to <run dir>/final.
     save_final: bool = True
     # Checkpoint every N steps (0: only on SIGUSR2, preemption and numerical stops); see
-    # rlspec/checkpoint.py for what a checkpoint holds.
+    # rlspec/loops/checkpoint.py for what a checkpoint holds.
     checkpoint_every: int = 50
     # Complete checkpoints kept (oldest deleted first).
     checkpoint_keep: int = 3
@@ -337,8 +358,10 @@ def recompute_logprobs(cfg: RLSpecConfig) -> bool:
 
 
 def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
-    """Resolve the 'auto' settings (algo, generation.sleep_mode) in place (idempotent), so
-    summary.json and every actor see the values the run uses."""
+    """Resolve the 'auto' settings in place (idempotent), once, before anything reads them:
+    algo.off_policy_correction, algo.recompute_logprobs, generation.sleep_mode. summary.json and
+    every actor then see the values the run uses. (speculation 'auto' k stays 'auto': the
+    engine's k is SpeculationConfig.k_max, and the Generator picks k per call.)"""
     cfg.algo.off_policy_correction = off_policy_correction(cfg)
     cfg.algo.recompute_logprobs = recompute_logprobs(cfg)
     if cfg.generation.sleep_mode is None:
@@ -349,11 +372,17 @@ def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
 
 def validate(cfg: RLSpecConfig) -> None:
     """Cross-field and value checks; raises ConfigError naming the key."""
-    from rlspec.algo import ADVANTAGES, CORRECTIONS, LOSS_AGGREGATIONS, LOSSES
+    _validate_data(cfg)
+    _validate_algo(cfg)
+    _validate_generation(cfg)
+    _validate_speculation(cfg)
+    _validate_run(cfg)
+
+
+def _validate_data(cfg: RLSpecConfig) -> None:
     from rlspec.data.templates import TEMPLATES
     from rlspec.rewards import REWARDS
 
-    g, a, t, c = cfg.generation, cfg.algo, cfg.trainer, cfg.cluster
     _check(bool(cfg.model.path), "model.path", "must name a checkpoint directory or hub ID")
     _check(cfg.model.max_model_len > 0, "model.max_model_len", "must be > 0")
     _check(cfg.data.template in TEMPLATES, "data.template", f"{cfg.data.template!r} not in {sorted(TEMPLATES)}")
@@ -368,6 +397,12 @@ def validate(cfg: RLSpecConfig) -> None:
         _check(ds.limit is None or ds.limit > 0, f"data.{split}.limit", "must be > 0 or null")
     s = cfg.data.synthetic
     _check(1 <= s.min_digits <= s.max_digits, "data.synthetic.min_digits", "must be in [1, max_digits]")
+
+
+def _validate_algo(cfg: RLSpecConfig) -> None:
+    from rlspec.algo import ADVANTAGES, CORRECTIONS, LOSS_AGGREGATIONS, LOSSES
+
+    a, g, c = cfg.algo, cfg.generation, cfg.cluster
     _check(a.advantage in ADVANTAGES, "algo.advantage", f"{a.advantage!r} not in {sorted(ADVANTAGES)}")
     _check(a.loss in LOSSES, "algo.loss", f"{a.loss!r} not in {sorted(LOSSES)}")
     _check(a.loss_agg in LOSS_AGGREGATIONS, "algo.loss_agg", f"{a.loss_agg!r} not in {sorted(LOSS_AGGREGATIONS)}")
@@ -390,6 +425,10 @@ def validate(cfg: RLSpecConfig) -> None:
     _check(not (q.enabled and g.sleep_mode), "generation.sleep_mode",
            "true, but async GRPO keeps the engines generating while the learner trains")
     _check(a.dynamic_sampling_max_rounds >= 0, "algo.dynamic_sampling_max_rounds", "must be >= 0")
+
+
+def _validate_generation(cfg: RLSpecConfig) -> None:
+    g = cfg.generation
     _check(g.num_prompts_per_step > 0, "generation.num_prompts_per_step", "must be > 0")
     _check(g.num_generations_per_prompt >= 2, "generation.num_generations_per_prompt",
            "GRPO needs at least 2 samples per prompt")
@@ -406,6 +445,9 @@ def validate(cfg: RLSpecConfig) -> None:
     _check(g.top_k == -1, "generation.top_k", "RL rollouts support top_k=-1 only (the log-prob "
            "recompute does not truncate the distribution yet)")
     _check(g.dtype in ("float32", "bfloat16", "float16"), "generation.dtype", "must be float32, bfloat16 or float16")
+
+
+def _validate_speculation(cfg: RLSpecConfig) -> None:
     sp = cfg.speculation
     _check(sp.method in SPEC_METHODS, "speculation.method", f"{sp.method!r} not in {list(SPEC_METHODS)}")
     if sp.method != "none":
@@ -432,9 +474,15 @@ def validate(cfg: RLSpecConfig) -> None:
         _check(o.lr > 0, "speculation.online.lr", "must be > 0")
         _check(not cfg.async_grpo.enabled, "speculation.online.enabled",
                "runs with the synchronous loop for now (async_grpo.enabled=false)")
-    from rlspec.placement import make_plan
 
-    make_plan(c, g.tensor_parallel_size, g.expert_parallel)  # names the key that does not fit
+
+def _validate_run(cfg: RLSpecConfig) -> None:
+    """Placement, cluster, trainer and logging."""
+    g, t, c = cfg.generation, cfg.trainer, cfg.cluster
+    try:
+        make_plan(c, g.tensor_parallel_size, g.expert_parallel)
+    except PlanError as e:  # it names the key that does not fit
+        raise ConfigError(str(e)) from None
     _check(c.refit in ("broadcast", "object_store"), "cluster.refit", "must be broadcast or object_store")
     _check(c.refit_bucket_mb >= 1, "cluster.refit_bucket_mb", "must be >= 1")
     _check(c.threads_per_actor >= 1, "cluster.threads_per_actor", "must be >= 1")

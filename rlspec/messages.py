@@ -6,6 +6,25 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How one generate call samples: n samples per prompt, prompt-major."""
+    n: int
+    temperature: float
+    max_tokens: int
+    seed: int | None = None   # the call's seed (None: the engine's own generator)
+    top_p: float = 1.0
+    top_k: int = -1
+
+    @classmethod
+    def of(cls, generation, seed: int | None, n: int | None = None,
+           temperature: float | None = None) -> "Sampling":
+        """The rollout sampling a GenerationConfig sets (n and temperature overridable)."""
+        g = generation
+        return cls(g.num_generations_per_prompt if n is None else n,
+                   g.temperature if temperature is None else temperature, g.max_new_tokens, seed, g.top_p, g.top_k)
+
+
 def step_moments(steps: list[tuple[int, float]]) -> list[float]:
     """[count, sum n, sum n^2, sum t, sum n t] over engine steps of n running sequences taking t
     seconds: the sufficient statistics of a least-squares line t = a + b n, additive over calls

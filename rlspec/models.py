@@ -3,7 +3,16 @@ for rlspec's tiny assets and for Qwen3-8B. Runs before any actor starts, so a mi
 fails fast with the config key and path named."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    """The run's checkpoints as local directories, resolved on the driver before any actor starts."""
+    model: str                  # the policy (model.path)
+    tokenizer: str              # model.tokenizer, or the policy's own
+    draft: str | None = None    # speculation.model (draft model or EAGLE-3 head), when one is used
 
 
 class ModelError(ValueError):
@@ -45,3 +54,11 @@ def load_tokenizer(path: str, key: str, trust_remote_code: bool = False):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False):
+    """A Hugging Face causal LM (float32 unless `dtype` says otherwise)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, trust_remote_code=trust_remote_code)

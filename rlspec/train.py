@@ -20,13 +20,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from rlspec.cluster.calls import ActorFailure
 from rlspec.config import ConfigError, RLSpecConfig, register_configs, resolve_auto, validate
-from rlspec.data.loading import DataError, PromptSet, load_prompts
-from rlspec.models import ModelError, load_tokenizer, resolve_checkpoint
-from rlspec.preemption import EXIT_NUMERICAL, EXIT_PREEMPTED, NumericalDivergence, Preempted
+from rlspec.data.loading import DataError, PromptSet, load_split
+from rlspec.loops.preemption import EXIT_NUMERICAL, EXIT_PREEMPTED, NumericalDivergence, Preempted
+from rlspec.models import ModelError, ModelPaths, load_tokenizer, resolve_checkpoint
 from rlspec.rewards import preload as preload_reward
-from rlspec.speculation import check_draft
-from rlspec.workers.cluster import ActorFailure
+from rlspec.speculation.checks import check_draft
 
 DEFAULT_EXPERIMENT = "tiny_cpu"
 EXIT_ACTOR_FAILURE, EXIT_BAD_INPUT = 1, 2
@@ -48,42 +48,51 @@ def with_default_experiment(argv: list[str]) -> list[str]:
 
 
 def load_data(cfg: RLSpecConfig, tokenizer) -> tuple[PromptSet, PromptSet]:
-    d = cfg.data
-    sets = [load_prompts(getattr(d, k), d.synthetic, key=f"data.{k}", tokenizer=tokenizer, template=d.template,
-                         max_prompt_tokens=d.max_prompt_tokens, on_bad_row=d.on_bad_row)
-            for k in ("train", "val")]
+    sets = [load_split(cfg.data, split, tokenizer) for split in ("train", "val")]
     for key, ps in zip(("data.train", "data.val"), sets):
         skipped = f", skipped {sum(ps.skipped.values())} bad rows {dict(ps.skipped)}" if ps.skipped else ""
         print(f"{key}: {len(ps)} prompts from {ps.source}{skipped}", flush=True)
     return sets[0], sets[1]
 
 
+def resolve_paths(cfg: RLSpecConfig) -> ModelPaths:
+    """Every checkpoint the run needs as a local directory; the draft checked against the target."""
+    model = resolve_checkpoint(cfg.model.path, "model.path", cfg.model.revision)
+    tokenizer = resolve_checkpoint(cfg.model.tokenizer, "model.tokenizer") if cfg.model.tokenizer else model
+    draft = resolve_checkpoint(cfg.speculation.model, "speculation.model") if cfg.speculation.model else None
+    check_draft(cfg.speculation, model, draft)
+    return ModelPaths(model, tokenizer, draft)
+
+
+def dry_run(cfg: RLSpecConfig) -> None:
+    """Print what the run would use and its placement plan; start nothing."""
+    from rlspec.cluster.plan import make_plan
+
+    sp, d = cfg.speculation, cfg.data
+    print(f"model {cfg.model.path}; speculation {sp.method}"
+          + (f" k={sp.num_speculative_tokens} draft {sp.model}" if sp.method != "none" else "")
+          + f"; train {d.train.source}; val {d.val.source}", flush=True)
+    print(make_plan(cfg.cluster, cfg.generation.tensor_parallel_size, cfg.generation.expert_parallel).describe(),
+          flush=True)
+
+
 def train(cfg: RLSpecConfig, run_dir: str) -> dict:
     """Resolve models and data (failing before any actor starts), then run the loop on Ray actors;
     after an actor failure, restart everything from the latest checkpoint up to
     cluster.max_restarts times."""
-    from rlspec.preemption import StopRequest
-    from rlspec.workers.cluster import RayCluster, launch_actors, wait
+    from rlspec.cluster.calls import wait
+    from rlspec.cluster.ray_cluster import RayCluster
+    from rlspec.loops.preemption import StopRequest
 
     validate(cfg)
-    resolve_auto(cfg)  # as summary.json records it
+    resolve_auto(cfg)  # once, here: every actor and summary.json read the resolved values
     if cfg.cluster.dry_run:
-        from rlspec.placement import make_plan
-
-        sp, d = cfg.speculation, cfg.data
-        print(f"model {cfg.model.path}; speculation {sp.method}"
-              + (f" k={sp.num_speculative_tokens} draft {sp.model}" if sp.method != "none" else "")
-              + f"; train {d.train.source}; val {d.val.source}", flush=True)
-        print(make_plan(cfg.cluster, cfg.generation.tensor_parallel_size, cfg.generation.expert_parallel).describe(),
-              flush=True)
+        dry_run(cfg)
         return {}
-    model_dir = resolve_checkpoint(cfg.model.path, "model.path", cfg.model.revision)
-    tok_dir = resolve_checkpoint(cfg.model.tokenizer, "model.tokenizer") if cfg.model.tokenizer else model_dir
-    draft_dir = resolve_checkpoint(cfg.speculation.model, "speculation.model") if cfg.speculation.model else None
-    check_draft(cfg.speculation, model_dir, draft_dir)
+    paths = resolve_paths(cfg)
 
     def read_inputs():
-        tok = load_tokenizer(tok_dir, "model.tokenizer" if cfg.model.tokenizer else "model.path",
+        tok = load_tokenizer(paths.tokenizer, "model.tokenizer" if cfg.model.tokenizer else "model.path",
                              cfg.model.trust_remote_code)
         preload_reward(cfg.data.reward)
         return (tok, *load_data(cfg, tok))
@@ -99,29 +108,28 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
         except BaseException:
             cluster.close()
             raise
-    from rlspec.checkpoint import resolve_resume
-    from rlspec.metrics import RunLog
-    from rlspec.sync_loop import Context, run
+    from rlspec.cluster.launch import launch_actors
+    from rlspec.loops.checkpoint import resolve_resume
+    from rlspec.loops.runlog import RunLog
+    from rlspec.loops.state import Run
+    from rlspec.loops.sync import run_loop
 
     ckpt_root = cfg.trainer.checkpoint_dir or os.path.join(run_dir, "checkpoints")
     resume = resolve_resume(cfg.trainer.resume, ckpt_root)
     runlog = RunLog(run_dir, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
-                    cfg.trainer.max_steps, cfg.logging.progress_bar, cfg.logging.wandb_mode,
-                    cfg.logging.wandb_project, cfg.logging.wandb_entity)
+                    cfg.trainer.max_steps, cfg.logging)
     runlog.notes["bad_rows"] = {"train": dict(train_set.skipped), "val": dict(val_set.skipped)}
     stop, restarts = StopRequest(), 0
     while True:
         try:
             with cluster:
                 stop.install()  # after ray.init, which installs handlers of its own
-                actors = launch_actors(cfg, model_dir, tok_dir, draft_dir)
+                actors = launch_actors(cfg, paths)
                 runlog.notes["placement"] = actors.nodes  # actor -> Ray node ID, as Ray reports it
-                ctx = Context(cfg, actors, tokenizer, train_set, val_set, runlog, ckpt_root, resume, stop)
-                ctx.counters["restarts"] = restarts
-                run(ctx)
+                run_loop(Run(cfg, actors, tokenizer, train_set, val_set, runlog, ckpt_root, stop), resume, restarts)
                 if cfg.trainer.save_final:
                     final = os.path.join(run_dir, "final")
-                    wait(actors.learn("save_pretrained", final, tok_dir), actors.timeout_s)
+                    wait(actors.learners.save_pretrained(final, paths.tokenizer), actors.timeout_s)
                     runlog.notes["final_policy"] = final
             break
         except ActorFailure as e:

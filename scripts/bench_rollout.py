@@ -178,9 +178,10 @@ def parse_method(s: str) -> tuple[str, int | str]:
 def run(args) -> list[dict]:
     import ray
 
-    from rlspec.config import DatasetConfig, GenerationConfig, SpeculationConfig, SyntheticConfig
+    from rlspec.config import DatasetConfig, GenerationConfig, ModelConfig, SpeculationConfig, SyntheticConfig
     from rlspec.data.loading import load_prompts
-    from rlspec.models import load_tokenizer
+    from rlspec.messages import Sampling
+    from rlspec.models import ModelPaths, load_tokenizer
     from rlspec.workers.generator import Generator
 
     tiny = ROOT / "rlspec" / "assets" / "tiny"
@@ -213,7 +214,8 @@ def run(args) -> list[dict]:
                                  model=str(tiny / "draft") if method == "draft_model" else None,
                                  prompt_lookup_min=1, prompt_lookup_max=3)
         actors[name] = ray.remote(Generator).options(num_cpus=0).remote(
-            target, gen, spec, 256, args.seed, args.threads, None, spec.model)
+            paths=ModelPaths(target, target, spec.model), model=ModelConfig(max_model_len=256), generation=gen,
+            speculation=spec, seed=args.seed, threads=args.threads)
     records = []
     for b in args.batch_sizes:
         n = min(b, args.group)
@@ -221,7 +223,7 @@ def run(args) -> list[dict]:
         runs = {name: [] for name in actors}
         for rep in range(args.repeats + 1):  # round-robin, so load drift hits every method alike
             for name, actor in actors.items():
-                ro = ray.get(actor.generate.remote(batch, n, args.temperature, args.max_tokens), timeout=1800)
+                ro = ray.get(actor.generate.remote(batch, Sampling(n, args.temperature, args.max_tokens)), timeout=1800)
                 if rep:  # the first round warms each engine up at this batch shape
                     runs[name].append(ro)
         base = None

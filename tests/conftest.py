@@ -12,9 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def compose(overrides=(), plain=True):
-    """The config `python -m rlspec.train OVERRIDES` would run with, as an RLSpecConfig. The
-    default experiment drafts with the tiny draft model; with plain=True (the tests' baseline)
-    rollouts are not speculative unless an override selects a `speculation=` method."""
+    """The config `python -m rlspec.train OVERRIDES` composes, as an RLSpecConfig (its 'auto'
+    settings not yet resolved: config.resolve_auto does that). The default experiment drafts with
+    the tiny draft model; with plain=True (the tests' baseline) rollouts are not speculative
+    unless an override selects a `speculation=` method."""
     from hydra import compose as hcompose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -43,10 +44,49 @@ def tokenizer(tiny_policy):
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray cluster for one test module."""
-    from rlspec.workers.cluster import RayCluster
+    from rlspec.cluster.ray_cluster import RayCluster
 
     with RayCluster(compose()):
         yield
+
+
+def resolved(overrides=(), plain=True):
+    """compose() with its 'auto' settings resolved, as `python -m rlspec.train` runs it."""
+    from rlspec.config import resolve_auto
+
+    return resolve_auto(compose(overrides, plain))
+
+
+def paths_of(cfg, draft_dir=None, model_path=None):
+    """The run's checkpoints (shipped assets here: nothing to resolve)."""
+    from rlspec.models import ModelPaths
+
+    model = model_path or cfg.model.path
+    return ModelPaths(model, cfg.model.tokenizer or model, draft_dir or cfg.speculation.model)
+
+
+def tiny_paths(draft: str | None = None):
+    """The shipped tiny policy (its own tokenizer), with a shipped draft under rlspec/assets/tiny."""
+    from rlspec.models import ModelPaths
+
+    policy = str(ROOT / "rlspec" / "assets" / "tiny" / "policy")
+    return ModelPaths(policy, policy, None if draft is None else str(ROOT / "rlspec" / "assets" / "tiny" / draft))
+
+
+def logprob_worker(micro_batch_size: int, capture=None):
+    """A LogprobWorker (the plain class, no Ray) on the tiny policy at temperature 1, no reference."""
+    from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
+    from rlspec.workers.logprob import LogprobWorker
+
+    return LogprobWorker(paths=tiny_paths(), model=ModelConfig(), algo=AlgoConfig(),
+                         trainer=TrainerConfig(micro_batch_size=micro_batch_size),
+                         generation=GenerationConfig(temperature=1.0), threads=1, capture=capture)
+
+
+def sampling(n: int, temperature: float, max_tokens: int, seed=None):
+    from rlspec.messages import Sampling
+
+    return Sampling(n, temperature, max_tokens, seed)
 
 
 def heldout_prompts(tokenizer, n: int, seed: int = 5) -> list[list[int]]:
@@ -65,8 +105,7 @@ def start_generator(overrides=(), draft_dir=None, seed=0, model_path=None):
 
     from rlspec.workers.generator import Generator
 
-    cfg = compose(list(overrides))
-    if draft_dir is None and cfg.speculation.model:
-        draft_dir = cfg.speculation.model
+    cfg = resolved(list(overrides))
     return ray.remote(Generator).options(num_cpus=0).remote(
-        model_path or cfg.model.path, cfg.generation, cfg.speculation, cfg.model.max_model_len, seed, 2, None, draft_dir)
+        paths=paths_of(cfg, draft_dir, model_path), model=cfg.model, generation=cfg.generation,
+        speculation=cfg.speculation, seed=seed, threads=2)

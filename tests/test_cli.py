@@ -137,7 +137,7 @@ def test_nonfinite_updates_in_a_row_stop_with_exit_4_and_a_checkpoint(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 4, p.stderr[-3000:]
     assert "2 non-finite updates in a row (more than trainer.max_nonfinite_steps=1)" in p.stderr
-    from rlspec import checkpoint
+    from rlspec.loops import checkpoint
 
     ck = checkpoint.latest(run / "checkpoints")
     assert ck is not None and ck.name == "step_00000002" and (ck / "COMPLETE").exists()

@@ -128,7 +128,7 @@ def _ckpt(path, **cfg):
 
 
 def test_draft_checks_against_the_target(tmp_path, tiny_policy):
-    from rlspec.speculation import check_draft
+    from rlspec.speculation.checks import check_draft
 
     cfg = compose(["speculation=draft_model"])
     check_draft(cfg.speculation, tiny_policy, cfg.speculation.model)  # the shipped pair fits
@@ -144,7 +144,7 @@ def test_draft_checks_against_the_target(tmp_path, tiny_policy):
 
 
 def test_speculation_maps_to_vllm_config():
-    from rlspec.speculation import vllm_speculative_config
+    from rlspec.speculation.vllm_config import vllm_speculative_config
 
     d = vllm_speculative_config(compose(["speculation=draft_model", "speculation.num_speculative_tokens=5"]).speculation, "/d")
     assert d == {"method": "draft_model", "num_speculative_tokens": 5, "model": "/d",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from rlspec import checkpoint as ck
+from rlspec.loops import checkpoint as ck
 from test_cli import SMALL
 
 BASE = [*SMALL, "trainer.max_steps=4", "trainer.val_every=0", "trainer.checkpoint_every=0", "trainer.save_final=false",

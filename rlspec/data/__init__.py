@@ -1,0 +1,1 @@
+"""Datasets and prompt templates (no Ray)."""

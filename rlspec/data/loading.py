@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from rlspec.config import DatasetConfig, SyntheticConfig
+from rlspec.config import DataConfig, DatasetConfig, SyntheticConfig
 from rlspec.data.synthetic import make_rows
 from rlspec.data.synthetic_code import make_code_rows
 from rlspec.data.templates import apply_template
@@ -162,6 +162,14 @@ def normalise_row(raw: Any, schema: str) -> tuple[str, str]:
     if not answer:
         raise BadRow("missing_answer", "missing answer field")
     return prompt, answer
+
+
+def load_split(data: DataConfig, split: str, tokenizer) -> PromptSet:
+    """data.train or data.val ('train' / 'val') through the data section's template, prompt
+    length limit and bad-row policy."""
+    return load_prompts(getattr(data, split), data.synthetic, key=f"data.{split}", tokenizer=tokenizer,
+                        template=data.template, max_prompt_tokens=data.max_prompt_tokens,
+                        on_bad_row=data.on_bad_row)
 
 
 def load_prompts(ds: DatasetConfig, synth: SyntheticConfig, *, key: str, tokenizer, template: str,

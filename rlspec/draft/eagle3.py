@@ -197,3 +197,14 @@ def acceptance_length_proxy(accept_per_step: list[float]) -> float:
         run *= a
         out += run
     return out
+
+
+def head_step(opt: torch.optim.Optimizer, loss: torch.Tensor, grad_clip: float) -> float:
+    """One optimizer step of a draft (head or model) on `loss`, gradients clipped to `grad_clip`;
+    the gradient norm before clipping. Offline and online draft training share it."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    return float(norm)

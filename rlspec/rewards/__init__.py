@@ -1,5 +1,5 @@
 """Reward registry: `data.reward` names a batch scorer (responses, ground truths) -> [N] floats in [0, 1].
-A scorer imports its checker on first use (math-verify pulls in sympy: 0.45 s), so checking a
+A scorer imports its checker on first use (math-verify pulls in sympy), so checking a
 config's reward name costs nothing; `preload` imports it ahead, off the critical path."""
 from __future__ import annotations
 

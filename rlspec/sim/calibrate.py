@@ -58,7 +58,9 @@ class Measured:
 
 def load_run(run_dir: str | Path) -> tuple[dict, dict, Measured]:
     """(run config, summary, steady-state measurements) of a run directory."""
-    import rlspec.config  # noqa: F401  registers the ${asset:...} resolver the run config uses
+    from rlspec.config import register_resolvers
+
+    register_resolvers()  # the run config names shipped assets as ${asset:...}
 
     run = Path(run_dir)
     for f in ("summary.json", ".hydra/config.yaml"):
@@ -110,16 +112,17 @@ def load_gpu(name: str) -> GPUSpec:
 def prompt_tokens(rcfg: dict) -> float:
     """Mean templated prompt length of the run's training prompts (first 1000), tokenised as the
     trainer does. Local and synthetic sources only; pass --prompt-tokens for hub datasets."""
-    from rlspec.config import DatasetConfig, SyntheticConfig
-    from rlspec.data.loading import load_prompts
+    from rlspec.config import DataConfig, DatasetConfig, SyntheticConfig
+    from rlspec.data.loading import load_split
     from rlspec.models import load_tokenizer
 
     d = rcfg["data"]
     ds = DatasetConfig(**{**d["train"], "num_rows": min(d["train"]["num_rows"], 1000),
                           "limit": min(d["train"]["limit"] or 1000, 1000)})
     tok = load_tokenizer(rcfg["model"]["tokenizer"] or rcfg["model"]["path"], "model.path")
-    ps = load_prompts(ds, SyntheticConfig(**d["synthetic"]), key="data.train", tokenizer=tok,
-                      template=d["template"], max_prompt_tokens=d["max_prompt_tokens"], on_bad_row="skip")
+    data = DataConfig(train=ds, synthetic=SyntheticConfig(**d["synthetic"]), template=d["template"],
+                      max_prompt_tokens=d["max_prompt_tokens"], on_bad_row="skip")
+    ps = load_split(data, "train", tok)
     return statistics.mean(len(p.token_ids) for p in ps.prompts)
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from rlspec.config import OnlineDraftConfig
+from rlspec.config import GenerationConfig, SpeculationConfig
 from rlspec.draft.cache import CachedSequence, FeatureCache
-from rlspec.draft.eagle3 import Eagle3Head, acceptance_length_proxy, ttt_loss
+from rlspec.draft.eagle3 import Eagle3Head, acceptance_length_proxy, head_step, ttt_loss
+from rlspec.models import ModelPaths
 
 
 def load_embedding(target_dir: str) -> torch.Tensor:
@@ -40,16 +41,18 @@ def pad_batch(items: list[CachedSequence]):
 
 
 class DraftTrainer:
-    def __init__(self, head_dir: str, target_dir: str, online: OnlineDraftConfig, ttt_steps: int, seed: int,
-                 threads: int, temperature: float = 1.0):
+    def __init__(self, *, paths: ModelPaths, speculation: SpeculationConfig, generation: GenerationConfig,
+                 seed: int, threads: int):
+        """Trains the head in paths.draft for the k the engine drafts (its TTT steps), on the
+        rollouts' temperature (the captured labels are at it too)."""
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
-        self.o, self.ttt_steps = online, ttt_steps
-        self.temperature = temperature  # the rollouts' (the captured labels are at it too)
-        self.head = Eagle3Head.from_checkpoint(head_dir, load_embedding(target_dir))
+        self.o, self.ttt_steps = speculation.online, speculation.k_max
+        self.temperature = generation.temperature
+        self.head = Eagle3Head.from_checkpoint(paths.draft, load_embedding(paths.model))
         self.layer_ids = list(self.head.config["eagle_aux_hidden_state_layer_ids"])
-        self.opt = torch.optim.AdamW(self.head.parameters(), lr=online.lr)
-        self.cache = FeatureCache(online.cache_mb << 20)
+        self.opt = torch.optim.AdamW(self.head.parameters(), lr=self.o.lr)
+        self.cache = FeatureCache(self.o.cache_mb << 20)
         self.rng = random.Random(seed)
         self.steps = 0
         self.newest_version: int | None = None  # newest policy version among the data trained on
@@ -81,10 +84,7 @@ class DraftTrainer:
             ids, mask, length, loss_from, aux, tid, tlp = pad_batch(items)
             logits = self.head.unrolled(ids, aux, mask, self.ttt_steps)
             loss, stats = ttt_loss(logits, tid, tlp, loss_from, length, self.o.loss_decay, self.temperature)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
-            self.opt.step()
+            head_step(self.opt, loss, grad_clip=1.0)
             self.steps += 1
             losses.append(loss.item())
             accepts.append(stats["accept"])

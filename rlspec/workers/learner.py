@@ -8,13 +8,14 @@ from collections import defaultdict
 import torch
 
 from rlspec.algo import behaviour_weights, merge_weight_sums, policy_loss, ratio_reference, weight_sums
+from rlspec.algo.batching import micro_batches
 from rlspec.algo.logprobs import prompt_cache_supported, sequence_logprobs
-from rlspec.batching import micro_batches
 from rlspec.algo.losses import LossInputs
-from rlspec.config import AlgoConfig, TrainerConfig
+from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
 from rlspec.engines.deepspeed_engine import init_distributed, make_engine
+from rlspec.engines.weight_sync import BroadcastSender, RefitGroup, TensorMeta, endpoint, metas_of
 from rlspec.messages import TrainBatch
-from rlspec.workers.logprob import load_causal_lm
+from rlspec.models import ModelPaths, load_causal_lm
 
 
 def finite_inputs(batch: TrainBatch) -> bool:
@@ -26,22 +27,25 @@ def finite_inputs(batch: TrainBatch) -> bool:
 
 
 class Learner:
-    def __init__(self, model_path: str, algo: AlgoConfig, trainer: TrainerConfig, temperature: float,
-                 samples_per_step: int, rank: int, world_size: int, master_addr: str, master_port: int,
-                 threads: int, trust_remote_code: bool = False):
+    def __init__(self, *, paths: ModelPaths, model: ModelConfig, algo: AlgoConfig, trainer: TrainerConfig,
+                 generation: GenerationConfig, rank: int, world_size: int, rendezvous: tuple[str, int],
+                 threads: int):
+        """algo: resolved (config.resolve_auto). rendezvous: (address, port) of DeepSpeed's group."""
+        if algo.off_policy_correction == "auto":
+            raise ValueError("algo.off_policy_correction is 'auto': resolve_auto(cfg) before building a Learner")
         torch.set_num_threads(threads)
         torch.manual_seed(trainer.seed)
-        init_distributed(rank, world_size, master_addr, master_port)
-        self.algo, self.trainer, self.temperature = algo, trainer, temperature
-        # 'auto' is resolved by launch_actors from the async config; a Learner built on its own is
-        # synchronous, where 'auto' means no correction.
-        self.correction = "none" if algo.off_policy_correction == "auto" else algo.off_policy_correction
+        init_distributed(rank, world_size, *rendezvous)
+        self.algo, self.trainer, self.temperature = algo, trainer, generation.temperature
+        self.correction = algo.off_policy_correction
         self.rank, self.world_size = rank, world_size
-        model = load_causal_lm(model_path, trust_remote_code=trust_remote_code)
-        model.config.use_cache = False
-        self.shared_prompts = trainer.shared_prompt_forward and prompt_cache_supported(model)
-        self.engine, self.sched = make_engine(model, trainer, samples_per_step, world_size)
+        module = load_causal_lm(paths.model, trust_remote_code=model.trust_remote_code)
+        module.config.use_cache = False
+        self.shared_prompts = trainer.shared_prompt_forward and prompt_cache_supported(module)
+        samples_per_step = generation.num_prompts_per_step * generation.num_generations_per_prompt
+        self.engine, self.sched = make_engine(module, trainer, samples_per_step, world_size)
         self.policy_version = 0
+        self.sender: BroadcastSender | None = None
 
     def train_step(self, batch: TrainBatch, num_tokens: float, num_seqs: float) -> tuple[dict, dict]:
         """One optimizer step over this rank's shard. num_tokens / num_seqs are the whole step's
@@ -141,6 +145,23 @@ class Learner:
         if tokenizer_dir:
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+
+    # -- the broadcast weight sync (rlspec/engines/weight_sync.py) ---------------------------------
+    def weight_group_endpoint(self) -> tuple[str, int]:
+        return endpoint()
+
+    def weight_metas(self) -> list[TensorMeta]:
+        return metas_of(self.engine.module.named_parameters())
+
+    def join_weight_group(self, addr: str, port: int, world: int, backend: str, bucket_bytes: int) -> int:
+        """Rank 0 becomes the group's source; every rank takes part in the ZeRO-3 gathers."""
+        group = RefitGroup(addr, port, 0, world, backend) if self.rank == 0 else None
+        self.sender = BroadcastSender(self.engine.module, self.trainer.zero_stage == 3, bucket_bytes, group)
+        return self.rank
+
+    def broadcast_weights(self) -> float:
+        """This round of the broadcast: rank 0 sends, the other ranks help gather (ZeRO-3)."""
+        return self.sender.send()
 
     def ping(self) -> int:
         return self.policy_version

@@ -5,15 +5,12 @@ import copy
 
 import torch
 
+from rlspec.algo.batching import micro_batches
 from rlspec.algo.logprobs import sequence_logprobs, token_logprobs
-from rlspec.batching import micro_batches
+from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
+from rlspec.engines.weight_sync import BroadcastReceiver
 from rlspec.messages import TrainBatch
-
-
-def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+from rlspec.models import ModelPaths, load_causal_lm
 
 
 class LogprobWorker:
@@ -21,16 +18,17 @@ class LogprobWorker:
     policy's forward pass also keeps the hidden states at those layers and its top-K next-token
     log-probs (rlspec.draft.capture) until `take_features` collects them."""
 
-    def __init__(self, model_path: str, with_reference: bool, temperature: float, micro_batch_size: int,
-                 threads: int, trust_remote_code: bool = False, capture: dict | None = None):
+    def __init__(self, *, paths: ModelPaths, model: ModelConfig, algo: AlgoConfig, trainer: TrainerConfig,
+                 generation: GenerationConfig, threads: int, capture: dict | None = None):
         torch.set_num_threads(threads)
-        self.policy = load_causal_lm(model_path, trust_remote_code=trust_remote_code).eval()
-        # The reference is the initial policy and never moves.
-        self.reference = copy.deepcopy(self.policy) if with_reference else None
-        self.temperature, self.mbs = temperature, micro_batch_size
+        self.policy = load_causal_lm(paths.model, trust_remote_code=model.trust_remote_code).eval()
+        # The reference is the initial policy and never moves; only the KL term needs it.
+        self.reference = copy.deepcopy(self.policy) if algo.kl_coef > 0 else None
+        self.temperature, self.mbs = generation.temperature, trainer.micro_batch_size
         self.policy_version = 0
         self.capture = capture
         self.features: list[dict] = []
+        self.receiver: BroadcastReceiver | None = None
 
     @torch.no_grad()
     def _run(self, model, batch: TrainBatch) -> torch.Tensor:
@@ -76,6 +74,15 @@ class LogprobWorker:
         if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
             raise RuntimeError(f"weight refit mismatch: missing {missing}, unexpected {unexpected}")
         self.policy_version = version
+
+    def join_weight_group(self, *group) -> int:
+        """Join the broadcast group as a receiver (BroadcastReceiver's arguments)."""
+        self.receiver = BroadcastReceiver(*group)
+        return self.receiver.group.rank
+
+    def receive_weights(self, version: int) -> float:
+        """Take this round's broadcast of the policy's weights (rlspec/engines/weight_sync.py)."""
+        return self.receiver.receive_into(self.push_weights, version)
 
     def save_reference(self, path: str) -> None:
         if self.reference is not None:

@@ -1,0 +1,140 @@
+"""Typed handles to the actors of a run. Every call names the worker class's own method
+(`Generator.generate`), so an editor follows a call from the loop to the worker; several engines
+or workers look like one (their work split and results joined by rlspec/cluster/fanout.py)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rlspec.cluster.calls import Call, fan_out, remote
+from rlspec.messages import Sampling, TrainBatch
+from rlspec.workers.draft_trainer import DraftTrainer
+from rlspec.workers.generator import Generator
+from rlspec.workers.learner import Learner
+from rlspec.workers.logprob import LogprobWorker
+
+
+class Group:
+    """Actors of one role. A lone actor is named by its role ("generator"), several by index
+    ("generator[1]"), as ActorFailure messages name them."""
+
+    role = ""
+    index_always = False  # learner ranks are always named by index
+
+    def __init__(self, handles: list[Any]):
+        self.handles = handles
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def name(self, i: int) -> str:
+        return f"{self.role}[{i}]" if self.index_always or len(self.handles) > 1 else self.role
+
+    def names(self) -> dict[str, Any]:
+        return {f"{self.role}[{i}]": h for i, h in enumerate(self.handles)}
+
+    def one(self, i: int, method: Callable, *args) -> Call:
+        return remote(self.name(i), self.handles[i], method, *args)
+
+    def each(self, method: Callable, *args) -> list[Call]:
+        """The same call on every actor of the role (empty when none runs)."""
+        return [self.one(i, method, *args) for i in range(len(self.handles))]
+
+    def all(self, method: Callable, *args) -> list[Call]:
+        """The same call on every actor, as one Call whose result is the first actor's (a list
+        to wait on with others: empty when none runs)."""
+        parts = self.each(method, *args)
+        if len(parts) <= 1:
+            return parts
+        return [fan_out(self.role, method.__name__, parts, lambda rs: rs[0])]
+
+
+class Generators(Group):
+    role = "generator"
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Call:
+        """Rollouts of every prompt, the prompts spread over the engines and joined in order."""
+        if len(self.handles) == 1:
+            return self.one(0, Generator.generate, prompt_ids, sampling)
+        from rlspec.cluster import fanout  # torch: not imported before the driver starts Ray
+
+        parts = [self.one(e, Generator.generate, prompt_ids[lo:hi], sampling)
+                 for e, (lo, hi) in enumerate(fanout.split(len(prompt_ids), len(self.handles))) if hi > lo]
+        return fan_out(self.role, Generator.generate.__name__, parts, fanout.merge_rollouts)
+
+    def ping(self) -> list[Call]:
+        return self.all(Generator.ping)
+
+
+class LogprobWorkers(Group):
+    role = "logprob_worker"
+
+    def compute_logprobs(self, batch: TrainBatch) -> Call:
+        """([N, T] current, [N, T] reference or None), the rows spread over the workers."""
+        if len(self.handles) == 1:
+            return self.one(0, LogprobWorker.compute_logprobs, batch)
+        from rlspec.cluster import fanout
+
+        parts = [self.one(r, LogprobWorker.compute_logprobs, batch.shard(r, len(self.handles)))
+                 for r in range(len(self.handles))]
+        return fan_out(self.role, LogprobWorker.compute_logprobs.__name__, parts, fanout.merge_logprobs)
+
+    def take_features(self) -> list[Any]:
+        """Refs to every worker's draft features of its last recompute (they go to the
+        DraftTrainer through the object store, not through the driver)."""
+        return [h.take_features.remote() for h in self.handles]
+
+    def save_reference(self, path: str) -> list[Call]:
+        """The KL reference policy (the same on every worker: worker 0 writes it)."""
+        return [self.one(0, LogprobWorker.save_reference, path)] if self.handles else []
+
+    def load_reference(self, path: str) -> list[Call]:
+        return self.all(LogprobWorker.load_reference, path)
+
+    def ping(self) -> list[Call]:
+        return self.all(LogprobWorker.ping)
+
+
+class Learners(Group):
+    role = "learner"
+    index_always = True
+
+    def train_step(self, shards: list[tuple[TrainBatch, float, float]]) -> list[Call]:
+        """Rank r trains on shards[r] = (its rows, the step's loss tokens, the step's sequences)."""
+        return [self.one(r, Learner.train_step, *shards[r]) for r in range(len(self.handles))]
+
+    def full_weights(self) -> list[Call]:
+        return self.each(Learner.full_weights)
+
+    def save_checkpoint(self, path: str) -> list[Call]:
+        return self.each(Learner.save_checkpoint, path)
+
+    def load_checkpoint(self, path: str) -> list[Call]:
+        return self.each(Learner.load_checkpoint, path)
+
+    def save_pretrained(self, path: str, tokenizer_dir: str) -> list[Call]:
+        return self.each(Learner.save_pretrained, path, tokenizer_dir)
+
+    def ping(self) -> list[Call]:
+        return self.each(Learner.ping)
+
+    def weight_group_endpoint(self) -> Call:
+        return self.one(0, Learner.weight_group_endpoint)
+
+    def weight_metas(self) -> Call:
+        return self.one(0, Learner.weight_metas)
+
+
+class DraftTrainerHandle(Group):
+    role = "draft_trainer"
+
+    def update(self, n_steps: int, features: list[Any]) -> Call:
+        return self.one(0, DraftTrainer.update, n_steps, *features)
+
+    def weights(self) -> Call:
+        return self.one(0, DraftTrainer.weights)
+
+    def save(self, path: str) -> Call:
+        return self.one(0, DraftTrainer.save, path)
+
+    def load(self, path: str) -> Call:
+        return self.one(0, DraftTrainer.load, path)

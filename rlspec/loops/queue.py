@@ -1,0 +1,124 @@
+"""Asynchronous GRPO: the Generator runs ahead of the learner through a bounded rollout queue.
+
+The learner is at policy version s - 1 when step s begins; the batch it trains on was sampled by
+version v, so its policy lag is s - 1 - v. The queue submits the generate call of step s+L+1 right
+after the refit to version s (L = async_grpo.max_policy_lag), and never more than `capacity` steps
+ahead. Ray runs one actor's calls in submission order, which gives the two guarantees async needs:
+
+- a refit never splits a rollout group: a generate call runs whole between two refits, and the
+  version it reports is the one that sampled every token (behaviour log-probs included);
+- with capacity L + 1 (the default) every batch is exactly L versions old when trained on (the
+  first L steps less). A larger capacity runs further ahead: a batch found older than L is never
+  trained on; it is counted and regenerated with current weights (or replaced by new prompts).
+
+With max_policy_lag=0 the calls reach the actors in the synchronous loop's order with the same
+seeds, so the two loops train identically. Every wait is bounded by cluster.actor_timeout_s; a
+dead Generator surfaces on the next take as ActorFailure naming it.
+
+    generator:  gen(s+1) gen(s+2)|refit(s) gen(s+3)|refit(s+1) ...     (L = 1, capacity 2)
+    learner:    train(s)          train(s+1)          ...
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rlspec.cluster.calls import Call, wait
+from rlspec.data.loading import Prompt, PromptSampler
+from rlspec.loops.rollouts import step_seed, submit
+from rlspec.loops.runlog import StageTimer
+from rlspec.loops.state import Run
+from rlspec.messages import RolloutBatch
+
+
+@dataclass
+class Pending:
+    step: int
+    prompts: list[Prompt]
+    call: Call
+    sampler_state: dict                               # the sampler before these prompts were drawn
+    refits: list[Call] = field(default_factory=list)  # generator refits submitted just before it
+
+
+class RolloutQueue:
+    def __init__(self, run: Run, sampler: PromptSampler, first_step: int):
+        q = run.cfg.async_grpo
+        self.run, self.sampler = run, sampler
+        self.lag = q.max_policy_lag
+        self.capacity = q.queue_capacity if q.queue_capacity is not None else q.max_policy_lag + 1
+        self.on_stale = q.on_stale
+        self.pending: deque[Pending] = deque()
+        self.refits: list[Call] = []  # generator refits no take has waited on yet
+        self.next_step = first_step
+        self.stale_groups = 0         # over the run
+        self.fill()
+
+    def _submit(self, step: int, prompts: list[Prompt] | None = None, salt: int = 0) -> Pending:
+        cfg = self.run.cfg
+        state = self.sampler.state()
+        prompts = prompts if prompts is not None else self.sampler.next_batch(cfg.generation.num_prompts_per_step)
+        call = submit(self.run, prompts, step_seed(cfg.trainer.seed, step, salt))
+        item = Pending(step, prompts, call, state, self.refits)
+        self.refits = []
+        return item
+
+    def fill(self) -> None:
+        """Submit generate calls up to `capacity` steps ahead (the run's last step at most)."""
+        while len(self.pending) < self.capacity and self.next_step <= self.run.cfg.trainer.max_steps:
+            self.pending.append(self._submit(self.next_step))
+            self.next_step += 1
+
+    def before_refit(self, timer: StageTimer) -> None:
+        """A collective refit (the weight sync's `collective`): the learner would block in it
+        until the Generator has finished the rollouts queued ahead of its receive. Wait for them
+        here, where the wait counts as exposed generation time."""
+        if self.run.actors.weights.collective:
+            with timer("generation"):
+                self.drain()
+
+    def refit(self, to_generator: list[Call], others: list[Call]) -> None:
+        """Wait for the refit calls the learner needs done, then fill the queue: later generate
+        calls sample the new weights. Collective (drained before): the Generator joins at once,
+        and waiting on its side too names a Generator that dies now instead of stalling the
+        collective. Otherwise the Generator takes the weights after the rollouts already
+        queued on it; the next `take` waits for that."""
+        if self.run.actors.weights.collective:
+            wait([*to_generator, *others], self.run.actors.timeout_s)
+        else:
+            wait(others, self.run.actors.timeout_s)
+            self.refits.extend(to_generator)
+        self.fill()
+
+    def take(self, step: int, timer: StageTimer) -> tuple[list[Prompt], RolloutBatch, int]:
+        """(prompts, rollouts, stale groups dropped) of `step`, waiting (timed as 'generation':
+        the exposed generation time) until they are ready and no older than max_policy_lag."""
+        item = self.pending[0]
+        assert item.step == step, f"rollout queue holds step {item.step}, the learner wants {step}"
+        run, dropped, attempt = self.run, 0, 0
+        while True:
+            with timer("generation"):
+                ro = wait([*item.refits, item.call], run.actors.timeout_s, abort=lambda: run.stop.preempt)[-1]
+            if self.pending and item is self.pending[0]:
+                self.pending.popleft()
+            lag = step - 1 - ro.policy_version
+            if lag <= self.lag:
+                self.stale_groups += dropped
+                return item.prompts, ro, dropped
+            dropped += len(item.prompts)
+            attempt += 1
+            run.log.write(f"step {step}: rollouts of policy {ro.policy_version} are {lag} versions old "
+                          f"(async_grpo.max_policy_lag={self.lag}): {self.on_stale} {len(item.prompts)} groups")
+            again = item.prompts if self.on_stale == "regenerate" else None
+            item = self._submit(step, again, salt=1000 + attempt)
+
+    def state(self) -> dict:
+        """Sampler position before the oldest step not yet trained: a checkpoint stores this, so a
+        resumed run draws those prompts again (and samples them with the restored weights)."""
+        return self.pending[0].sampler_state if self.pending else self.sampler.state()
+
+    def drain(self) -> None:
+        """Wait for the refits and rollouts in flight (results stay queued for `take`)."""
+        calls = [*self.refits, *[c for p in self.pending for c in (*p.refits, p.call)]]
+        self.refits = []
+        if calls:
+            wait(calls, self.run.actors.timeout_s)

@@ -1,0 +1,155 @@
+"""One GRPO step, its five stages timed:
+
+    data -> generation -> prep (rewards, advantages, batch) -> logprob -> train (+ refit)
+
+Synchronous: the step's prompts are generated on the spot with the current weights. Async: the
+first round of rollouts comes from the RolloutQueue (rlspec/loops/queue.py), sampled by weights up
+to async_grpo.max_policy_lag versions old. Dynamic sampling's extra rounds, the advantages, the
+update and the refit are the same either way."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rlspec.algo import compute_advantages, merge_weight_sums, overlong_mask, weight_stats, zero_variance_groups
+from rlspec.algo.batching import build_train_batch
+from rlspec.cluster.calls import Call, wait
+from rlspec.data.loading import PromptSampler
+from rlspec.loops.queue import RolloutQueue
+from rlspec.loops.rollouts import GenTotals, generate, rewards, step_seed
+from rlspec.loops.runlog import StageTimer
+from rlspec.loops.state import Counters, Run
+from rlspec.messages import RolloutBatch, StepRecord
+
+
+def collect_groups(run: Run, sampler: PromptSampler, step: int, timer: StageTimer, totals: GenTotals,
+                   queue: RolloutQueue | None = None):
+    """One step's rollouts [P*G] and rewards [P, G], with dynamic sampling when enabled: groups
+    whose rewards all agree are replaced by fresh prompts for up to max_rounds extra rounds; if the
+    batch still is not full, dropped groups fill it with sample weight 0 (kept for shape only).
+    Under async GRPO the first round comes from the rollout queue; extra rounds use the weights the
+    Generator has then."""
+    cfg = run.cfg
+    P, G = cfg.generation.num_prompts_per_step, cfg.generation.num_generations_per_prompt
+    stats = {"groups_dropped": 0.0, "sampling_rounds": 1.0, "stale_groups_dropped": 0}
+    if queue is None:
+        with timer("data"):
+            prompts = sampler.next_batch(P)
+        ro, rw = generate(run, prompts, step_seed(cfg.trainer.seed, step), timer, totals)
+    else:
+        prompts, ro, stats["stale_groups_dropped"] = queue.take(step, timer)
+        rw = rewards(run, prompts, ro, timer, totals)
+    if not cfg.algo.dynamic_sampling:
+        return ro, rw, torch.ones(P), stats
+    keep, spare = [], []
+    for rnd in range(cfg.algo.dynamic_sampling_max_rounds + 1):
+        if rnd:
+            with timer("data"):
+                prompts = sampler.next_batch(P)
+            ro, rw = generate(run, prompts, step_seed(cfg.trainer.seed, step, rnd), timer, totals)
+            stats["sampling_rounds"] += 1
+        flat = zero_variance_groups(rw)
+        for i in range(P):
+            (spare if flat[i] else keep).append((ro.select(list(range(i * G, (i + 1) * G))), rw[i]))
+        if len(keep) >= P:
+            break
+    stats["groups_dropped"] = float(len(spare))
+    weight = torch.tensor([1.0] * min(len(keep), P) + [0.0] * max(P - len(keep), 0))
+    chosen = (keep + spare)[:P]
+    ro = RolloutBatch.concat([c[0] for c in chosen], mixed_versions=queue is not None)
+    return ro, torch.stack([c[1] for c in chosen]), weight, stats
+
+
+def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
+               queue: RolloutQueue | None = None) -> StepRecord:
+    cfg, actors = run.cfg, run.actors
+    timer, totals, t0 = StageTimer(), GenTotals(), time.perf_counter()
+    ro, rw, group_weight, stats = collect_groups(run, sampler, step, timer, totals, queue)
+    stale = stats.pop("stale_groups_dropped")
+    G = cfg.generation.num_generations_per_prompt
+    with timer("prep"):
+        adv = compute_advantages(cfg.algo.advantage, rw, cfg.algo.normalize_std).flatten()  # [N]
+        weight = group_weight.repeat_interleave(G)  # [N]
+        if cfg.algo.overlong_filter:
+            weight = weight * overlong_mask(torch.tensor(ro.truncated))
+        batch = build_train_batch(ro, adv, weight, run.tokenizer.pad_token_id)
+    if cfg.algo.recompute_logprobs:
+        with timer("logprob"):
+            batch.old_logprobs, batch.ref_logprobs = wait(actors.logprobs.compute_logprobs(batch), actors.timeout_s,
+                                                          abort=lambda: run.stop.preempt)
+    draft_call = None
+    if actors.draft_trainer is not None:
+        # the features go from the log-prob workers to the DraftTrainer through the object store;
+        # it trains while the learner does
+        draft_call = actors.draft_trainer.update(cfg.speculation.online.steps_per_rl_step,
+                                                 actors.logprobs.take_features())
+    with timer("train"):
+        world = len(actors.learners)
+        num_tokens, num_seqs = float(batch.loss_mask.sum()), float((weight > 0).sum())
+        shards = [(batch.shard(r, world), num_tokens, num_seqs) for r in range(world)]
+        per_rank = wait(actors.learners.train_step(shards), actors.timeout_s)
+        metrics = {}
+        for r in per_rank:  # partial sums over global denominators
+            metrics = merge_weight_sums(metrics, r[0])
+        metrics.update(per_rank[0][1])
+    version = step
+    if queue is not None:
+        queue.before_refit(timer)
+    with timer("train"):
+        refit_t0 = time.perf_counter()
+        to_generator, others = actors.weights.push(version)
+        if queue is None:
+            wait([*to_generator, *others], actors.timeout_s)
+        else:
+            queue.refit(to_generator, others)
+        refit_s = time.perf_counter() - refit_t0
+    draft = {} if draft_call is None else online_draft(run, counters, draft_call, step, version, ro.policy_version,
+                                                       timer)
+    # sampler vs trainer log-probs of the sampled tokens, summed by the learners over their forward
+    # passes (the current weights, which are also what a recompute would use)
+    mismatch = metrics.pop("mismatch_sum", 0.0) / max(metrics.pop("mismatch_tokens", 0.0), 1.0)
+    iw = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("iw_")]}  # offpolicy.weight_sums
+    step_s = time.perf_counter() - t0
+    spec = totals.spec
+    exposed = timer.seconds["generation"]
+    return StepRecord(
+        step=step, policy_version=version, loss=metrics["loss"], reward_mean=rw.mean().item(),
+        accuracy=(rw == 1).float().mean().item(), stage_seconds=dict(timer.seconds), step_seconds=step_s,
+        generated_tokens=totals.tokens, tokens_per_second=totals.tokens / max(totals.seconds, 1e-9),
+        logprob_mismatch=mismatch, engine_seconds=totals.seconds, exposed_generation_seconds=exposed,
+        overlap_fraction=max(0.0, 1.0 - exposed / totals.seconds) if totals.seconds > 0 else 0.0,
+        policy_lag_max=step - 1 - ro.policy_version, stale_groups_dropped=stale,
+        importance_weight=weight_stats(iw) if iw else {},
+        acceptance_length=None if spec is None else spec.acceptance_length,
+        spec=None if spec is None else {"drafts": spec.drafts, "drafted_tokens": spec.draft_tokens,
+                                        "accepted_tokens": spec.accepted_tokens,
+                                        "acceptance_per_pos": spec.acceptance_per_pos,
+                                        **({} if totals.draft_schedule is None else
+                                           {"draft_schedule": totals.draft_schedule})},
+        extra={**{f"train/{k}": v for k, v in metrics.items()}, **stats, **draft, "refit_seconds": refit_s,
+               "response_length": ro.num_tokens / len(ro.response_ids),
+               "truncated_frac": sum(ro.truncated) / len(ro.truncated),
+               "behaviour_version": float(ro.policy_version)},
+        decode_step_moments=totals.decode_moments)
+
+
+def online_draft(run: Run, counters: Counters, call: Call, step: int, version: int, rollout_version: int,
+                 timer: StageTimer) -> dict:
+    """Finish the DraftTrainer's step; every push_every steps push its head into the Generator.
+    Metrics: draft/head_version (the head the Generator drafted this step's rollouts with: the
+    step of its last push, 0 = the initial head), draft/staleness (policy versions between those
+    rollouts and the newest data that head trained on), draft/pushed (a new head goes in after
+    this step: this step's acceptance is the 'before', the next step's the 'after')."""
+    o, actors = run.cfg.speculation.online, run.actors
+    head_version, head_data = counters.draft_head_version, counters.draft_head_data_version
+    t0 = time.perf_counter()
+    with timer("train"):  # the draft trains beside the learner; what is left of it is exposed here
+        st = wait(call, actors.timeout_s)
+        pushed = step % o.push_every == 0 and bool(st)
+        if pushed:
+            actors.weights.push_draft(actors.draft_trainer, version)
+            counters.draft_head_version, counters.draft_head_data_version = version, st["newest_version"]
+    return {"draft/head_version": float(head_version), "draft/staleness": float(rollout_version - head_data),
+            "draft/pushed": float(pushed), "draft/exposed_seconds": time.perf_counter() - t0,
+            **{f"draft/{k}": float(v) for k, v in st.items() if k != "newest_version"}}

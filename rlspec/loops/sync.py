@@ -1,0 +1,84 @@
+"""The driver of a run: steps in order, validation, checkpoints, the non-finite guard and
+preemption. Synchronous by default: every step runs the five stages in order and refits the
+Generator before the next step samples, so every rollout is on-policy (policy lag 0). With
+async_grpo.enabled the same step takes its rollouts from a RolloutQueue that keeps the Generator
+up to max_policy_lag versions ahead of the learner.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from rlspec.cluster.calls import Abandoned
+from rlspec.data.loading import PromptSampler
+from rlspec.loops.checkpoint import Checkpointer
+from rlspec.loops.preemption import NumericalDivergence, Preempted
+from rlspec.loops.queue import RolloutQueue
+from rlspec.loops.rollouts import validate
+from rlspec.loops.runlog import RunLog
+from rlspec.loops.state import Counters, Run
+from rlspec.loops.step import train_step
+from rlspec.messages import StepRecord
+
+
+def run_loop(run: Run, resume_from: Path | None = None, restarts: int = 0) -> dict:
+    """Steps from the start (or after `resume_from`) to trainer.max_steps; the run's summary.
+    restarts: how often this run was restarted after an actor failure so far."""
+    cfg, t = run.cfg, run.cfg.trainer
+    sampler = PromptSampler(run.train, seed=t.seed, shuffle=cfg.data.shuffle)
+    ckpt = Checkpointer(run.ckpt_root, t.checkpoint_keep, run.actors, run.log,
+                        OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    start, counters = 1, Counters(restarts=restarts)
+    if resume_from is not None:
+        state, restored = ckpt.restore(resume_from, sampler)
+        start = state.step + 1
+        counters = replace(restored, restarts=restarts)
+    else:
+        validate(run, 0)
+    # Async: rollouts run ahead; a checkpoint stores the sampler position before the oldest
+    # untrained step (the queue's), so a resume draws those prompts again.
+    queue = RolloutQueue(run, sampler, start) if cfg.async_grpo.enabled else None
+    position = queue or sampler
+    for step in range(start, t.max_steps + 1):
+        at_start = position.state()
+        try:
+            rec = train_step(run, counters, sampler, step, queue)
+        except Abandoned:  # before the update: the step is redone (identically when sync) after the resume
+            sampler.load_state(at_start)
+            ckpt.save(sampler.state(), step - 1, counters)
+            raise Preempted(step - 1, run.stop.preempt_signal) from None
+        run.log.step(rec)
+        guard_nonfinite(counters, rec, t.max_nonfinite_steps, run.log, lambda: ckpt.save(position.state(), rec.step,
+                                                                                          counters))
+        if step == t.max_steps or (t.val_every and step % t.val_every == 0):
+            validate(run, step)
+        stop = run.stop
+        if stop.preempt or stop.checkpoint_now or (t.checkpoint_every and step % t.checkpoint_every == 0):
+            stop.checkpoint_now = False
+            ckpt.save(position.state(), step, counters)
+        if stop.preempt:
+            raise Preempted(step, stop.preempt_signal)
+    if queue is not None:
+        queue.drain()
+        run.log.notes["stale_groups_dropped"] = queue.stale_groups
+    return run.log.summary()
+
+
+def guard_nonfinite(counters: Counters, rec: StepRecord, limit: int, log: RunLog, save) -> None:
+    """Count updates the learner skipped for a non-finite loss or gradient; past `limit`
+    (trainer.max_nonfinite_steps) in a row, checkpoint through `save()` (the weights are still the
+    last good ones) and stop."""
+    skipped = rec.extra.get("train/skipped", 0.0) > 0
+    counters.nonfinite_steps += int(skipped)
+    counters.nonfinite_in_row = counters.nonfinite_in_row + 1 if skipped else 0
+    log.notes["nonfinite_steps"] = counters.nonfinite_steps
+    if skipped:
+        log.write(f"step {rec.step}: non-finite loss or gradient, update skipped "
+                  f"({counters.nonfinite_in_row} in a row, {counters.nonfinite_steps} in all)")
+    if counters.nonfinite_in_row > limit:
+        path = save()
+        log.write_summary()  # with this step's count: the run ends here
+        raise NumericalDivergence(f"{counters.nonfinite_in_row} non-finite updates in a row (more than "
+                                  f"trainer.max_nonfinite_steps={limit}); last good state in {path}")

@@ -1,0 +1,116 @@
+"""Adaptive k on a running engine (`speculation.num_speculative_tokens=auto`): start-up timing of
+engine steps per batch-size bucket and k, the k each call drafts, and what each call feeds back
+to the planner (rlspec/speculation/adaptive.py holds the planner itself).
+
+The engine is built for k_max; a call's k per batch size is set through the scheduler's
+batch-size -> k lookup (vLLM's `num_speculative_tokens_per_batch_size`), and a call run without
+speculation also turns the drafter's forward pass off."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from rlspec.config import SpeculationConfig
+from rlspec.engines.vllm_engine import VLLMEngine, decode_only
+from rlspec.messages import RolloutBatch
+from rlspec.speculation.adaptive import OFF, DraftLengthPlanner, DraftPlan, non_decreasing
+
+
+class AdaptiveK:
+    def __init__(self, engine: VLLMEngine, spec: SpeculationConfig):
+        self.engine = engine
+        self.buckets = sorted(spec.auto_buckets)
+        self.probe_every = spec.auto_probe_every
+        self.planner: DraftLengthPlanner | None = None
+        self.plan: DraftPlan | None = None
+        self.calibration_seconds = 0.0
+        self.calls = 0
+        self.last_lengths: list[int] | None = None
+
+    def before_call(self, prompt_ids: list[list[int]]) -> float:
+        """Plan the k of the next call (calibrating on its prompts on the first); returns the
+        seconds spent calibrating, which the call reports as its own."""
+        t0 = time.perf_counter()
+        if self.planner is None:
+            self.planner = self.calibrate(prompt_ids)
+        self.plan = self.planner.plan(self.last_lengths, probe=self.calls % self.probe_every == 0)
+        self.calls += 1
+        self.set_k(OFF if self.plan.off else self.plan.k_at)
+        return time.perf_counter() - t0
+
+    def after_call(self, ro: RolloutBatch, decode: list[tuple[int, float]]) -> None:
+        """Feed the call's acceptance counters and decode-step timings to the planner."""
+        self.last_lengths = [len(r) for r in ro.response_ids]
+        self.planner.observe(ro.spec.drafts, ro.spec.accepted_per_pos,
+                             self.planner.calls_k_min(self.plan, len(ro.response_ids)))
+        self.planner.observe_steps([(n, OFF if self.plan.off else self.plan.k_at(n), seconds)
+                                    for n, seconds in decode])
+
+    def draft_schedule(self) -> list[list[int]] | None:
+        """The k per batch-size range the last call used ([] when it ran without speculation)."""
+        if self.plan is None:
+            return None
+        return [] if self.plan.off else [list(r) for r in self.plan.schedule]
+
+    def set_k(self, k_of_batch) -> None:
+        """Point the scheduler's dynamic batch-size -> k lookup at a new schedule (k_of_batch: a
+        function of the running batch size, or OFF for no drafting at all)."""
+        sched = self.engine.scheduler()
+        n = len(sched.dynamic_sd_lookup)
+        off = k_of_batch == OFF
+        sched.dynamic_sd_lookup[:] = [0] * n if off else [0] + [k_of_batch(b) for b in range(1, n)]
+        if self.engine.spec_config["method"] != "ngram":  # n-gram lookup costs nothing to skip
+            self.engine.llm.collective_rpc(_set_drafting, args=(not off,))
+
+    def _time_steps(self, prompt_ids: list[list[int]], batch: int, k: int, steps: int) -> list[float]:
+        """Seconds of `steps` engine decode steps with `batch` sequences drafting k (or OFF)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        self.set_k(OFF if k == OFF else (lambda b: k))
+        engine = self.engine.llm.llm_engine
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=(steps + 4) * (max(k, 0) + 1),
+                                ignore_eos=True, logprobs=0, detokenize=False)
+        ids = [f"rlspec-cal-{k}-{batch}-{i}" for i in range(batch)]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids[i % len(prompt_ids)]), params)
+        # timed by the engine's step wrapper, as every call's decode steps are
+        with self.engine.timed_steps() as log:
+            while engine.has_unfinished_requests() and len(decode_only(log)) < steps:
+                engine.step()
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return [seconds for _, seconds in decode_only(log)]
+
+    def calibrate(self, prompt_ids: list[list[int]], rounds: int = 3, steps: int = 4) -> DraftLengthPlanner:
+        """Time engine steps at each bucket (up to the engine's max_num_seqs) for every k and OFF,
+        `rounds` times round-robin so that load drift on shared cores hits every k alike; the
+        median per (bucket, k), made non-decreasing in k (a longer draft never costs less).
+        Acceptance comes from the calls themselves."""
+        t0 = time.perf_counter()
+        k_max = self.engine.k_max
+        max_batch = len(self.engine.scheduler().dynamic_sd_lookup) - 1
+        buckets = [b for b in self.buckets if b < max_batch] + [max_batch]
+        ks = [OFF, *range(k_max + 1)]
+        samples: dict[tuple[int, int], list[float]] = {(b, k): [] for b in buckets for k in ks}
+        for _ in range(rounds):
+            for b, k in samples:
+                samples[(b, k)] += self._time_steps(prompt_ids, b, k, steps)
+        seconds = {}
+        for b in buckets:
+            costs = non_decreasing([statistics.median(samples[(b, k)]) for k in ks])
+            seconds.update({(b, k): c for k, c in zip(ks, costs)})
+        self.calibration_seconds = time.perf_counter() - t0
+        return DraftLengthPlanner(k_max=k_max, max_batch=max_batch, step_seconds=seconds)
+
+
+def _set_drafting(worker, enabled: bool) -> None:
+    """Turn the drafter's forward pass off for whole calls that 'auto' runs without speculation
+    (k=0 through the schedule alone still runs the draft over the new tokens every step)."""
+    runner = worker.model_runner
+    if not hasattr(runner, "_rlspec_propose"):
+        runner._rlspec_propose = runner.propose_draft_token_ids
+    runner.propose_draft_token_ids = runner._rlspec_propose if enabled else (
+        lambda *args, **kwargs: torch.empty(runner.input_batch.num_reqs, 0, dtype=torch.int64))

@@ -1,0 +1,107 @@
+"""The adaptive draft-length planner (pure): expected tokens, bucket ranges, choice of k."""
+import pytest
+
+from rlspec.speculation.adaptive import OFF, DraftLengthPlanner, bucket_ranges, expected_tokens, non_decreasing
+
+
+def test_expected_tokens_limits():
+    assert expected_tokens([1.0] * 5, 3) == 4.0          # full acceptance: k + 1 per verification
+    assert expected_tokens([0.0] * 5, 5) == 1.0          # none accepted: the target's own token
+    assert expected_tokens([0.5, 0.5], 0) == 1.0         # k = 0
+    assert expected_tokens([0.8, 0.5, 1.0], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.4)
+
+
+def test_non_decreasing_pools_the_violators_and_keeps_the_mean():
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]          # already ordered: unchanged
+    assert non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    # a noisy cheap k=2 pools back through k=1 and k=0: three equal costs at the mean of the three
+    assert non_decreasing([2.0, 2.3, 1.4, 3.0]) == pytest.approx([1.9, 1.9, 1.9, 3.0])
+    costs = [5.0, 1.0, 4.0, 2.0, 6.0]
+    fit = non_decreasing(costs)
+    assert all(a <= b for a, b in zip(fit, fit[1:])) and sum(fit) == pytest.approx(sum(costs))
+
+
+def test_bucket_ranges_cover_every_batch_size_once():
+    ranges = bucket_ranges([1, 4, 16, 64, 256], 300)
+    assert ranges[0][0] == 1 and ranges[-1][1] == 300
+    for (_, hi, _), (lo, _, _) in zip(ranges, ranges[1:]):
+        assert lo == hi + 1
+    # log-scale nearest: 8 goes to 4 (sqrt(4*16) = 8), 9 to 16
+    k_of = {b: bk for lo, hi, bk in ranges for b in range(lo, hi + 1)}
+    assert k_of[8] == 4 and k_of[9] == 16 and k_of[300] == 256
+
+
+def _planner(cost, accept, k_max=3, buckets=(1, 256)):
+    """cost(b, k) -> step seconds; OFF costs what k = 0 costs minus the draft's 10%."""
+    secs = {}
+    for b in buckets:
+        for k in range(k_max + 1):
+            secs[(b, k)] = cost(b, k)
+        secs[(b, OFF)] = cost(b, 0) * 0.9
+    return DraftLengthPlanner(k_max=k_max, max_batch=max(buckets), step_seconds=secs, accept=list(accept))
+
+
+def test_plan_weight_bound_small_batch_long_k_compute_bound_large_batch_off():
+    # Batch 1: a step costs the same for any k (weight-bound) -> longest k.
+    # Batch 256: a step costs k+1 times more (compute-bound) -> speculation loses -> k = 0.
+    p = _planner(lambda b, k: 1.0 if b == 1 else 1.0 * (k + 1), [0.9, 0.9, 0.9]).plan()
+    assert p.k_by_bucket == {1: 3, 256: 0} and not p.off
+    assert p.k_at(1) == 3 and p.k_at(200) == 0
+
+
+def test_plan_switches_off_when_no_bucket_gains():
+    p = _planner(lambda b, k: 1.0 * (k + 1), [0.5, 0.5, 0.5]).plan()
+    assert p.off and p.k_at(1) == 0
+
+
+def test_plan_follows_acceptance():
+    cost = lambda b, k: 1.0 + 0.3 * k  # noqa: E731  each drafted token costs 30% of a step
+    assert _planner(cost, [0.95] * 3).plan().k_by_bucket[1] == 3
+    mid = _planner(cost, [0.6] * 3).plan()   # L(k)/t(k): k=1 1.23, k=2 1.225, k=3 1.145; OFF 1.11
+    assert mid.k_by_bucket[1] == 1 and not mid.off
+    assert _planner(cost, [0.05] * 3).plan().off
+
+
+def test_observe_updates_only_positions_every_draft_covered():
+    pl = _planner(lambda b, k: 1.0, [0.5, 0.5, 0.5])
+    pl.observe(drafts=100, accepted_per_pos=[80, 40, 0], k_min=2)
+    assert pl.accept == [0.8, 0.5, 0.5]   # a_0 = 80/100, a_1 = 40/80, a_2 untouched (k_min = 2)
+    pl.observe(drafts=0, accepted_per_pos=[0, 0, 0], k_min=3)
+    assert pl.accept == [0.8, 0.5, 0.5]   # no drafts: nothing measured
+
+
+def test_observe_weighs_calls_by_their_drafts():
+    pl = _planner(lambda b, k: 1.0, [])
+    pl.observe(drafts=10000, accepted_per_pos=[9000, 8100, 0], k_min=3)
+    assert pl.accept == pytest.approx([0.9, 0.9, 0.0])
+    # a call of 8 drafts that all failed barely moves what 10000 measured (decay 0.9)
+    pl.observe(drafts=8, accepted_per_pos=[0, 0, 0], k_min=1)
+    assert pl.accept[0] == pytest.approx(8100 / 9008) and pl.accept[1:] == pytest.approx([0.9, 0.0])
+    # the counts decay: after many small calls at 0.5, the estimate follows them
+    for _ in range(60):
+        pl.observe(drafts=100, accepted_per_pos=[50, 25, 0], k_min=1)
+    assert pl.accept[0] == pytest.approx(0.5, abs=0.01)
+
+
+def test_observe_steps_adds_the_measured_offset_to_every_k_of_a_bucket():
+    pl = _planner(lambda b, k: (1.0 if b == 1 else 4.0) * (1 + 0.1 * k), [0.9] * 3)
+    assert pl.predicted(16, 2) == pytest.approx((1.2 * 4.8) ** 0.5)     # log-log between buckets 1, 256
+    assert pl.predicted(300, 2) == pytest.approx(4.8)                   # beyond the last bucket: its cost
+    # bucket 256's range (17..256): k=3 steps 0.6 s over the prediction, a k=1 step 0.3 s over;
+    # bucket 1's range (1..16): a step at the predicted cost
+    pl.observe_steps([(256, 3, 5.2 + 0.6), (200, 3, pl.predicted(200, 3) + 0.6), (100, 1, pl.predicted(100, 1) + 0.3),
+                      (16, 2, pl.predicted(16, 2))])
+    assert pl.step_seconds[(256, 0)] == pytest.approx(4.0 + 0.5)        # every k, OFF too, moves by the mean
+    assert pl.step_seconds[(256, 3)] == pytest.approx(5.2 + 0.5)
+    assert pl.step_seconds[(256, OFF)] == pytest.approx(3.6 + 0.5)
+    assert pl.step_seconds[(1, 2)] == pytest.approx(1.2)
+    # a per-step overhead favours longer drafts: with it, k=3 beats k=2 at bucket 256 by more
+    gain = lambda: pl.tokens_per_second(256, 3) / pl.tokens_per_second(256, 2)  # noqa: E731
+    before = gain()
+    pl.observe_steps([(256, 2, 4.8 + 2.0)] * 10)
+    assert gain() > before
+    # later calls weigh by their steps, earlier ones decayed
+    assert pl.cost_counts[256][1] == pytest.approx(0.9 * 3 + 10)
+    # steps far faster than timed lower every k of the bucket by at most half its cheapest cost
+    pl.observe_steps([(1, 2, 0.01)] * 50)
+    assert pl.step_seconds[(1, OFF)] == pytest.approx(0.45) and pl.step_seconds[(1, 3)] == pytest.approx(1.3 - 0.45)

