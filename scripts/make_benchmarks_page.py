@@ -32,10 +32,10 @@ ROLLOUT = {
                                  "draft_model:7 draft_model:auto ngram:3 --repeats 15 "
                                  "--out docs/bench/rollout_default_big.json"),
     "rollout_wide_small.json": ("A widened dense target (the tiny policy at 4x width and 8 layers: 101M parameters, bf16), "
-                                "batch 1 and 8 (measured at b8548b7, before auto's calibration and acceptance estimate took their present form)",
+                                "batch 1 and 8",
                                 "python scripts/bench_rollout.py --batch-sizes 1 8 --methods none draft_model:3 draft_model:5 "
                                 "draft_model:7 draft_model:auto --repeats 5 --out docs/bench/rollout_wide_small.json"),
-    "rollout_wide_big.json": ("The same widened target, batch 64 and 256 (measured at b8548b7)",
+    "rollout_wide_big.json": ("The same widened target, batch 64 and 256",
                               "python scripts/bench_rollout.py --batch-sizes 64 256 --methods none draft_model:3 draft_model:5 "
                               "draft_model:7 draft_model:auto --repeats 3 --out docs/bench/rollout_wide_big.json"),
     "rollout_moe.json": ("A sparse-MoE target (512 experts of the tiny MLP, 2 active, load-balanced router; bf16)",
@@ -93,7 +93,8 @@ def rollout_section(paths: list[Path]) -> list[str]:
     out = ["## Rollout generation and the k sweep", "",
            "Generation alone, no speculation against each drafting method and k, side by side in one "
            "invocation (each cell: tokens/s, speedup against no speculation in the same run, tokens per "
-           "verification).", ""]
+           "verification). These files do not record the rlspec version they were measured at, so an `auto` "
+           "row need not reflect the current planner: rerun its command to measure it.", ""]
     for p in paths:
         title, cmd = ROLLOUT[p.name]
         out += [f"### {title}", "", f"`{p.relative_to(ROOT)}`:", "", "```bash", cmd, "```", "",
