@@ -132,7 +132,10 @@ class GenerationConfig:
     # vLLM KV cache on CPU, GiB (VLLM_CPU_KVCACHE_SPACE).
     cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.6
-    enforce_eager: bool = True
+    # vLLM without CUDA graphs. null (auto): eager on CPU machines (cluster.gpus_per_node=0), CUDA
+    # graphs on GPUs. Under speculation 'auto' every k the planner may pick is a captured shape
+    # (rlspec/speculation/vllm_config.py).
+    enforce_eager: Optional[bool] = None
     # GPUs per vLLM engine (tensor parallel); an engine sits inside one node or spans whole nodes.
     tensor_parallel_size: int = 1
     # MoE targets: shard experts over the engine's GPUs (vLLM enable_expert_parallel) instead of
@@ -359,15 +362,25 @@ def recompute_logprobs(cfg: RLSpecConfig) -> bool:
 
 def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
     """Resolve the 'auto' settings in place (idempotent), once, before anything reads them:
-    algo.off_policy_correction, algo.recompute_logprobs, generation.sleep_mode. summary.json and
-    every actor then see the values the run uses. (speculation 'auto' k stays 'auto': the
-    engine's k is SpeculationConfig.k_max, and the Generator picks k per call.)"""
+    algo.off_policy_correction, algo.recompute_logprobs, generation.sleep_mode and
+    generation.enforce_eager. summary.json and every actor then see the values the run uses.
+    (speculation 'auto' k stays 'auto': the engine's k is SpeculationConfig.k_max, and the
+    Generator picks k per call.)"""
     cfg.algo.off_policy_correction = off_policy_correction(cfg)
     cfg.algo.recompute_logprobs = recompute_logprobs(cfg)
+    c = cfg.cluster
     if cfg.generation.sleep_mode is None:
-        c = cfg.cluster
         cfg.generation.sleep_mode = c.placement == "colocated" and c.gpus_per_node > 0 and not cfg.async_grpo.enabled
+    resolve_engine(cfg.generation, on_gpu=c.gpus_per_node > 0)
     return cfg
+
+
+def resolve_engine(g: GenerationConfig, on_gpu: bool) -> GenerationConfig:
+    """The engine's own 'auto' (generation.enforce_eager: CUDA graphs on GPUs), for runs and for
+    engines started outside one (offline draft training, benchmarks)."""
+    if g.enforce_eager is None:
+        g.enforce_eager = not on_gpu
+    return g
 
 
 def validate(cfg: RLSpecConfig) -> None:

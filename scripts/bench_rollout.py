@@ -205,7 +205,7 @@ def run(args) -> list[dict]:
         print(f"MoE target: {args.experts} experts, {args.top_k} active, {args.router} router; 256 held-out "
               f"tokens touch {touched:.0f} experts per layer", flush=True)
     n_params, n_active = count_params(target)
-    gen = GenerationConfig(dtype=args.dtype)
+    gen = GenerationConfig(dtype=args.dtype, enforce_eager=True)  # the CPU engine
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     actors = {}
     for name in args.methods:  # every engine stays up; measurements interleave below

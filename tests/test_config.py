@@ -154,4 +154,5 @@ def test_speculation_maps_to_vllm_config():
     assert vllm_speculative_config(compose().speculation, None) is None
     a = vllm_speculative_config(compose(["speculation=draft_model", "speculation.num_speculative_tokens=auto",
                                          "speculation.max_speculative_tokens=4"]).speculation, "/d")
-    assert a["num_speculative_tokens"] == 4 and a["num_speculative_tokens_per_batch_size"] == [[1, 1 << 20, 4]]
+    assert a["num_speculative_tokens"] == 4  # every k 4..1 named once: each a captured CUDA-graph shape
+    assert a["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 2, 3], [3, 3, 2], [4, 1 << 20, 1]]

@@ -102,8 +102,8 @@ class Learners(Group):
         """Rank r trains on shards[r] = (its rows, the step's loss tokens, the step's sequences)."""
         return [self.one(r, Learner.train_step, *shards[r]) for r in range(len(self.handles))]
 
-    def full_weights(self) -> list[Call]:
-        return self.each(Learner.full_weights)
+    def full_weights(self, dtype: str = "float32") -> list[Call]:
+        return self.each(Learner.full_weights, dtype)
 
     def save_checkpoint(self, path: str) -> list[Call]:
         return self.each(Learner.save_checkpoint, path)
@@ -120,8 +120,8 @@ class Learners(Group):
     def weight_group_endpoint(self) -> Call:
         return self.one(0, Learner.weight_group_endpoint)
 
-    def weight_metas(self) -> Call:
-        return self.one(0, Learner.weight_metas)
+    def weight_metas(self, dtype: str) -> Call:
+        return self.one(0, Learner.weight_metas, dtype)
 
 
 class DraftTrainerHandle(Group):

@@ -80,7 +80,8 @@ def launch_actors(cfg: RLSpecConfig, paths: ModelPaths) -> Actors:
                                generation=g, rank=r, world_size=c.learner_world_size, rendezvous=rendezvous,
                                threads=threads) for r in range(c.learner_world_size)])
     wait([*generators.ping(), *logprobs.ping(), *learners.ping()], c.actor_timeout_s)
-    weights = WeightSync(c.refit, learners, generators, logprobs, c.actor_timeout_s, c.refit_bucket_mb << 20)
+    weights = WeightSync(c.refit, learners, generators, logprobs, c.actor_timeout_s, c.refit_bucket_mb << 20,
+                         g.dtype, g.tensor_parallel_size)
     actors = Actors(generators, logprobs, learners, weights, c.actor_timeout_s, draft_trainer,
                     actor_nodes({**generators.names(), **logprobs.names(), **learners.names()}))
     weights.connect()

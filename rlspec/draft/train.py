@@ -38,7 +38,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from rlspec.config import (ConfigError, DataConfig, GenerationConfig, LoggingConfig, ModelConfig,
-                           SpeculationConfig)
+                           SpeculationConfig, resolve_engine)
 from rlspec.data.loading import DataError, load_split
 from rlspec.draft.eagle3 import head_step
 from rlspec.loops.runlog import open_wandb, progress_bar
@@ -297,6 +297,7 @@ def train(cfg: DraftTrainConfig, run_dir: str) -> dict:
     from rlspec.draft.heads import eagle3_aux_layer_ids, init_eagle3_head
 
     validate(cfg)
+    resolve_engine(cfg.generation, on_gpu=torch.cuda.is_available())
     d = cfg.draft
     torch.manual_seed(d.seed)
     torch.set_num_threads(d.threads)

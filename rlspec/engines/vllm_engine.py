@@ -1,7 +1,7 @@
 """The vLLM engine rlspec samples with: set-up, generate calls that return RolloutBatch with
-behaviour log-probs and speculation counters, engine-step timing, sleep mode, and in-place weight
-refit. The engine runs in-process (no engine sub-process), so a refit is a plain `reload_weights`
-call on the same tensors' memory. A plain class: the Generator actor wraps it; offline draft
+behaviour log-probs and speculation counters, engine-step timing, sleep mode, and weight refit
+through vLLM's RL weight-update API, received inside every worker of the engine
+(rlspec/engines/vllm_transfer.py). A plain class: the Generator actor wraps it; offline draft
 training runs it as an actor of its own."""
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from typing import Iterable
 
 import torch
 
@@ -33,7 +32,13 @@ def engine_env(gen: GenerationConfig) -> None:
 def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: int,
              tokenizer: str | None = None, speculative_config: dict | None = None):
     engine_env(gen)
+    if gen.enforce_eager is None:
+        raise ValueError("generation.enforce_eager is unresolved: config.resolve_engine (or resolve_auto) first")
     from vllm import LLM
+
+    from rlspec.engines import vllm_transfer
+
+    vllm_transfer.register()
 
     # Engine start-up runs gc.collect() seven times over the heap that vLLM's imports left (half
     # of the start on a tiny CPU model). That heap lives as long as the process: take it out
@@ -49,6 +54,8 @@ def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: i
         logprobs_mode="processed_logprobs",
         disable_log_stats=False,  # spec-decode counters come from get_metrics()
         enable_prefix_caching=False,
+        # refit through vLLM's RL weight-update API, into every worker (rlspec/engines/vllm_transfer.py)
+        weight_transfer_config={"backend": vllm_transfer.BACKEND},
     )
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization
@@ -68,40 +75,6 @@ def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: i
     if speculative_config:
         kwargs["speculative_config"] = speculative_config
     return LLM(**kwargs)
-
-
-def with_tied_head(weights: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    """An in-place reload unties vLLM's lm_head from the embedding: send it explicitly, or the
-    engine keeps sampling from the old output layer."""
-    if tied and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
-        return {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
-    return weights
-
-
-def reload_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
-    """Copy Hugging Face-named weights into the running engine; returns seconds taken."""
-    t0 = time.perf_counter()
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
-    llm.reset_prefix_cache()
-    return time.perf_counter() - t0
-
-
-def _reload_drafter(worker, weights: dict[str, torch.Tensor]) -> None:
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights as vllm_reload
-
-    runner = worker.model_runner
-    model = runner.drafter.model
-    weights = with_tied_head(weights, getattr(model.config, "tie_word_embeddings", False))
-    vllm_reload(runner.vllm_config, model, weights_iterator=list(weights.items()), weights_path=None,
-                is_checkpoint_format=True)
-
-
-def reload_draft_weights(llm, weights: dict[str, torch.Tensor]) -> float:
-    """Copy Hugging Face-named draft weights into the engine's drafter, in place."""
-    t0 = time.perf_counter()
-    llm.collective_rpc(_reload_drafter, args=(weights,))
-    llm.reset_prefix_cache()
-    return time.perf_counter() - t0
 
 
 def decode_only(log: list[tuple[int, int, float]]) -> list[tuple[int, float]]:
@@ -136,8 +109,6 @@ class VLLMEngine:
         self.llm = make_llm(model_path, generation, max_model_len, seed, tokenizer, speculative_config)
         # Every in-place reload warns that rotary tables (not weights) were not loaded.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        hf_config = self.llm.llm_engine.model_config.hf_config
-        self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.asleep: set[str] = set()  # sleep mode: what the engine has released ("weights", "kv_cache")
         self.step_log: list[tuple[int, int, float]] | None = None  # while set: (running, waiting, seconds)
         self.decode_steps: list[tuple[int, float]] = []  # the last generate call's (running batch, seconds)
@@ -234,14 +205,29 @@ class VLLMEngine:
             self.llm.wake_up(tags=todo)
             self.asleep -= set(todo)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
-        """The target's new weights (Hugging Face names); seconds taken."""
-        self.wake_up(("weights",))  # sleep mode: the KV cache waits for the next generate call
-        return reload_weights(self.llm, with_tied_head(weights, self.tied_embeddings).items())
+    # -- refit through vLLM's RL weight-update API (rlspec/engines/vllm_transfer.py) --------------
+    def join_weight_group(self, addr: str, port: int, rank_offset: int, world: int, backend: str,
+                          metas: list, bucket_bytes: int) -> None:
+        """Every worker of this engine joins the learner's weight group (ranks rank_offset ...)."""
+        self.llm.init_weight_transfer_engine({"init_info": dict(
+            addr=addr, port=port, rank_offset=rank_offset, world=world, backend=backend, metas=metas,
+            bucket_bytes=bucket_bytes)})
 
-    def load_draft_weights(self, weights: dict[str, torch.Tensor]) -> float:
-        """The draft model's or head's new weights, in place; seconds taken."""
-        if self.spec_config is None or "model" not in self.spec_config:
+    def update_weights(self, update: dict, version: int, draft: bool = False) -> float:
+        """One weight update of the target (or the draft model), received inside vLLM's workers;
+        seconds taken. update: RLSpecUpdateInfo's fields (a broadcast round, or the tensors)."""
+        if draft and (self.spec_config is None or "model" not in self.spec_config):
             raise RuntimeError("this engine has no draft model to refit")
-        self.wake_up(("weights",))
-        return reload_draft_weights(self.llm, weights)
+        t0 = time.perf_counter()
+        self.wake_up(("weights",))  # sleep mode: the KV cache waits for the next generate call
+        (self.llm.start_draft_weight_update if draft else self.llm.start_weight_update)()
+        self.llm.update_weights({"update_info": update})
+        self.llm.finish_weight_update(None if draft else str(version))
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - t0
+
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int, draft: bool = False) -> float:
+        """New weights given as tensors (Hugging Face names); seconds taken."""
+        names = list(weights)
+        return self.update_weights({"mode": "tensors", "names": names, "tensors": [weights[n] for n in names]},
+                                   version, draft)

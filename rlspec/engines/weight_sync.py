@@ -7,8 +7,9 @@ Departures from a plain `state_dict` push through the object store:
 - under ZeRO-3 the learner ranks gather one bucket of parameters at a time (every rank takes part
   in the gather, rank 0 alone broadcasts), so no rank ever holds the whole model twice;
 - tensors travel flattened into buckets of about `bucket_mb`, one collective per bucket.
-Workers own a BroadcastSender or BroadcastReceiver as a member; the driver side, which picks the
-transport, is rlspec/cluster/refit.py.
+The learner owns a BroadcastSender; vLLM engines receive inside their workers
+(rlspec/engines/vllm_transfer.py), a LogprobWorker through its BroadcastReceiver. The driver side,
+which picks the transport, is rlspec/cluster/refit.py.
 """
 from __future__ import annotations
 
@@ -35,16 +36,17 @@ class TensorMeta:
 
 
 class RefitGroup:
-    """A torch.distributed process group of its own (TCPStore rendezvous at addr:port)."""
+    """A torch.distributed process group of its own (TCPStore rendezvous at addr:port). device:
+    where this rank's buffers live (default: the current CUDA device under NCCL, else the CPU)."""
 
     def __init__(self, addr: str, port: int, rank: int, world: int, backend: str = "gloo",
-                 timeout_s: float = 1800.0):
+                 timeout_s: float = 1800.0, device: torch.device | None = None):
         store = torch.distributed.TCPStore(addr, port, world, is_master=rank == 0,
                                            timeout=datetime.timedelta(seconds=timeout_s))
         timeout = datetime.timedelta(seconds=timeout_s)
         if backend == "nccl":
+            self.device = device or torch.device("cuda", torch.cuda.current_device())
             self.pg = torch.distributed.ProcessGroupNCCL(store, rank, world)
-            self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.pg = torch.distributed.ProcessGroupGloo(store, rank, world, timeout)
             self.device = torch.device("cpu")
@@ -96,9 +98,19 @@ def recv_state(group: RefitGroup, metas: list[TensorMeta], bucket_bytes: int) ->
     return out
 
 
-def metas_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
-    """Full shapes, also for ZeRO-3 partitioned parameters (whose local shape is empty)."""
-    return [TensorMeta(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in named]
+def metas_of(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> list[TensorMeta]:
+    """Full shapes, also for ZeRO-3 partitioned parameters (whose local shape is empty); each
+    tensor's own dtype, or `dtype` (what the receivers compute in) for every one."""
+    return [TensorMeta(n, tuple(getattr(p, "ds_shape", p.shape)), dtype or p.dtype) for n, p in named]
+
+
+def metas_to_wire(metas: list[TensorMeta]) -> list[list]:
+    """[name, dtype name, shape] per tensor: plain values for vLLM's init-info dict."""
+    return [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape)] for m in metas]
+
+
+def metas_from_wire(wire: list[list]) -> list[TensorMeta]:
+    return [TensorMeta(name, tuple(shape), getattr(torch, dtype)) for name, dtype, shape in wire]
 
 
 def endpoint() -> tuple[str, int]:
@@ -113,7 +125,7 @@ def endpoint() -> tuple[str, int]:
 
 
 class BroadcastReceiver:
-    """A receiving rank of the group (a Generator engine or LogprobWorker holds one)."""
+    """A receiving rank of the group outside vLLM (a LogprobWorker holds one)."""
 
     def __init__(self, addr: str, port: int, rank: int, world: int, backend: str, metas: list[TensorMeta],
                  bucket_bytes: int):
@@ -136,15 +148,18 @@ class BroadcastSender:
     """The learner's side: every rank calls `send` (ZeRO-3 gathers need all of them); only rank 0
     holds the group and broadcasts."""
 
-    def __init__(self, module: torch.nn.Module, zero3: bool, bucket_bytes: int, group: RefitGroup | None):
+    def __init__(self, module: torch.nn.Module, zero3: bool, bucket_bytes: int, group: RefitGroup | None,
+                 dtype: torch.dtype | None = None):
         self.module, self.zero3, self.bucket_bytes, self.group = module, zero3, bucket_bytes, group
+        self.dtype = dtype  # the receivers' compute dtype (None: the parameters' own)
 
     def send(self) -> float:
-        """Target weights bucket by bucket (gathered just in time under ZeRO-3); seconds taken."""
+        """Target weights bucket by bucket (gathered just in time under ZeRO-3), in the
+        receivers' dtype; seconds taken."""
         import deepspeed
 
         params = list(self.module.named_parameters())
-        metas = metas_of(params)
+        metas = metas_of(params, self.dtype)
 
         def gathered() -> Iterator[list[torch.Tensor]]:
             for idx in buckets(metas, self.bucket_bytes):

@@ -3,8 +3,12 @@ engine steps per batch-size bucket and k, the k each call drafts, and what each 
 to the planner (rlspec/speculation/adaptive.py holds the planner itself).
 
 The engine is built for k_max; a call's k per batch size is set through the scheduler's
-batch-size -> k lookup (vLLM's `num_speculative_tokens_per_batch_size`), and a call run without
-speculation also turns the drafter's forward pass off."""
+batch-size -> k lookup (vLLM's `num_speculative_tokens_per_batch_size`; the scheduler is the same
+object under Model Runner V1 and V2), and a call run without speculation also turns the drafter's
+forward pass off where the runner allows it (V1).
+
+What rlspec reads or writes inside vLLM, per class, is listed in VLLM_SURFACE and checked against
+the installed wheel (tests/speculation/test_runner_api.py)."""
 from __future__ import annotations
 
 import statistics
@@ -16,6 +20,32 @@ from rlspec.config import SpeculationConfig
 from rlspec.engines.vllm_engine import VLLMEngine, decode_only
 from rlspec.messages import RolloutBatch
 from rlspec.speculation.adaptive import OFF, DraftLengthPlanner, DraftPlan, non_decreasing
+
+
+# Attribute or method -> the vLLM classes (module:class) that must have it, for each use here and in
+# rlspec/engines/vllm_engine.py.
+VLLM_SURFACE = {
+    "dynamic_sd_lookup": ["vllm.v1.core.sched.scheduler:Scheduler"],          # k per batch size
+    "running": ["vllm.v1.core.sched.scheduler:Scheduler"],                    # step timing
+    "waiting": ["vllm.v1.core.sched.scheduler:Scheduler"],
+    "use_v2_model_runner": ["vllm.v1.worker.gpu_worker:Worker", "vllm.v1.worker.cpu_worker:CPUWorker"],
+    "propose_draft_token_ids": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner",   # V1 only
+                                "vllm.v1.worker.cpu_model_runner:CPUModelRunner"],
+    "input_batch": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],          # V1 only
+    "step": ["vllm.v1.engine.llm_engine:LLMEngine"],
+    "has_unfinished_requests": ["vllm.v1.engine.llm_engine:LLMEngine"],
+    "add_request": ["vllm.v1.engine.llm_engine:LLMEngine"],
+    "abort_request": ["vllm.v1.engine.llm_engine:LLMEngine"],
+    # the RL weight-update API every refit goes through (both runners' workers)
+    **{m: ["vllm.v1.worker.gpu_worker:Worker", "vllm.v1.worker.cpu_worker:CPUWorker"]
+       for m in ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
+                 "update_weights", "finish_weight_update", "get_draft_model")},
+    **{m: ["vllm:LLM"] for m in ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
+                                  "update_weights", "finish_weight_update", "collective_rpc", "get_metrics",
+                                  "reset_prefix_cache", "sleep", "wake_up")},
+}
+# Methods the V1-only hooks skip on Model Runner V2, where they do not exist.
+V1_ONLY = ("propose_draft_token_ids", "input_batch")
 
 
 class AdaptiveK:
@@ -108,7 +138,12 @@ class AdaptiveK:
 
 def _set_drafting(worker, enabled: bool) -> None:
     """Turn the drafter's forward pass off for whole calls that 'auto' runs without speculation
-    (k=0 through the schedule alone still runs the draft over the new tokens every step)."""
+    (k=0 through the schedule alone still runs the draft over the new tokens every step). Model
+    Runner V1 only (CPU, and GPU methods V2 does not take): V2 drafts through its speculator and
+    has no such switch, so there OFF is k=0 for every batch size, and calibration measures it as
+    such."""
+    if worker.use_v2_model_runner:
+        return
     runner = worker.model_runner
     if not hasattr(runner, "_rlspec_propose"):
         runner._rlspec_propose = runner.propose_draft_token_ids

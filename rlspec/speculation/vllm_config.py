@@ -11,8 +11,10 @@ def vllm_speculative_config(spec: SpeculationConfig, draft_dir: str | None) -> d
     out: dict = {"method": spec.method, "num_speculative_tokens": spec.k_max}
     if spec.adaptive:
         # Built for the largest k; the scheduler's batch-size schedule (rewritten every call by
-        # rlspec.speculation.calibration) picks the k each engine step uses.
-        out["num_speculative_tokens_per_batch_size"] = [[1, 1 << 20, spec.k_max]]
+        # rlspec.speculation.calibration) picks the k each engine step uses. Every k from 1 to
+        # k_max appears in the configured schedule, so under CUDA graphs vLLM captures a decode
+        # shape for each k the planner may write (k=0 is a plain decode step, always captured).
+        out["num_speculative_tokens_per_batch_size"] = adaptive_schedule(spec.k_max)
     if spec.method in ("draft_model", "eagle3"):
         out["model"] = draft_dir
         out["draft_sample_method"] = spec.draft_sample_method
@@ -24,3 +26,20 @@ def vllm_speculative_config(spec: SpeculationConfig, draft_dir: str | None) -> d
         out["prompt_lookup_min"] = spec.prompt_lookup_min
         out["prompt_lookup_max"] = spec.prompt_lookup_max
     return out
+
+
+def adaptive_schedule(k_max: int) -> list[list[int]]:
+    """vLLM's (first batch size, last batch size, k) ranges naming every k in k_max..1 once: the
+    planner overwrites the k per batch size before every call, the ranges only make vLLM capture
+    (and accept) each k."""
+    return [[b, b, k_max + 1 - b] for b in range(1, k_max)] + [[k_max, 1 << 20, 1]]
+
+
+V1_ONLY_METHODS = ("suffix", "medusa", "mlp_speculator", "custom_class")
+
+
+def gpu_model_runner(spec: SpeculationConfig) -> str:
+    """The model runner vLLM picks for this speculation on a GPU ("V1" or "V2"): V2 wherever
+    Triton runs, except for the methods V2 does not implement (vLLM's own rule, checked against
+    the installed wheel by tests/speculation/test_runner_api.py). The CPU build always runs V1."""
+    return "V1" if spec.method in V1_ONLY_METHODS else "V2"

@@ -49,6 +49,7 @@ class DraftTrainer:
         torch.manual_seed(seed)
         self.o, self.ttt_steps = speculation.online, speculation.k_max
         self.temperature = generation.temperature
+        self.engine_dtype = getattr(torch, generation.dtype)  # vLLM's draft computes in the target's dtype
         self.head = Eagle3Head.from_checkpoint(paths.draft, load_embedding(paths.model))
         self.layer_ids = list(self.head.config["eagle_aux_hidden_state_layer_ids"])
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=self.o.lr)
@@ -97,8 +98,8 @@ class DraftTrainer:
                 "newest_version": self.newest_version}
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The head under vLLM's checkpoint names, for Generator.push_draft_weights."""
-        return self.head.vllm_state_dict()
+        """The head under vLLM's checkpoint names in the engines' dtype, for Generator.push_draft_weights."""
+        return self.head.vllm_state_dict(self.engine_dtype)
 
     def save(self, path: str) -> None:
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "steps": self.steps,

@@ -9,7 +9,6 @@ import torch
 
 from rlspec.config import GenerationConfig, ModelConfig, SpeculationConfig
 from rlspec.engines.vllm_engine import VLLMEngine
-from rlspec.engines.weight_sync import BroadcastReceiver
 from rlspec.messages import RolloutBatch, Sampling
 from rlspec.models import ModelPaths
 from rlspec.speculation.calibration import AdaptiveK
@@ -27,7 +26,6 @@ class Generator:
         self.adaptive = AdaptiveK(self.engine, speculation) if speculation.adaptive else None
         self.policy_version = 0
         self.draft_version = 0
-        self.receiver: BroadcastReceiver | None = None
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> RolloutBatch:
         """sampling.n samples per prompt, prompt-major: rows [i*n, (i+1)*n) belong to prompt i.
@@ -45,25 +43,28 @@ class Generator:
             self.engine.sleep()
 
     def push_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
-        """Refit the target; returns seconds taken."""
-        seconds = self.engine.load_weights(weights)
+        """Refit the target from tensors (the object-store transport); seconds taken."""
+        seconds = self.engine.load_weights(weights, version)
         self.policy_version = version
         return seconds
 
     def push_draft_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
         """Refit the draft model or head alone (online draft training pushes through here)."""
-        seconds = self.engine.load_draft_weights(weights)
+        seconds = self.engine.load_weights(weights, version, draft=True)
         self.draft_version = version
         return seconds
 
-    def join_weight_group(self, *group) -> int:
-        """Join the broadcast group as a receiver (BroadcastReceiver's arguments)."""
-        self.receiver = BroadcastReceiver(*group)
-        return self.receiver.group.rank
+    def join_weight_group(self, addr: str, port: int, rank_offset: int, world: int, backend: str, metas: list,
+                          bucket_bytes: int) -> int:
+        """Every worker of the engine joins the learner's weight group, ranks from rank_offset."""
+        self.engine.join_weight_group(addr, port, rank_offset, world, backend, metas, bucket_bytes)
+        return rank_offset
 
     def receive_weights(self, version: int) -> float:
-        """Take this round's broadcast of the target's weights (rlspec/engines/weight_sync.py)."""
-        return self.receiver.receive_into(self.push_weights, version)
+        """Take this round's broadcast of the target's weights, inside vLLM's workers."""
+        seconds = self.engine.update_weights({"mode": "broadcast"}, version)
+        self.policy_version = version
+        return seconds
 
     def ping(self) -> int:
         return self.policy_version

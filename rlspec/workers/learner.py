@@ -125,8 +125,9 @@ class Learner:
         self.policy_version = client["policy_version"]
         return self.policy_version
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """Hugging Face-named full weights (gathered under ZeRO-3), fp32 on CPU; empty off rank 0."""
+    def full_weights(self, dtype: str = "float32") -> dict[str, torch.Tensor]:
+        """Hugging Face-named full weights (gathered under ZeRO-3) on CPU in `dtype` (the
+        engines' for a refit); empty off rank 0."""
         import deepspeed
 
         params = dict(self.engine.module.named_parameters())
@@ -134,7 +135,7 @@ class Learner:
                                                enabled=self.trainer.zero_stage == 3):
             if self.rank != 0:
                 return {}
-            return {k: v.detach().to("cpu", torch.float32).clone() for k, v in params.items()}
+            return {k: v.detach().to("cpu", getattr(torch, dtype)).clone() for k, v in params.items()}
 
     def save_pretrained(self, path: str, tokenizer_dir: str | None = None) -> None:
         """Write the current policy in Hugging Face format (rank 0)."""
@@ -150,13 +151,16 @@ class Learner:
     def weight_group_endpoint(self) -> tuple[str, int]:
         return endpoint()
 
-    def weight_metas(self) -> list[TensorMeta]:
-        return metas_of(self.engine.module.named_parameters())
+    def weight_metas(self, dtype: str) -> list[TensorMeta]:
+        """What a broadcast round sends: every parameter, in the engines' dtype."""
+        return metas_of(self.engine.module.named_parameters(), getattr(torch, dtype))
 
-    def join_weight_group(self, addr: str, port: int, world: int, backend: str, bucket_bytes: int) -> int:
+    def join_weight_group(self, addr: str, port: int, world: int, backend: str, bucket_bytes: int,
+                          dtype: str) -> int:
         """Rank 0 becomes the group's source; every rank takes part in the ZeRO-3 gathers."""
         group = RefitGroup(addr, port, 0, world, backend) if self.rank == 0 else None
-        self.sender = BroadcastSender(self.engine.module, self.trainer.zero_stage == 3, bucket_bytes, group)
+        self.sender = BroadcastSender(self.engine.module, self.trainer.zero_stage == 3, bucket_bytes, group,
+                                      getattr(torch, dtype))
         return self.rank
 
     def broadcast_weights(self) -> float:

@@ -150,6 +150,11 @@ def test_trained_head_accepts_in_vllm(ray_session):
     assert out.spec.drafts > 500 and out.spec.acceptance_length > 1.5
 
 
+def engine_dtype(weights):
+    """Checkpoint tensors in the engine's dtype (float32 here): a refit sends what the engine computes in."""
+    return {k: v.float() for k, v in weights.items()}
+
+
 def test_eagle3_push_matches_a_fresh_engine(ray_session, built, prompts):
     """Online draft training's push path: an engine started on a random head, then given the
     trained head's weights in place, drafts exactly as a fresh engine started on the trained head
@@ -164,9 +169,11 @@ def test_eagle3_push_matches_a_fresh_engine(ray_session, built, prompts):
     pushed = start_generator(["speculation=eagle3", f"speculation.model={built['eagle3']}"], draft_dir=built["eagle3"])
     try:
         before = greedy(pushed).spec
-        ray.get(pushed.push_draft_weights.remote(load_file(f"{TRAINED_EAGLE3}/model.safetensors"), 1), timeout=600)
+        ray.get(pushed.push_draft_weights.remote(engine_dtype(load_file(f"{TRAINED_EAGLE3}/model.safetensors")), 1),
+                timeout=600)
         after = greedy(pushed)
-        ray.get(pushed.push_draft_weights.remote(load_file(f"{built['eagle3']}/model.safetensors"), 2), timeout=600)
+        ray.get(pushed.push_draft_weights.remote(engine_dtype(load_file(f"{built['eagle3']}/model.safetensors")), 2),
+                timeout=600)
         back = greedy(pushed).spec
     finally:
         ray.kill(pushed)

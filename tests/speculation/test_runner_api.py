@@ -1,0 +1,82 @@
+"""What rlspec touches inside vLLM exists where it is used, in both model runners: vLLM picks
+Model Runner V2 on every GPU (this CPU build runs V1 only), so the classes are read from the
+installed wheel rather than run. Also: which runner a GPU gets for each speculation method,
+against vLLM's own rule."""
+import importlib
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+from rlspec.config import SpeculationConfig
+from rlspec.speculation.calibration import V1_ONLY, VLLM_SURFACE
+from rlspec.speculation.vllm_config import gpu_model_runner, vllm_speculative_config
+
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
+
+
+def load(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def has(cls, attr: str) -> bool:
+    """A class attribute or method, or an attribute its constructor (or a parent's) assigns."""
+    if hasattr(cls, attr):
+        return True
+    return any(f"self.{attr} =" in src or f"self.{attr}:" in src
+               for src in (inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("vllm")))
+
+
+@pytest.mark.parametrize("attr,classes", sorted(VLLM_SURFACE.items()))
+def test_every_vllm_attribute_rlspec_touches_exists(attr, classes):
+    for path in classes:
+        assert has(load(path), attr), f"{path} has no {attr}"
+
+
+def test_v1_only_hooks_are_absent_from_v2_and_guarded():
+    """The V2 runner has none of the V1-only attributes; the hook that uses them returns at once
+    on a V2 worker (it never reads the runner)."""
+    from rlspec.speculation.calibration import _set_drafting
+
+    v2 = load(V2_RUNNER)
+    assert not any(has(v2, a) for a in V1_ONLY)
+    assert has(v2, "get_draft_model") and has(v2, "speculator")
+
+    class NoRunner:
+        use_v2_model_runner = True
+
+        @property
+        def model_runner(self):
+            raise AssertionError("the V1 hook read a V2 runner")
+
+    _set_drafting(NoRunner(), False)
+
+
+def unsupported_on_v2(method: str) -> list[str]:
+    """vLLM's own list of features V2 lacks, for a GPU engine with this speculation method."""
+    from vllm.config.vllm import VllmConfig
+
+    spec = None if method == "none" else SimpleNamespace(method=method, parallel_drafting=False,
+                                                          use_heterogeneous_vocab=False)
+    cfg = SimpleNamespace(speculative_config=spec, parallel_config=SimpleNamespace(
+        distributed_executor_backend="ray", pipeline_parallel_size=1, use_ubatching=False))
+    return VllmConfig._get_v2_model_runner_unsupported_features(cfg)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle3", "mtp", "custom_class", "suffix"])
+def test_gpu_runner_choice_matches_vllm(method):
+    want = "V1" if unsupported_on_v2(method) else "V2"
+    assert gpu_model_runner(SpeculationConfig(method=method)) == want
+    assert want == ("V1" if method in ("custom_class", "suffix") else "V2")
+
+
+def test_adaptive_schedule_names_every_k_and_parses_in_vllm():
+    """Under 'auto' the configured schedule holds every k from 1 to k_max (each a captured CUDA
+    graph shape) and is one vLLM accepts."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    spec = SpeculationConfig(method="draft_model", num_speculative_tokens="auto", max_speculative_tokens=5)
+    sched = vllm_speculative_config(spec, "/draft")["num_speculative_tokens_per_batch_size"]
+    dense = build_dynamic_sd_schedule_lookup(sched, 256, 5)
+    assert set(dense[1:]) == {1, 2, 3, 4, 5} and len(dense) == 257
