@@ -138,6 +138,13 @@ class TrainBatch:
                           pick(self.old_logprobs), pick(self.ref_logprobs), self.policy_version,
                           None if self.prompt_lengths is None else self.prompt_lengths[idx])
 
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """Every tensor on `device` (a worker moves its batch in once, where it arrives)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return TrainBatch(move(self.input_ids), move(self.attention_mask), move(self.loss_mask),
+                          move(self.advantages), move(self.behaviour_logprobs), move(self.old_logprobs),
+                          move(self.ref_logprobs), self.policy_version, move(self.prompt_lengths))
+
     def shard(self, rank: int, world: int) -> "TrainBatch":
         return self.rows(slice(rank * len(self) // world, (rank + 1) * len(self) // world))
 

@@ -56,6 +56,14 @@ def load_tokenizer(path: str, key: str, trust_remote_code: bool = False):
     return tok
 
 
+def local_device():
+    """The device this process's placement gives it: the first CUDA device it sees (Ray sets
+    CUDA_VISIBLE_DEVICES per actor), or the CPU on machines without one."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False):
     """A Hugging Face causal LM (float32 unless `dtype` says otherwise)."""
     import torch

@@ -73,14 +73,14 @@ def tiny_paths(draft: str | None = None):
     return ModelPaths(policy, policy, None if draft is None else str(ROOT / "rlspec" / "assets" / "tiny" / draft))
 
 
-def logprob_worker(micro_batch_size: int, capture=None):
+def logprob_worker(micro_batch_size: int, capture=None, device=None):
     """A LogprobWorker (the plain class, no Ray) on the tiny policy at temperature 1, no reference."""
     from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
     from rlspec.workers.logprob import LogprobWorker
 
     return LogprobWorker(paths=tiny_paths(), model=ModelConfig(), algo=AlgoConfig(),
                          trainer=TrainerConfig(micro_batch_size=micro_batch_size),
-                         generation=GenerationConfig(temperature=1.0), threads=1, capture=capture)
+                         generation=GenerationConfig(temperature=1.0), threads=1, capture=capture, device=device)
 
 
 def sampling(n: int, temperature: float, max_tokens: int, seed=None):

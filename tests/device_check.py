@@ -4,9 +4,11 @@
 - an op whose tensor arguments sit on different devices raises, as CUDA does (0-dim tensors
   excepted, as CUDA excepts CPU scalars); plain meta kernels let some of these through (an
   embedding looked up with CPU indices);
-- results read back to the host (`.item()`, `float()`, `.cpu()`, `.to("cpu")`) come back as zeros
-  of the right shape and dtype instead of failing, so a worker's whole step runs.
-Nothing is computed on meta, so values are not checked here, only where tensors live."""
+- results read back to the host come back as stand-ins instead of failing, so a worker's whole
+  step runs: a scalar (`.item()`, `float()`, `bool()`) as 1 / 1.0 / True, a tensor (`.cpu()`,
+  `.to("cpu")`) as zeros of its shape and dtype.
+Nothing is computed on meta, so values are not checked here, only where tensors live; a worker
+plans on the host what depends on values (row widths, which rows share a prompt)."""
 from __future__ import annotations
 
 import torch
@@ -27,7 +29,7 @@ class OnDevice(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
-            return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
+            return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
         if func is torch.ops.aten._to_copy.default and args[0].device.type == "meta" \
                 and torch.device(kwargs.get("device") or "meta").type == "cpu":
             return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)

@@ -1,6 +1,8 @@
 """Per-token log-probs of given tokens under a causal LM, at the sampling temperature."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -18,12 +20,15 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       temperature: float = 1.0, with_entropy: bool = False,
-                      prompt_lengths: torch.Tensor | None = None):
+                      prompt_lengths: torch.Tensor | None = None, plan: "PromptPlan | None" = None):
     """input_ids [B, T+1] -> log-probs [B, T] of input_ids[:, 1:] (and entropy [B, T]).
-    With prompt_lengths [B] the rows' prompts go through the model once each (shared_prompt_forward):
-    the response positions get the same values, every other position 0."""
-    if prompt_lengths is not None:
-        logits, targets, place = shared_prompt_forward(model, input_ids, attention_mask, prompt_lengths)
+    With prompt_lengths [B] (or their `plan`, made on the host from the same rows) the rows'
+    prompts go through the model once each (shared_prompt_forward): the response positions get
+    the same values, every other position 0."""
+    if plan is None and prompt_lengths is not None:
+        plan = prompt_plan(input_ids.cpu(), attention_mask.cpu(), prompt_lengths.cpu())
+    if plan is not None:
+        logits, targets, place = shared_prompt_forward(model, input_ids, attention_mask, plan)
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
         targets, place = input_ids[:, 1:], None
@@ -48,7 +53,25 @@ def prompt_cache_supported(model) -> bool:
         return False
 
 
-def shared_prompt_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor):
+@dataclass(frozen=True)
+class PromptPlan:
+    """Which rows share a prompt, worked out on the host (no device reads in the forward)."""
+    prompts: list[tuple[int, ...]]   # the distinct prompts, in first-seen order
+    inv: list[int]                   # [B] each row's prompt index
+    lengths: list[int]               # [B] prompt lengths
+    response_width: int              # R: the longest response (at least 1)
+
+
+def prompt_plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor) -> PromptPlan:
+    """The plan of host rows [B, W] (right-padded prompt + response) with prompt lengths [B]."""
+    lengths = prompt_lengths.tolist()
+    rows: dict[tuple[int, ...], int] = {}
+    inv = [rows.setdefault(tuple(input_ids[i, : lengths[i]].tolist()), len(rows)) for i in range(len(lengths))]
+    resp = (attention_mask.sum(1) - prompt_lengths).tolist()
+    return PromptPlan(list(rows), inv, lengths, max(max(resp, default=0), 1))
+
+
+def shared_prompt_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan: PromptPlan):
     """A GRPO batch repeats each prompt once per sample of its group. Forward each distinct prompt
     once (left-padded, use_cache), give every row its prompt's keys and values (an index into the
     cache: gradients from all the group's rows add up on the one prompt pass, as they would over
@@ -56,27 +79,24 @@ def shared_prompt_forward(model, input_ids: torch.Tensor, attention_mask: torch.
     masks are those of the full rows, so the log-probs and gradients are the full forward's, up to
     floating-point summation order; the prompt's compute is paid once per group, not G times.
 
-    input_ids, attention_mask [B, W] right-padded prompt + response; prompt_lengths [B].
-    Returns (logits [B, R, V] predicting each response token, the response tokens [B, R], and
-    place: [B, R] values -> the [B, W-1] grid of sequence_logprobs, 0 off the response)."""
+    input_ids, attention_mask [B, W] right-padded prompt + response, on the model's device; plan:
+    prompt_plan() of the same rows on the host. Returns (logits [B, R, V] predicting each response
+    token, the response tokens [B, R], and place: [B, R] values -> the [B, W-1] grid of
+    sequence_logprobs, 0 off the response)."""
     (B, W), dev = input_ids.shape, input_ids.device
-    pl = prompt_lengths.to(device=dev, dtype=torch.long)
-    rows: dict[tuple[int, ...], int] = {}
-    lengths = pl.tolist()
-    inv = torch.tensor([rows.setdefault(tuple(input_ids[i, : lengths[i]].tolist()), len(rows)) for i in range(B)],
-                       device=dev)
-    width = max(map(len, rows))
-    ids_p = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
-    mask_p = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
-    for prompt, u in rows.items():  # left-padded, so every prompt's last token sits in the last column
-        ids_p[u, width - len(prompt):] = torch.tensor(prompt, device=dev)
+    width, R = max(map(len, plan.prompts)), plan.response_width
+    ids_p = torch.zeros(len(plan.prompts), width, dtype=torch.long)
+    mask_p = torch.zeros(len(plan.prompts), width, dtype=torch.long)
+    for u, prompt in enumerate(plan.prompts):  # left-padded, so every prompt's last token sits in the last column
+        ids_p[u, width - len(prompt):] = torch.tensor(prompt)
         mask_p[u, width - len(prompt):] = 1
+    ids_p, mask_p = ids_p.to(dev), mask_p.to(dev)
+    inv, pl = torch.tensor(plan.inv, device=dev), torch.tensor(plan.lengths, device=dev)
     out = model(input_ids=ids_p, attention_mask=mask_p, position_ids=(mask_p.cumsum(1) - 1).clamp(min=0),
                 use_cache=True)
     cache = out.past_key_values
     cache.batch_select_indices(inv)
     resp_len = attention_mask.sum(1) - pl
-    R = max(int(resp_len.max()), 1)
     steps = torch.arange(R, device=dev)
     resp_mask = (steps < resp_len[:, None]).long()
     resp_ids = input_ids.gather(1, (pl[:, None] + steps).clamp(max=W - 1)) * resp_mask

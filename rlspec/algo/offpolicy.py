@@ -53,9 +53,11 @@ def weight_sums(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.T
                 cap: float) -> dict[str, float]:
     """Partial importance-weight figures over the loss-carrying tokens of one micro-batch, to be
     added up (iw_max: maxed) over micro-batches and ranks, then given to weight_stats."""
-    w = importance_weights(prox_logp, behav_logp)[mask != 0]
-    return {"iw_sum": float(w.sum()), "iw_max": float(w.max()) if w.numel() else 0.0,
-            "iw_capped": float((w > cap).sum()), "iw_tokens": float(w.numel())}
+    w, m = importance_weights(prox_logp, behav_logp), mask != 0  # masked reductions: no device sync to index
+    n = float(m.sum())
+    return {"iw_sum": float(w.masked_fill(~m, 0.0).sum()),
+            "iw_max": float(w.masked_fill(~m, float("-inf")).max()) if n else 0.0,
+            "iw_capped": float(((w > cap) & m).sum()), "iw_tokens": n}
 
 
 def merge_weight_sums(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

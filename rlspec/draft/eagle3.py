@@ -97,7 +97,7 @@ class Eagle3Head(nn.Module):
 
     def save(self, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> str:
         out = Path(out_dir)
-        _write(out, self.config, self.vllm_state_dict())
+        _write(out, self.config, {k: v.cpu() for k, v in self.vllm_state_dict().items()})
         if tokenizer_dir is not None:
             _copy_tokenizer(tokenizer_dir, out)
         return str(out)

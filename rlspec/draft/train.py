@@ -43,7 +43,7 @@ from rlspec.data.loading import DataError, load_split
 from rlspec.draft.eagle3 import head_step
 from rlspec.loops.runlog import open_wandb, progress_bar
 from rlspec.messages import Sampling
-from rlspec.models import ModelError, load_causal_lm, load_tokenizer, resolve_checkpoint
+from rlspec.models import ModelError, load_causal_lm, load_tokenizer, local_device, resolve_checkpoint
 
 
 @dataclass
@@ -173,10 +173,12 @@ def batch(seqs: list[Sequence], pad: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 class HeadTrainer:
-    """The target (frozen, Hugging Face) and the head; one `step` per batch of sequences."""
+    """The target (frozen, Hugging Face) and the head, both on one device; one `step` per batch of
+    sequences (moved there as it is built)."""
 
     def __init__(self, target_model, head, layer_ids, d: DraftConfig, temperature: float, pad: int):
         self.target, self.head, self.layer_ids, self.d = target_model, head, list(layer_ids), d
+        self.device = next(target_model.parameters()).device
         self.temperature, self.pad = temperature, pad
         self.steps = d.ttt_steps
         self.opt = torch.optim.AdamW(head.parameters(), lr=d.lr, weight_decay=d.weight_decay)
@@ -194,7 +196,7 @@ class HeadTrainer:
         from rlspec.draft.capture import target_features
         from rlspec.draft.eagle3 import ttt_loss
 
-        ids, mask, length, loss_from = batch(seqs, self.pad)
+        ids, mask, length, loss_from = (t.to(self.device) for t in batch(seqs, self.pad))
         f = target_features(self.target, ids, mask.long(), self.layer_ids, self.d.topk, self.temperature)
         logits = self.head.unrolled(ids, f.aux_hidden, mask, self.d.ttt_steps)
         return ttt_loss(logits, f.topk_ids, f.topk_logp.float(), loss_from, length, self.d.loss_decay,
@@ -240,7 +242,7 @@ class DraftModelTrainer(HeadTrainer):
 
         from rlspec.draft.eagle3 import ttt_loss
 
-        ids, mask, length, loss_from = batch(seqs, self.pad)
+        ids, mask, length, loss_from = (t.to(self.device) for t in batch(seqs, self.pad))
         with torch.no_grad():
             logp = (self.target(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
                     / max(self.temperature, 1e-6)).log_softmax(-1)
@@ -326,20 +328,21 @@ def train(cfg: DraftTrainConfig, run_dir: str) -> dict:
         print(f"corpus: {len(train_seqs)} training sequences ({d.corpus}), {len(val_seqs)} held-out, "
               f"{corpus_s:.0f} s", flush=True)
 
-        model = load_causal_lm(target, trust_remote_code=cfg.model.trust_remote_code).eval()
+        device = local_device()
+        model = load_causal_lm(target, trust_remote_code=cfg.model.trust_remote_code).to(device).eval()
         for p in model.parameters():
             p.requires_grad_(False)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         if d.kind == "eagle3":
             layer_ids = eagle3_aux_layer_ids(model.config.num_hidden_layers)
-            head = Eagle3Head.from_checkpoint(init, model.get_input_embeddings().weight)
+            head = Eagle3Head.from_checkpoint(init, model.get_input_embeddings().weight).to(device)
             if head.config["eagle_aux_hidden_state_layer_ids"] != list(layer_ids):
                 raise ConfigError(f"draft.init={d.init!r}: head reads layers "
                                   f"{head.config['eagle_aux_hidden_state_layer_ids']}, the target's EAGLE-3 layers "
                                   f"are {list(layer_ids)}")
             trainer = HeadTrainer(model, head, layer_ids, d, cfg.generation.temperature, pad)
         else:
-            head = load_causal_lm(init, trust_remote_code=cfg.model.trust_remote_code).train()
+            head = load_causal_lm(init, trust_remote_code=cfg.model.trust_remote_code).to(device).train()
             trainer = DraftModelTrainer(model, head, d, cfg.generation.temperature, pad)
 
         wb = open_wandb(cfg.logging, run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), job_type="draft")
@@ -413,7 +416,7 @@ def save_draft_model(model, init: str, out_dir: Path, tokenizer_dir: str) -> Non
 
     dtype = getattr(torch, _config(init).get("dtype") or _config(init).get("torch_dtype") or "float32")
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, state_dict={k: v.to(dtype) for k, v in model.state_dict().items()})
+    model.save_pretrained(out_dir, state_dict={k: v.to("cpu", dtype) for k, v in model.state_dict().items()})
     cfg = json.loads((out_dir / "config.json").read_text())
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -12,7 +12,7 @@ import torch
 from rlspec.config import GenerationConfig, SpeculationConfig
 from rlspec.draft.cache import CachedSequence, FeatureCache
 from rlspec.draft.eagle3 import Eagle3Head, acceptance_length_proxy, head_step, ttt_loss
-from rlspec.models import ModelPaths
+from rlspec.models import ModelPaths, local_device
 
 
 def load_embedding(target_dir: str) -> torch.Tensor:
@@ -42,15 +42,17 @@ def pad_batch(items: list[CachedSequence]):
 
 class DraftTrainer:
     def __init__(self, *, paths: ModelPaths, speculation: SpeculationConfig, generation: GenerationConfig,
-                 seed: int, threads: int):
+                 seed: int, threads: int, device: str | None = None):
         """Trains the head in paths.draft for the k the engine drafts (its TTT steps), on the
-        rollouts' temperature (the captured labels are at it too)."""
+        rollouts' temperature (the captured labels are at it too). device: where it trains (None:
+        the one its placement gives it); its feature cache stays on the host."""
         torch.set_num_threads(threads)
+        self.device = torch.device(device) if device else local_device()
         torch.manual_seed(seed)
         self.o, self.ttt_steps = speculation.online, speculation.k_max
         self.temperature = generation.temperature
         self.engine_dtype = getattr(torch, generation.dtype)  # vLLM's draft computes in the target's dtype
-        self.head = Eagle3Head.from_checkpoint(paths.draft, load_embedding(paths.model))
+        self.head = Eagle3Head.from_checkpoint(paths.draft, load_embedding(paths.model)).to(self.device)
         self.layer_ids = list(self.head.config["eagle_aux_hidden_state_layer_ids"])
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=self.o.lr)
         self.cache = FeatureCache(self.o.cache_mb << 20)
@@ -82,7 +84,7 @@ class DraftTrainer:
         self.head.train()
         for _ in range(n_steps):
             items = self.cache.sample(self.o.batch_size, self.rng)
-            ids, mask, length, loss_from, aux, tid, tlp = pad_batch(items)
+            ids, mask, length, loss_from, aux, tid, tlp = (t.to(self.device) for t in pad_batch(items))
             logits = self.head.unrolled(ids, aux, mask, self.ttt_steps)
             loss, stats = ttt_loss(logits, tid, tlp, loss_from, length, self.o.loss_decay, self.temperature)
             head_step(self.opt, loss, grad_clip=1.0)
@@ -99,14 +101,14 @@ class DraftTrainer:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The head under vLLM's checkpoint names in the engines' dtype, for Generator.push_draft_weights."""
-        return self.head.vllm_state_dict(self.engine_dtype)
+        return {k: v.cpu() for k, v in self.head.vllm_state_dict(self.engine_dtype).items()}
 
     def save(self, path: str) -> None:
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "steps": self.steps,
                     "newest_version": self.newest_version, "rng": self.rng.getstate()}, path)
 
     def load(self, path: str) -> None:
-        s = torch.load(path, weights_only=False)
+        s = torch.load(path, map_location="cpu", weights_only=False)
         self.head.load_state_dict(s["head"])
         self.opt.load_state_dict(s["opt"])
         self.steps, self.newest_version = s["steps"], s["newest_version"]

@@ -9,13 +9,13 @@ import torch
 
 from rlspec.algo import behaviour_weights, merge_weight_sums, policy_loss, ratio_reference, weight_sums
 from rlspec.algo.batching import micro_batches
-from rlspec.algo.logprobs import prompt_cache_supported, sequence_logprobs
+from rlspec.algo.logprobs import prompt_cache_supported, prompt_plan, sequence_logprobs
 from rlspec.algo.losses import LossInputs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
 from rlspec.engines.deepspeed_engine import init_distributed, make_engine
 from rlspec.engines.weight_sync import BroadcastSender, RefitGroup, TensorMeta, endpoint, metas_of
 from rlspec.messages import TrainBatch
-from rlspec.models import ModelPaths, load_causal_lm
+from rlspec.models import ModelPaths, load_causal_lm, local_device
 
 
 def finite_inputs(batch: TrainBatch) -> bool:
@@ -29,8 +29,9 @@ def finite_inputs(batch: TrainBatch) -> bool:
 class Learner:
     def __init__(self, *, paths: ModelPaths, model: ModelConfig, algo: AlgoConfig, trainer: TrainerConfig,
                  generation: GenerationConfig, rank: int, world_size: int, rendezvous: tuple[str, int],
-                 threads: int):
-        """algo: resolved (config.resolve_auto). rendezvous: (address, port) of DeepSpeed's group."""
+                 threads: int, device: str | None = None):
+        """algo: resolved (config.resolve_auto). rendezvous: (address, port) of DeepSpeed's group.
+        device: where this rank computes (None: the one its placement gives it)."""
         if algo.off_policy_correction == "auto":
             raise ValueError("algo.off_policy_correction is 'auto': resolve_auto(cfg) before building a Learner")
         torch.set_num_threads(threads)
@@ -39,7 +40,8 @@ class Learner:
         self.algo, self.trainer, self.temperature = algo, trainer, generation.temperature
         self.correction = algo.off_policy_correction
         self.rank, self.world_size = rank, world_size
-        module = load_causal_lm(paths.model, trust_remote_code=model.trust_remote_code)
+        self.device = torch.device(device) if device else local_device()
+        module = load_causal_lm(paths.model, trust_remote_code=model.trust_remote_code).to(self.device)
         module.config.use_cache = False
         self.shared_prompts = trainer.shared_prompt_forward and prompt_cache_supported(module)
         samples_per_step = generation.num_prompts_per_step * generation.num_generations_per_prompt
@@ -52,7 +54,9 @@ class Learner:
         loss-carrying token and sequence counts (all ranks), the loss's denominators.
         Returns (partial sums that add up over ranks to the step's loss and metrics, rank stats)."""
         t0 = time.perf_counter()
-        ok = torch.tensor([float(finite_inputs(batch))])
+        # Planned on the host (which rows, how wide, which share a prompt); each micro-batch moves
+        # to the device as it is taken, and results leave as Python floats.
+        ok = torch.tensor([float(finite_inputs(batch))], device=self.device)  # NCCL reduces device tensors
         if self.world_size > 1:  # every rank must skip together, or the collectives would hang
             torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
         if not ok.item():
@@ -64,10 +68,12 @@ class Learner:
         self.engine.train()
         sums, chunks = defaultdict(float), micro_batches(batch.attention_mask, self.trainer.micro_batch_size)
         for idx, width in chunks:
-            mb = batch.rows(idx, width)
+            host = batch.rows(idx, width)
+            mb = host.to(self.device)
+            shared = self.shared_prompts and host.prompt_lengths is not None
+            plan = prompt_plan(host.input_ids, host.attention_mask, host.prompt_lengths) if shared else None
             logp, ent = sequence_logprobs(self.engine, mb.input_ids, mb.attention_mask, self.temperature,
-                                          with_entropy=True,
-                                          prompt_lengths=mb.prompt_lengths if self.shared_prompts else None)
+                                          with_entropy=True, plan=plan)
             # The proximal policy is the current weights, before this step's update. The batch
             # gets exactly this one optimizer step (the weights do not move between micro-batches),
             # so without a recompute it is this forward pass, detached. The ratio is taken against
@@ -78,7 +84,7 @@ class Learner:
             old = ratio_reference(prox, behav, self.correction)
             weight, mask = behaviour_weights(prox, behav, mb.loss_mask, self.correction, cap)
             resp = mb.loss_mask != 0  # sampler vs learner log-probs, as the loop reports them
-            sums["mismatch_sum"] += float((behav - logp.detach()).abs()[resp].sum())
+            sums["mismatch_sum"] += float((behav - logp.detach()).abs().masked_fill(~resp, 0.0).sum())
             sums["mismatch_tokens"] += float(resp.sum())
             # pi_prox / pi_behav, reported whatever the correction
             sums.update(merge_weight_sums(sums, weight_sums(prox, behav, mb.loss_mask, cap)))
@@ -114,14 +120,17 @@ class Learner:
 
     def save_checkpoint(self, path: str) -> None:
         """DeepSpeed state (weights, optimizer, scheduler, this rank's partitions) + RNG, into path/learner."""
+        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
         self.engine.save_checkpoint(path, tag="learner", save_latest=False,
-                                    client_state={"torch_rng": torch.get_rng_state(),
+                                    client_state={"torch_rng": torch.get_rng_state(), "cuda_rng": cuda_rng,
                                                   "policy_version": self.policy_version})
 
     def load_checkpoint(self, path: str) -> int:
         _, client = self.engine.load_checkpoint(path, tag="learner", load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
         torch.set_rng_state(client["torch_rng"])
+        if client.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all(client["cuda_rng"])
         self.policy_version = client["policy_version"]
         return self.policy_version
 

@@ -10,7 +10,7 @@ from rlspec.algo.logprobs import sequence_logprobs, token_logprobs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
 from rlspec.engines.weight_sync import BroadcastReceiver
 from rlspec.messages import TrainBatch
-from rlspec.models import ModelPaths, load_causal_lm
+from rlspec.models import ModelPaths, load_causal_lm, local_device
 
 
 class LogprobWorker:
@@ -19,9 +19,11 @@ class LogprobWorker:
     log-probs (rlspec.draft.capture) until `take_features` collects them."""
 
     def __init__(self, *, paths: ModelPaths, model: ModelConfig, algo: AlgoConfig, trainer: TrainerConfig,
-                 generation: GenerationConfig, threads: int, capture: dict | None = None):
+                 generation: GenerationConfig, threads: int, capture: dict | None = None, device: str | None = None):
+        """device: where this worker computes (None: the one its placement gives it)."""
         torch.set_num_threads(threads)
-        self.policy = load_causal_lm(paths.model, trust_remote_code=model.trust_remote_code).eval()
+        self.device = torch.device(device) if device else local_device()
+        self.policy = load_causal_lm(paths.model, trust_remote_code=model.trust_remote_code).to(self.device).eval()
         # The reference is the initial policy and never moves; only the KL term needs it.
         self.reference = copy.deepcopy(self.policy) if algo.kl_coef > 0 else None
         self.temperature, self.mbs = generation.temperature, trainer.micro_batch_size
@@ -32,10 +34,11 @@ class LogprobWorker:
 
     @torch.no_grad()
     def _run(self, model, batch: TrainBatch) -> torch.Tensor:
+        """[N, T] log-probs of a host batch, computed on this worker's device, on the host."""
         out = torch.zeros(batch.loss_mask.shape)
         for idx, width in micro_batches(batch.attention_mask, self.mbs):
-            mb = batch.rows(idx, width)
-            out[idx, : width - 1] = sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature)
+            mb = batch.rows(idx, width).to(self.device)  # micro-batches move in, results come back
+            out[idx, : width - 1] = sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature).cpu()
         return out * (batch.loss_mask != 0)  # [N, T], zero off the response
 
     @torch.no_grad()
@@ -46,19 +49,22 @@ class LogprobWorker:
 
         out, self.features = torch.zeros(batch.loss_mask.shape), []
         for idx, width in micro_batches(batch.attention_mask, self.mbs):
-            mb = batch.rows(idx, width)
+            host = batch.rows(idx, width)
+            mb = host.to(self.device)
             ids, mask = mb.input_ids, mb.attention_mask
             o = self.policy(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
-            out[idx, : width - 1] = token_logprobs(o.logits[:, :-1], ids[:, 1:], self.temperature)
+            out[idx, : width - 1] = token_logprobs(o.logits[:, :-1], ids[:, 1:], self.temperature).cpu()
             f = features_from_output(o, self.capture["layer_ids"], self.capture["topk"], self.temperature,
                                      out_dtype=torch.bfloat16)
-            self.features.append({"ids": ids.clone(), "mask": mask.bool(), "aux_hidden": f.aux_hidden,
-                                  "topk_ids": f.topk_ids.to(torch.int32), "topk_logp": f.topk_logp.to(torch.float16),
-                                  "loss_from": mb.prompt_lengths.tolist(), "policy_version": self.policy_version})
+            # to the host: the features leave through the object store for the DraftTrainer
+            self.features.append({"ids": host.input_ids.clone(), "mask": host.attention_mask.bool(),
+                                  "aux_hidden": f.aux_hidden.cpu(), "topk_ids": f.topk_ids.to("cpu", torch.int32),
+                                  "topk_logp": f.topk_logp.to("cpu", torch.float16),
+                                  "loss_from": host.prompt_lengths.tolist(), "policy_version": self.policy_version})
         return out * (batch.loss_mask != 0)
 
     def compute_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """([N, T] current-policy log-probs, [N, T] reference log-probs or None)."""
+        """([N, T] current-policy log-probs, [N, T] reference log-probs or None), on the host."""
         ref = self._run(self.reference, batch) if self.reference is not None else None
         if self.capture is not None and batch.prompt_lengths is not None:
             return self._run_capturing(batch), ref
@@ -70,7 +76,7 @@ class LogprobWorker:
         return out
 
     def push_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        missing, unexpected = self.policy.load_state_dict(weights, strict=False)
+        missing, unexpected = self.policy.load_state_dict(weights, strict=False)  # copied onto its device
         if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
             raise RuntimeError(f"weight refit mismatch: missing {missing}, unexpected {unexpected}")
         self.policy_version = version
@@ -90,7 +96,7 @@ class LogprobWorker:
 
     def load_reference(self, path: str) -> None:
         if self.reference is not None:
-            self.reference.load_state_dict(torch.load(path, weights_only=True))
+            self.reference.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     def ping(self) -> int:
         return self.policy_version
