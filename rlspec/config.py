@@ -104,7 +104,9 @@ class AlgoConfig:
     # decoupled_ppo (ratio against the proximal policy, i.e. the current weights' log-probs,
     # times the behaviour weight pi_prox/pi_behav; tokens whose weight exceeds
     # behaviour_weight_cap get no loss), tis (the same weight truncated to the cap), none, or
-    # auto: behaviour_ppo when async_grpo runs with max_policy_lag >= 1, none otherwise.
+    # auto: behaviour_ppo when async_grpo runs with max_policy_lag >= 1; else tis when the engines
+    # sample in a low precision (generation.dtype bfloat16 / float16, the GPU default), whose
+    # log-probs differ from the learner's; else none.
     off_policy_correction: str = "auto"
     behaviour_weight_cap: float = 2.0
     # Recompute the rollouts' log-probs under the current weights on the LogprobWorker before the
@@ -127,8 +129,10 @@ class GenerationConfig:
     top_k: int = -1
     # Validation decoding temperature (0: greedy).
     val_temperature: float = 0.0
-    # Engine dtype: float32 keeps the train/inference mismatch near zero on CPU; bfloat16 on GPU.
-    dtype: str = "float32"
+    # Engine dtype (weights are refit in it). null (auto): bfloat16 on GPUs, float32 on CPU machines,
+    # where it keeps the sampler/learner mismatch at float noise. The mismatch is reported every step
+    # (logprob_mismatch) and, in low precision, corrected by default (algo.off_policy_correction).
+    dtype: Optional[str] = None
     # vLLM KV cache on CPU, GiB (VLLM_CPU_KVCACHE_SPACE).
     cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.6
@@ -275,6 +279,9 @@ class ClusterConfig:
 class TrainerConfig:
     max_steps: int = 40
     seed: int = 0
+    # Learner compute dtype, also the LogprobWorker's and the reference's. null (auto): bfloat16 on
+    # GPUs (DeepSpeed bf16: fp32 master weights and optimizer state), float32 on CPU machines.
+    dtype: Optional[str] = None
     # Validate every N steps (and before the first and after the last); 0 only at start and end.
     val_every: int = 10
     lr: float = 1e-4
@@ -348,7 +355,18 @@ def off_policy_correction(cfg: RLSpecConfig) -> str:
     if c != "auto":
         return c
     q = cfg.async_grpo
-    return "behaviour_ppo" if q.enabled and q.max_policy_lag >= 1 else "none"
+    if q.enabled and q.max_policy_lag >= 1:
+        return "behaviour_ppo"
+    return "tis" if engine_dtype(cfg) != "float32" else "none"
+
+
+def engine_dtype(cfg: RLSpecConfig) -> str:
+    """generation.dtype with null resolved (bfloat16 on GPUs, float32 on CPU machines)."""
+    return cfg.generation.dtype or default_dtype(cfg.cluster.gpus_per_node > 0)
+
+
+def default_dtype(on_gpu: bool) -> str:
+    return "bfloat16" if on_gpu else "float32"
 
 
 def recompute_logprobs(cfg: RLSpecConfig) -> bool:
@@ -362,8 +380,9 @@ def recompute_logprobs(cfg: RLSpecConfig) -> bool:
 
 def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
     """Resolve the 'auto' settings in place (idempotent), once, before anything reads them:
-    algo.off_policy_correction, algo.recompute_logprobs, generation.sleep_mode and
-    generation.enforce_eager. summary.json and every actor then see the values the run uses.
+    algo.off_policy_correction, algo.recompute_logprobs, generation.sleep_mode,
+    generation.enforce_eager, generation.dtype and trainer.dtype. summary.json and every actor then
+    see the values the run uses.
     (speculation 'auto' k stays 'auto': the engine's k is SpeculationConfig.k_max, and the
     Generator picks k per call.)"""
     cfg.algo.off_policy_correction = off_policy_correction(cfg)
@@ -372,14 +391,17 @@ def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
     if cfg.generation.sleep_mode is None:
         cfg.generation.sleep_mode = c.placement == "colocated" and c.gpus_per_node > 0 and not cfg.async_grpo.enabled
     resolve_engine(cfg.generation, on_gpu=c.gpus_per_node > 0)
+    cfg.trainer.dtype = cfg.trainer.dtype or default_dtype(c.gpus_per_node > 0)
     return cfg
 
 
 def resolve_engine(g: GenerationConfig, on_gpu: bool) -> GenerationConfig:
-    """The engine's own 'auto' (generation.enforce_eager: CUDA graphs on GPUs), for runs and for
-    engines started outside one (offline draft training, benchmarks)."""
+    """The engine's own 'auto' settings (generation.enforce_eager: CUDA graphs on GPUs;
+    generation.dtype), for runs and for engines started outside one (offline draft training,
+    benchmarks)."""
     if g.enforce_eager is None:
         g.enforce_eager = not on_gpu
+    g.dtype = g.dtype or default_dtype(on_gpu)
     return g
 
 
@@ -457,7 +479,8 @@ def _validate_generation(cfg: RLSpecConfig) -> None:
            "recompute does not truncate the distribution yet)")
     _check(g.top_k == -1, "generation.top_k", "RL rollouts support top_k=-1 only (the log-prob "
            "recompute does not truncate the distribution yet)")
-    _check(g.dtype in ("float32", "bfloat16", "float16"), "generation.dtype", "must be float32, bfloat16 or float16")
+    _check(g.dtype in (None, "float32", "bfloat16", "float16"), "generation.dtype",
+           "must be float32, bfloat16, float16 or null (auto)")
 
 
 def _validate_speculation(cfg: RLSpecConfig) -> None:
@@ -511,6 +534,7 @@ def _validate_run(cfg: RLSpecConfig) -> None:
     _check(t.val_every >= 0, "trainer.val_every", "must be >= 0")
     _check(t.lr > 0, "trainer.lr", "must be > 0")
     _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", "must be 0, 1, 2 or 3")
+    _check(t.dtype in (None, "float32", "bfloat16"), "trainer.dtype", "must be float32, bfloat16 or null (auto)")
     samples = g.num_prompts_per_step * g.num_generations_per_prompt
     per_rank = samples // c.learner_world_size
     _check(samples % c.learner_world_size == 0, "cluster.learner_world_size",

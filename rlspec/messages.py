@@ -16,6 +16,14 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = -1
 
+    def request_seed(self, i: int) -> int | None:
+        """The seed of the call's i-th prompt: every prompt its own noise (two copies of a prompt
+        get different groups), a function of the call's seed and i only (a resumed run draws the
+        same)."""
+        if self.seed is None:
+            return None
+        return (self.seed * 0x9E3779B1 + (i + 1) * 0x85EBCA77) % (2**31 - 1)
+
     @classmethod
     def of(cls, generation, seed: int | None, n: int | None = None,
            temperature: float | None = None) -> "Sampling":

@@ -79,7 +79,7 @@ def logprob_worker(micro_batch_size: int, capture=None, device=None):
     from rlspec.workers.logprob import LogprobWorker
 
     return LogprobWorker(paths=tiny_paths(), model=ModelConfig(), algo=AlgoConfig(),
-                         trainer=TrainerConfig(micro_batch_size=micro_batch_size),
+                         trainer=TrainerConfig(micro_batch_size=micro_batch_size, dtype="float32"),
                          generation=GenerationConfig(temperature=1.0), threads=1, capture=capture, device=device)
 
 

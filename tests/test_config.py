@@ -156,3 +156,24 @@ def test_speculation_maps_to_vllm_config():
                                          "speculation.max_speculative_tokens=4"]).speculation, "/d")
     assert a["num_speculative_tokens"] == 4  # every k 4..1 named once: each a captured CUDA-graph shape
     assert a["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 2, 3], [3, 3, 2], [4, 1 << 20, 1]]
+
+
+def test_dtype_policy_resolves_per_platform_and_corrects_low_precision_sampling():
+    """CPU runs keep float32 everywhere and need no correction; GPU experiments compute in
+    bfloat16 (engine, learner and log-prob worker), run CUDA graphs, and correct the sampler /
+    learner mismatch with truncated importance sampling unless async GRPO corrects the lag."""
+    from rlspec.config import resolve_auto
+
+    cpu = resolve_auto(compose())
+    assert (cpu.generation.dtype, cpu.trainer.dtype, cpu.algo.off_policy_correction) == ("float32", "float32", "none")
+    assert cpu.generation.enforce_eager is True
+    gpu = resolve_auto(compose(["+experiment=rl_zero_qwen3_8b"], plain=False))
+    assert (gpu.generation.dtype, gpu.trainer.dtype, gpu.algo.off_policy_correction) == ("bfloat16", "bfloat16", "tis")
+    assert gpu.generation.enforce_eager is False
+    lagged = resolve_auto(compose(["+experiment=rl_zero_qwen3_8b", "async_grpo.enabled=true",
+                                   "cluster.placement=disaggregated", "cluster.num_generators=16",
+                                   "cluster.learner_world_size=16", "cluster.logprob_world_size=16",
+                                   "trainer.micro_batch_size=2"], plain=False))
+    assert lagged.algo.off_policy_correction == "behaviour_ppo"
+    with pytest.raises(ConfigError, match="^trainer.dtype:"):
+        validate(compose(["trainer.dtype=float16"]))

@@ -37,7 +37,9 @@ def ds_config(t: TrainerConfig, samples_per_step: int, world_size: int) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if torch.cuda.is_available():
+    if t.dtype is None:
+        raise ValueError("trainer.dtype is unresolved: resolve_auto(cfg) first")
+    if t.dtype == "bfloat16":  # bf16 compute, fp32 master weights and optimizer state
         cfg["bf16"] = {"enabled": True}
     return cfg
 

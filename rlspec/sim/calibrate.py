@@ -130,8 +130,11 @@ def sim_config_for_run(rcfg: dict, m: Measured, gpu: GPUSpec, length_cv: float, 
                        eff: EfficiencyConfig | None = None) -> SimConfig:
     """The SimConfig of a run: its shapes, batch, k and measured acceptance on one device (the
     synchronous loop runs one stage at a time, each actor using the whole machine)."""
+    from rlspec.config import default_dtype
+
     g, sp = rcfg["generation"], rcfg["speculation"]
-    bpp = DTYPE_BYTES[g["dtype"]]
+    # .hydra/config.yaml holds the run's config as composed: null is the platform's default dtype
+    bpp = DTYPE_BYTES[g["dtype"] or default_dtype(rcfg["cluster"]["gpus_per_node"] > 0)]
     target = shape_from_hf_config(rcfg["model"]["path"], bpp, "target")
     method = sp["method"]
     draft = None

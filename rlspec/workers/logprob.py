@@ -23,7 +23,9 @@ class LogprobWorker:
         """device: where this worker computes (None: the one its placement gives it)."""
         torch.set_num_threads(threads)
         self.device = torch.device(device) if device else local_device()
-        self.policy = load_causal_lm(paths.model, trust_remote_code=model.trust_remote_code).to(self.device).eval()
+        # the learner's compute dtype, so a recompute sees what the learner's forward sees
+        self.policy = load_causal_lm(paths.model, dtype=getattr(torch, trainer.dtype),
+                                     trust_remote_code=model.trust_remote_code).to(self.device).eval()
         # The reference is the initial policy and never moves; only the KL term needs it.
         self.reference = copy.deepcopy(self.policy) if algo.kl_coef > 0 else None
         self.temperature, self.mbs = generation.temperature, trainer.micro_batch_size

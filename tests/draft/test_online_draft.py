@@ -122,10 +122,10 @@ def test_capture_keeps_logprobs_and_the_draft_state_round_trips(tmp_path):
     assert feats[0]["loss_from"] == [len(prompts[i]) for i in first]
     cfg = OnlineDraftConfig(enabled=True, batch_size=4)
     spec = SpeculationConfig(method="eagle3", num_speculative_tokens=3, online=cfg)
-    a = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(), seed=0, threads=1)
+    a = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(dtype="float32"), seed=0, threads=1)
     assert a.update(2, feats)["optimizer_steps"] == 2
     a.save(str(tmp_path / "draft.pt"))
-    b = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(), seed=5, threads=1)
+    b = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(dtype="float32"), seed=5, threads=1)
     b.load(str(tmp_path / "draft.pt"))
     assert all(torch.equal(a.weights()[k], v) for k, v in b.weights().items())
     b.add(feats)  # the same cache content and RNG: the next steps are the same steps

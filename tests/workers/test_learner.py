@@ -35,7 +35,7 @@ def learner_of(t: TrainerConfig, port: int):
 
 def test_nonfinite_update_is_skipped_and_the_next_one_applies(zero_stage=1):
     """(One engine per process: DeepSpeed keeps its process groups, so one ZeRO stage here.)"""
-    t = TrainerConfig(micro_batch_size=2, zero_stage=zero_stage)
+    t = TrainerConfig(micro_batch_size=2, zero_stage=zero_stage, dtype="float32")
     learner = learner_of(t, 29600 + zero_stage)
     before = learner.full_weights()
     opt_steps = learner.engine.global_steps
@@ -48,12 +48,17 @@ def test_nonfinite_update_is_skipped_and_the_next_one_applies(zero_stage=1):
     assert any(not torch.equal(before[k], v) for k, v in learner.full_weights().items())
 
 
-def gradient_fault(zero_stage: int) -> None:
+def gradient_fault(zero_stage: int, dtype: str = "float32") -> None:
     """Finite inputs, a non-finite gradient (a backward hook turns one weight's gradient into NaN,
     as an overflow would): the engine refuses the update (weights, optimizer moments and the
-    scheduler stay), the Learner reports it skipped, and the next clean step applies."""
-    t = TrainerConfig(micro_batch_size=2, zero_stage=zero_stage, warmup_steps=10)
-    learner = learner_of(t, 29610 + zero_stage)
+    scheduler stay), the Learner reports it skipped, and the next clean step applies. In bfloat16
+    DeepSpeed wraps the optimizer as it does on GPUs (it picks the wrapper from the dtypes, not the
+    accelerator): FP16_UnfusedOptimizer in bf16 under ZeRO 0, bf16 ZeRO partitions above; the
+    wrapper does the refusing."""
+    t = TrainerConfig(micro_batch_size=2, zero_stage=zero_stage, warmup_steps=10, dtype=dtype)
+    learner = learner_of(t, 29610 + 2 * zero_stage + (dtype == "bfloat16"))
+    wrapper = type(learner.engine.optimizer).__name__
+    assert wrapper == {(0, "float32"): "SkippingAdamW", (0, "bfloat16"): "FP16_UnfusedOptimizer"}.get((zero_stage, dtype), wrapper)
     assert learner.train_step(batch(nan_advantage=False), 28.0, 4.0)[1]["skipped"] == 0.0  # moments exist now
     before, lr = learner.full_weights(), learner.sched.get_last_lr()
     moments = [v.clone() for s in learner.engine.optimizer.state.values() for v in s.values()
@@ -73,10 +78,10 @@ def gradient_fault(zero_stage: int) -> None:
     print("gradient fault skipped", flush=True)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
-def test_nonfinite_gradient_is_skipped_by_the_engine(zero_stage):
+@pytest.mark.parametrize("zero_stage,dtype", [(0, "float32"), (1, "float32"), (0, "bfloat16"), (1, "bfloat16")])
+def test_nonfinite_gradient_is_skipped_by_the_engine(zero_stage, dtype):
     """In a fresh process per stage (DeepSpeed keeps its process groups)."""
-    r = subprocess.run([sys.executable, "-c", f"from test_learner import gradient_fault; gradient_fault({zero_stage})"],
+    r = subprocess.run([sys.executable, "-c", f"from test_learner import gradient_fault; gradient_fault({zero_stage}, {dtype!r})"],
                        cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "gradient fault skipped" in r.stdout, r.stderr[-3000:]
