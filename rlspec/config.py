@@ -9,7 +9,7 @@ from typing import Optional, Union
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from rlspec.cluster.plan import PlanError, make_plan
+from rlspec.cluster.plan import PlanError, make_plan, shared_weight_group_gpus
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -253,8 +253,10 @@ class ClusterConfig:
     # Data-parallel learner ranks (DeepSpeed world size).
     learner_world_size: int = 1
     # Weight refit: broadcast (learner rank 0 streams gathered weights to every engine over a
-    # torch.distributed group: NCCL on GPUs, gloo on CPU) or object_store (through Ray's object store).
-    refit: str = "broadcast"
+    # torch.distributed group: NCCL on GPUs, gloo on CPU) or object_store (through Ray's object
+    # store). null (auto): broadcast, unless the plan puts two ranks of that group on one GPU
+    # (colocated roles), which NCCL refuses: then object_store.
+    refit: Optional[str] = None
     # Refit broadcast bucket size, MiB: tensors are flattened into buckets of about this size.
     refit_bucket_mb: int = 256
     # Print the resolved placement plan and exit without starting anything (also: --dry-run).
@@ -360,6 +362,15 @@ def off_policy_correction(cfg: RLSpecConfig) -> str:
     return "tis" if engine_dtype(cfg) != "float32" else "none"
 
 
+def plan_of(cfg: RLSpecConfig):
+    """The run's placement plan (rlspec/cluster/plan.py); ConfigError names the key that does not fit."""
+    g = cfg.generation
+    try:
+        return make_plan(cfg.cluster, g.tensor_parallel_size, g.expert_parallel)
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+
+
 def engine_dtype(cfg: RLSpecConfig) -> str:
     """generation.dtype with null resolved (bfloat16 on GPUs, float32 on CPU machines)."""
     return cfg.generation.dtype or default_dtype(cfg.cluster.gpus_per_node > 0)
@@ -391,6 +402,8 @@ def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
     if cfg.generation.sleep_mode is None:
         cfg.generation.sleep_mode = c.placement == "colocated" and c.gpus_per_node > 0 and not cfg.async_grpo.enabled
     resolve_engine(cfg.generation, on_gpu=c.gpus_per_node > 0)
+    if c.refit is None:
+        c.refit = "object_store" if shared_weight_group_gpus(plan_of(cfg), cfg.algo.recompute_logprobs) else "broadcast"
     cfg.trainer.dtype = cfg.trainer.dtype or default_dtype(c.gpus_per_node > 0)
     return cfg
 
@@ -515,11 +528,15 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
 def _validate_run(cfg: RLSpecConfig) -> None:
     """Placement, cluster, trainer and logging."""
     g, t, c = cfg.generation, cfg.trainer, cfg.cluster
-    try:
-        make_plan(c, g.tensor_parallel_size, g.expert_parallel)
-    except PlanError as e:  # it names the key that does not fit
-        raise ConfigError(str(e)) from None
-    _check(c.refit in ("broadcast", "object_store"), "cluster.refit", "must be broadcast or object_store")
+    plan_of(cfg)  # raises naming the key that does not fit
+    _check(c.refit in (None, "broadcast", "object_store"), "cluster.refit",
+           "must be broadcast, object_store or null (auto)")
+    if c.refit == "broadcast":
+        shared = shared_weight_group_gpus(plan_of(cfg), recompute_logprobs(cfg))
+        slot, names = next(iter(shared.items()), (None, []))
+        _check(not shared, "cluster.refit", f"broadcast puts {' and '.join(names)} in one NCCL group on one GPU "
+               f"(node {getattr(slot, 'node', 0)}, GPU {getattr(slot, 'index', 0)}; {len(shared)} such GPUs), "
+               "which NCCL refuses; use object_store, or null to choose")
     _check(c.refit_bucket_mb >= 1, "cluster.refit_bucket_mb", "must be >= 1")
     _check(c.threads_per_actor >= 1, "cluster.threads_per_actor", "must be >= 1")
     _check(c.generator_threads is None or c.generator_threads >= 1, "cluster.generator_threads", "must be >= 1 or null")

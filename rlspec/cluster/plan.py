@@ -204,3 +204,23 @@ def make_plan(c, tensor_parallel_size: int = 1, expert_parallel: bool = False) -
     return PlacementPlan(c.placement, c.nodes, gpn, c.cpus_per_slot, slots_per_node,
                          {GEN: RolePlan(GEN, gen), LOGPROB: RolePlan(LOGPROB, logprob),
                           LEARNER: RolePlan(LEARNER, learners)}, tp, expert_parallel)
+
+
+def weight_group_gpus(plan: PlacementPlan, logprob_workers: bool) -> dict[Slot, list[str]]:
+    """GPU -> the ranks of the broadcast weight group on it: learner 0, every engine's workers (one
+    per GPU the engine spans), and the log-prob workers when they run. Empty on CPU machines."""
+    if not plan.on_gpu:
+        return {}
+    ranks = [(f"{LEARNER}[0]", plan.roles[LEARNER].slots[0][0])]
+    ranks += [(f"{GEN}[{e}]", s) for e, slots in enumerate(plan.roles[GEN].slots) for s in slots]
+    if logprob_workers:
+        ranks += [(f"{LOGPROB}[{r}]", slots[0]) for r, slots in enumerate(plan.roles[LOGPROB].slots)]
+    out: dict[Slot, list[str]] = {}
+    for name, slot in ranks:
+        out.setdefault(slot, []).append(name)
+    return out
+
+
+def shared_weight_group_gpus(plan: PlacementPlan, logprob_workers: bool) -> dict[Slot, list[str]]:
+    """The GPUs holding two or more ranks of the weight group (NCCL refuses those groups)."""
+    return {s: names for s, names in weight_group_gpus(plan, logprob_workers).items() if len(names) > 1}

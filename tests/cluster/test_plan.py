@@ -144,3 +144,30 @@ def test_a_wide_engine_places_its_tp_workers_on_both_ray_nodes(tmp_path):
     assert sorted(r["workers"]) == [a, a, b, b]
     assert r["learners"] == r["workers"]  # learner rank i shares the GPU of the engine's worker i
     assert r["engine"] == r["workers"][0] and r["master_ip"]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
+def test_no_nccl_group_holds_two_ranks_on_one_gpu_in_any_experiment(name):
+    """Every shipped experiment resolves to a refit transport whose group has at most one rank per
+    GPU: the broadcast group where that holds, the object store where roles share GPUs."""
+    from rlspec.cluster.plan import shared_weight_group_gpus
+    from rlspec.config import plan_of, resolve_auto
+
+    cfg = compose([f"+experiment={name}"], plain=False)
+    validate(cfg)
+    cfg = resolve_auto(cfg)
+    shared = shared_weight_group_gpus(plan_of(cfg), cfg.algo.recompute_logprobs)
+    assert cfg.cluster.refit == ("object_store" if shared else "broadcast")
+    if cfg.cluster.placement == "colocated" and cfg.cluster.gpus_per_node:
+        assert shared and cfg.cluster.refit == "object_store"
+
+
+def test_a_broadcast_refit_over_shared_gpus_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^cluster\.refit: broadcast puts learner\[0\] and generator\[0\] in one "
+                                          r"NCCL group on one GPU"):
+        validate(compose(["+experiment=rl_zero_qwen3_8b", "cluster.refit=broadcast"], plain=False))
+    # disaggregated: engines on GPUs of their own; the log-prob workers share the learners' GPUs
+    base = ["+experiment=rl_think_qwen3_8b_async"]
+    validate(compose([*base, "cluster.refit=broadcast"], plain=False))
+    with pytest.raises(ConfigError, match=r"learner\[0\] and logprob_worker\[0\]"):
+        validate(compose([*base, "cluster.refit=broadcast", "algo.kl_coef=0.01"], plain=False))
