@@ -5,7 +5,7 @@ EXTRA ?= cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlspec-$(EXTRA)-installed
 
-.PHONY: setup demo test test-all assets clean-venv
+.PHONY: setup demo test test-all assets gpu-check clean-venv
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test: setup
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m ""
+
+# A first run on one GPU (CPU too): pass/fail table, figures in gpu_check.json.
+gpu-check: setup
+	$(BIN)/python scripts/gpu_check.py --out gpu_check.json
 
 assets: setup
 	$(BIN)/python scripts/make_tiny_assets.py

@@ -2,6 +2,7 @@
 values; `validate` checks what types cannot, naming the offending key."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -270,6 +271,9 @@ class ClusterConfig:
     # cores, a niced engine takes only the cycles the learner leaves idle (its serial sections)
     # instead of slowing every learner stage.
     generator_nice: int = 0
+    # Memory of each GPU, GiB (GB200: 173). Set, validation refuses a run whose busiest GPU would
+    # not hold its roles (rlspec/cluster/memory.py; `--dry-run` prints the table either way).
+    gpu_memory_gib: Optional[float] = None
     # Upper bound on any single wait for an actor; a dead or stuck actor ends the run.
     actor_timeout_s: float = 900.0
     # After an actor failure, restart Ray and every actor and continue from the latest checkpoint
@@ -297,6 +301,13 @@ class TrainerConfig:
     # compute of one prompt per group. Off, or a model with sliding-window or recurrent layers:
     # every row is forwarded whole.
     shared_prompt_forward: bool = True
+    # Recompute each decoder layer's activations in backward instead of keeping them (Hugging Face
+    # gradient checkpointing): about 1/100 of the activation memory at Qwen3-8B width for one more
+    # forward pass. Turns shared_prompt_forward off (the KV cache it needs is dropped under it).
+    gradient_checkpointing: bool = False
+    # Positions of a micro-batch the output layer and log-softmax run on at a time, in float32
+    # (rlspec.algo.logprobs.head_logprobs): bounds the [tokens, vocab] logits held at once.
+    logit_chunk_tokens: int = 4096
     zero_stage: int = 1
     # Save the final policy (Hugging Face format) to <run dir>/final.
     save_final: bool = True
@@ -425,6 +436,19 @@ def validate(cfg: RLSpecConfig) -> None:
     _validate_generation(cfg)
     _validate_speculation(cfg)
     _validate_run(cfg)
+    _validate_memory(cfg)
+
+
+def _validate_memory(cfg: RLSpecConfig) -> None:
+    """With cluster.gpu_memory_gib set, the busiest GPU must hold its roles (rlspec/cluster/memory.py)."""
+    if not (cfg.cluster.gpu_memory_gib and cfg.cluster.gpus_per_node):
+        return
+    from rlspec.cluster.memory import check_fits, gpu_memory
+
+    resolved = resolve_auto(copy.deepcopy(cfg))
+    problem = check_fits(gpu_memory(resolved, plan_of(resolved)))
+    if problem is not None:
+        raise ConfigError(f"{problem[0]}: {problem[1]}")
 
 
 def _validate_data(cfg: RLSpecConfig) -> None:
@@ -551,6 +575,8 @@ def _validate_run(cfg: RLSpecConfig) -> None:
     _check(t.val_every >= 0, "trainer.val_every", "must be >= 0")
     _check(t.lr > 0, "trainer.lr", "must be > 0")
     _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", "must be 0, 1, 2 or 3")
+    _check(t.logit_chunk_tokens >= 1, "trainer.logit_chunk_tokens", "must be >= 1")
+    _check(c.gpu_memory_gib is None or c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be > 0 or null")
     _check(t.dtype in (None, "float32", "bfloat16"), "trainer.dtype", "must be float32, bfloat16 or null (auto)")
     samples = g.num_prompts_per_step * g.num_generations_per_prompt
     per_rank = samples // c.learner_world_size

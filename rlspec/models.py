@@ -64,6 +64,15 @@ def local_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def release_cached_memory(device) -> None:
+    """Between stages: hand the CUDA caching allocator's free blocks back, so the next stage (or a
+    colocated role) gets them. Nothing to do on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False):
     """A Hugging Face causal LM (float32 unless `dtype` says otherwise)."""
     import torch

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -47,6 +48,17 @@ def with_default_experiment(argv: list[str]) -> list[str]:
     return [*argv[:at], f"+experiment={DEFAULT_EXPERIMENT}", *argv[at:]]
 
 
+def compose_config(overrides: list[str] = ()) -> RLSpecConfig:
+    """The config `python -m rlspec.train OVERRIDES` runs with (its 'auto' settings unresolved),
+    composed without the command line: for scripts and tests."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return OmegaConf.to_object(compose("config", overrides=with_default_experiment(list(overrides))))
+
+
 def load_data(cfg: RLSpecConfig, tokenizer) -> tuple[PromptSet, PromptSet]:
     sets = [load_split(cfg.data, split, tokenizer) for split in ("train", "val")]
     for key, ps in zip(("data.train", "data.val"), sets):
@@ -66,14 +78,22 @@ def resolve_paths(cfg: RLSpecConfig) -> ModelPaths:
 
 def dry_run(cfg: RLSpecConfig) -> None:
     """Print what the run would use and its placement plan; start nothing."""
-    from rlspec.cluster.plan import make_plan
+    from rlspec.cluster.memory import gpu_memory
+    from rlspec.config import plan_of
 
     sp, d = cfg.speculation, cfg.data
     print(f"model {cfg.model.path}; speculation {sp.method}"
           + (f" k={sp.num_speculative_tokens} draft {sp.model}" if sp.method != "none" else "")
           + f"; train {d.train.source}; val {d.val.source}", flush=True)
-    print(make_plan(cfg.cluster, cfg.generation.tensor_parallel_size, cfg.generation.expert_parallel).describe(),
-          flush=True)
+    plan = plan_of(cfg)
+    print(plan.describe(), flush=True)
+    t, g = cfg.trainer, cfg.generation
+    print(f"dtypes: engine {g.dtype}, learner {t.dtype}; refit {cfg.cluster.refit}; correction "
+          f"{cfg.algo.off_policy_correction}; CUDA graphs {'off' if g.enforce_eager else 'on'}; gradient "
+          f"checkpointing {'on' if t.gradient_checkpointing else 'off'}", flush=True)
+    mem = gpu_memory(cfg, plan)
+    if mem is not None:
+        print(mem.describe(), flush=True)
 
 
 def train(cfg: RLSpecConfig, run_dir: str) -> dict:

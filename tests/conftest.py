@@ -16,18 +16,12 @@ def compose(overrides=(), plain=True):
     settings not yet resolved: config.resolve_auto does that). The default experiment drafts with
     the tiny draft model; with plain=True (the tests' baseline) rollouts are not speculative
     unless an override selects a `speculation=` method."""
-    from hydra import compose as hcompose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from rlspec.train import compose_config
 
-    from rlspec.config import register_configs
-    from rlspec.train import with_default_experiment
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        overrides = list(overrides)
-        if plain and not any(o.startswith("speculation=") for o in overrides):
-            overrides.append("speculation=none")
-        return OmegaConf.to_object(hcompose("config", overrides=with_default_experiment(overrides)))
+    overrides = list(overrides)
+    if plain and not any(o.startswith("speculation=") for o in overrides):
+        overrides.append("speculation=none")
+    return compose_config(overrides)
 
 
 @pytest.fixture(scope="session")

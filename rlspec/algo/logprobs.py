@@ -18,27 +18,82 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return -(logp.exp() * logp).sum(dim=-1)
 
 
+# Config fields through which a model post-processes its output layer's logits (soft-capping,
+# scaling): such a model's logits are not head(hidden), so its log-probs come from its own forward.
+LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def split_head(model):
+    """(decoder, output layer) of a causal LM whose logits are exactly output_layer(decoder
+    hidden states), else None. `model` may be a DeepSpeed engine (its .module is read)."""
+    m = getattr(model, "module", model)
+    cfg = getattr(m, "config", None)
+    if cfg is None or not (hasattr(m, "get_decoder") and hasattr(m, "get_output_embeddings")):
+        return None
+    head = m.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in LOGIT_MODIFIERS):
+        return None
+    return m.get_decoder(), head
+
+
+def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float,
+                  chunk_tokens: int, with_entropy: bool = False):
+    """log p(targets) [B, T] (and entropy [B, T]) from hidden states [B, T, H] through the output
+    layer, about `chunk_tokens` positions of the micro-batch at a time, in float32. With autograd
+    on, each chunk's logits are recomputed in backward (activation checkpointing), so neither the
+    [B, T, V] logits nor a float32 copy of them is ever held."""
+    B, T, _ = hidden.shape
+    step = max(1, chunk_tokens // max(B, 1))
+
+    def chunk(h: torch.Tensor, t: torch.Tensor):
+        logits = head(h).float() / temperature                        # [B, c, V]
+        lse = torch.logsumexp(logits, dim=-1)                         # [B, c]
+        lp = logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse
+        if not with_entropy:
+            return lp, None
+        with torch.no_grad():
+            return lp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+    parts = [torch.utils.checkpoint.checkpoint(chunk, hidden[:, s:s + step], targets[:, s:s + step], use_reentrant=False)
+             if torch.is_grad_enabled() else chunk(hidden[:, s:s + step], targets[:, s:s + step])
+             for s in range(0, T, step)]
+    lp = torch.cat([p[0] for p in parts], 1)
+    return (lp, torch.cat([p[1] for p in parts], 1)) if with_entropy else lp
+
+
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       temperature: float = 1.0, with_entropy: bool = False,
-                      prompt_lengths: torch.Tensor | None = None, plan: "PromptPlan | None" = None):
+                      prompt_lengths: torch.Tensor | None = None, plan: "PromptPlan | None" = None,
+                      chunk_tokens: int = 4096):
     """input_ids [B, T+1] -> log-probs [B, T] of input_ids[:, 1:] (and entropy [B, T]).
     With prompt_lengths [B] (or their `plan`, made on the host from the same rows) the rows'
     prompts go through the model once each (shared_prompt_forward): the response positions get
-    the same values, every other position 0."""
+    the same values, every other position 0. Where the model allows (split_head), the output layer
+    runs chunk_tokens positions at a time (head_logprobs); otherwise the model's own logits are
+    used."""
     if plan is None and prompt_lengths is not None:
         plan = prompt_plan(input_ids.cpu(), attention_mask.cpu(), prompt_lengths.cpu())
+    split = split_head(model)
     if plan is not None:
-        logits, targets, place = shared_prompt_forward(model, input_ids, attention_mask, plan)
-    else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+        out, targets, place = shared_prompt_forward(model, input_ids, attention_mask, plan, split)
+    elif split is not None:
+        out = split[0](input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
         targets, place = input_ids[:, 1:], None
-    lp = token_logprobs(logits, targets, temperature)
+    else:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+        targets, place = input_ids[:, 1:], None
+    if split is not None:  # `out` is hidden states
+        res = head_logprobs(out, split[1], targets, temperature, chunk_tokens, with_entropy)
+        lp, ent = res if with_entropy else (res, None)
+    else:  # `out` is logits
+        lp = token_logprobs(out, targets, temperature)
+        if with_entropy:
+            with torch.no_grad():
+                ent = token_entropy(out, temperature)
     lp = lp if place is None else place(lp)
     if not with_entropy:
         return lp
-    with torch.no_grad():
-        ent = token_entropy(logits, temperature)
-        return lp, (ent if place is None else place(ent))
+    return lp, (ent if place is None else place(ent))
 
 
 def prompt_cache_supported(model) -> bool:
@@ -71,7 +126,8 @@ def prompt_plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
     return PromptPlan(list(rows), inv, lengths, max(max(resp, default=0), 1))
 
 
-def shared_prompt_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan: PromptPlan):
+def shared_prompt_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan: PromptPlan,
+                          split=None):
     """A GRPO batch repeats each prompt once per sample of its group. Forward each distinct prompt
     once (left-padded, use_cache), give every row its prompt's keys and values (an index into the
     cache: gradients from all the group's rows add up on the one prompt pass, as they would over
@@ -80,8 +136,9 @@ def shared_prompt_forward(model, input_ids: torch.Tensor, attention_mask: torch.
     floating-point summation order; the prompt's compute is paid once per group, not G times.
 
     input_ids, attention_mask [B, W] right-padded prompt + response, on the model's device; plan:
-    prompt_plan() of the same rows on the host. Returns (logits [B, R, V] predicting each response
-    token, the response tokens [B, R], and place: [B, R] values -> the [B, W-1] grid of
+    prompt_plan() of the same rows on the host; split: split_head(model), to return hidden states
+    instead of logits. Returns (logits [B, R, V], or hidden states [B, R, H], predicting each
+    response token, the response tokens [B, R], and place: [B, R] values -> the [B, W-1] grid of
     sequence_logprobs, 0 off the response)."""
     (B, W), dev = input_ids.shape, input_ids.device
     width, R = max(map(len, plan.prompts)), plan.response_width
@@ -92,19 +149,20 @@ def shared_prompt_forward(model, input_ids: torch.Tensor, attention_mask: torch.
         mask_p[u, width - len(prompt):] = 1
     ids_p, mask_p = ids_p.to(dev), mask_p.to(dev)
     inv, pl = torch.tensor(plan.inv, device=dev), torch.tensor(plan.lengths, device=dev)
-    out = model(input_ids=ids_p, attention_mask=mask_p, position_ids=(mask_p.cumsum(1) - 1).clamp(min=0),
-                use_cache=True)
+    forward, field = (split[0], "last_hidden_state") if split is not None else (model, "logits")
+    out = forward(input_ids=ids_p, attention_mask=mask_p, position_ids=(mask_p.cumsum(1) - 1).clamp(min=0),
+                  use_cache=True)
     cache = out.past_key_values
     cache.batch_select_indices(inv)
     resp_len = attention_mask.sum(1) - pl
     steps = torch.arange(R, device=dev)
     resp_mask = (steps < resp_len[:, None]).long()
     resp_ids = input_ids.gather(1, (pl[:, None] + steps).clamp(max=W - 1)) * resp_mask
-    logits = out.logits[inv, -1:]  # the prompt's last position predicts the first response token
+    logits = getattr(out, field)[inv, -1:]  # the prompt's last position predicts the first response token
     if R > 1:
-        rest = model(input_ids=resp_ids[:, :-1], attention_mask=torch.cat([mask_p[inv], resp_mask[:, :-1]], 1),
-                     position_ids=pl[:, None] + steps[:-1], past_key_values=cache, use_cache=False).logits
-        logits = torch.cat([logits, rest], 1)
+        rest = forward(input_ids=resp_ids[:, :-1], attention_mask=torch.cat([mask_p[inv], resp_mask[:, :-1]], 1),
+                       position_ids=pl[:, None] + steps[:-1], past_key_values=cache, use_cache=False)
+        logits = torch.cat([logits, getattr(rest, field)], 1)
     cols = pl[:, None] - 1 + steps  # response token j of row i is predicted at position pl_i - 1 + j
 
     def place(values: torch.Tensor) -> torch.Tensor:

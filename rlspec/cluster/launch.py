@@ -62,6 +62,11 @@ def launch_actors(cfg: RLSpecConfig, paths: ModelPaths) -> Actors:
     generators = Generators([start(Generator, GEN, e, paths=paths, model=cfg.model, generation=g,
                                    speculation=cfg.speculation, seed=t.seed, threads=c.generator_threads or threads,
                                    nice=c.generator_nice) for e in range(c.num_generators)])
+    if plan.on_gpu:
+        # vLLM sizes its KV cache from the memory free while it starts (and, under sleep mode,
+        # releases it until the first call): learners and log-prob workers sharing its GPUs start
+        # after it, so the engine never counts memory they are about to take.
+        wait(generators.ping(), c.actor_timeout_s)
     draft_trainer, capture = None, None
     if cfg.speculation.online.enabled:
         # beside the driver, outside the placement plan: it needs no accelerator on this scale

@@ -12,7 +12,7 @@ import torch
 from rlspec.config import GenerationConfig, SpeculationConfig
 from rlspec.draft.cache import CachedSequence, FeatureCache
 from rlspec.draft.eagle3 import Eagle3Head, acceptance_length_proxy, head_step, ttt_loss
-from rlspec.models import ModelPaths, local_device
+from rlspec.models import ModelPaths, local_device, release_cached_memory
 
 
 def load_embedding(target_dir: str) -> torch.Tensor:
@@ -93,6 +93,7 @@ class DraftTrainer:
             accepts.append(stats["accept"])
             v = max(s.policy_version for s in items)
             self.newest_version = v if self.newest_version is None else max(self.newest_version, v)
+        release_cached_memory(self.device)
         mean_accept = [sum(a[j] for a in accepts) / len(accepts) for j in range(min(map(len, accepts)))]
         return {"loss": sum(losses) / len(losses), "accept_proxy": acceptance_length_proxy(mean_accept),
                 "cache_sequences": len(self.cache), "cache_mb": self.cache.bytes / 2**20,

@@ -24,6 +24,7 @@ class Generator:
         self.engine = VLLMEngine(paths.model, paths.tokenizer, generation, model.max_model_len, seed,
                                  vllm_speculative_config(speculation, paths.draft))
         self.adaptive = AdaptiveK(self.engine, speculation) if speculation.adaptive else None
+        self.engine.sleep()  # sleep mode: hold no GPU memory until the first call (learners start next)
         self.policy_version = 0
         self.draft_version = 0
 

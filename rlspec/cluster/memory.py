@@ -1,0 +1,204 @@
+"""Per-GPU memory of every role of a run, from the model's shapes, the placement plan and the
+trainer's settings: what `--dry-run` prints, and what validation checks when
+cluster.gpu_memory_gib is set. Pure Python (no torch): it runs before anything starts.
+
+Learner, per GPU: compute-dtype weights, gradients and the optimizer's fp32 state (master weights
+when computing in bf16, and Adam's two moments), each sharded by its ZeRO stage over the learner
+ranks; plus, while it trains, the activations autograd keeps for one micro-batch of the longest
+rows (prompt + response limits) and the output layer's float32 chunk of logits.
+
+Activations per token and decoder layer, in elements of the compute dtype: 8 x hidden +
+4 x MLP width + 5 x query width + 5 x key/value width. Fitted on Qwen3 decoder layers measured
+with saved-tensor hooks (scripts/bench_memory.py; tests/cluster/test_memory.py measures a layer at
+Qwen3-8B's width against it); an MoE layer is counted as a dense one whose MLP is its experts per
+token (not measured). Under gradient checkpointing each layer keeps only its input (hidden) and
+one layer's full set lives while it is recomputed.
+
+Engine: the fraction of the GPU vLLM is given (generation.gpu_memory_utilization), which holds its
+weights, KV cache and activations; under sleep mode an engine holds ENGINE_ASLEEP_GIB while
+others work. Log-prob worker: its weights (and the reference's), plus a forward's output-layer
+chunk. Colocated roles share a GPU one stage at a time, so a GPU's peak is its largest stage."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1 << 30
+ENGINE_ASLEEP_GIB = 1.0      # allocator reserve an engine keeps while asleep
+CONTEXT_GIB = 0.5            # a CUDA context: every process on a GPU holds one
+ACT_ELEMENTS = (8, 4, 5, 5)  # per token and layer: x hidden, MLP width, query width, key/value width
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SIM_MODELS = Path(__file__).resolve().parents[2] / "conf" / "sim" / "model"
+# Hub IDs whose shapes ship with the simulator (conf/sim/model), so a dry run needs no download.
+KNOWN_MODELS = {"Qwen/Qwen3-8B-Base": "qwen3_8b", "Qwen/Qwen3-8B": "qwen3_8b",
+                "Qwen/Qwen3-235B-A22B": "qwen3_235b_a22b", "Qwen/Qwen3-235B-A22B-Base": "qwen3_235b_a22b"}
+
+
+def model_shape(path: str):
+    """The target's ModelShape: from a local checkpoint's config.json, or a shipped shape for a
+    known hub ID; None when neither is at hand."""
+    from rlspec.sim.config import ModelShape
+    from rlspec.sim.shapes import shape_from_hf_config
+
+    if (Path(path).expanduser() / "config.json").is_file():
+        return shape_from_hf_config(Path(path).expanduser(), 2)
+    if path not in KNOWN_MODELS:
+        return None
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.load(SIM_MODELS / f"{KNOWN_MODELS[path]}.yaml").target
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelShape), raw))
+
+
+def activation_elements(m, checkpointing: bool) -> float:
+    """Elements one token keeps for backward over the whole decoder."""
+    a, b, c, d = ACT_ELEMENTS
+    mlp = m.intermediate_size or m.experts_per_token * m.moe_intermediate_size
+    layer = a * m.hidden_size + b * mlp + c * m.num_heads * m.head_dim + d * m.num_kv_heads * m.head_dim
+    if checkpointing:  # each layer's input, and one layer's full set while it is recomputed
+        return m.num_layers * m.hidden_size + layer
+    return m.num_layers * layer
+
+
+@dataclass
+class RoleMemory:
+    """GiB per GPU, by part."""
+    role: str
+    weights: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0   # while it computes (training: for backward; engines: in their fraction)
+    engine: float = 0.0        # vLLM's fraction of the GPU (weights, KV cache, activations)
+
+    @property
+    def resident(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.resident + self.activations + self.engine
+
+
+@dataclass
+class GPUMemory:
+    roles: list[RoleMemory]
+    stages: dict[str, float]      # GiB on the busiest GPU at each stage it runs
+    capacity: float | None        # GiB (cluster.gpu_memory_gib)
+    shape: str
+
+    @property
+    def peak(self) -> tuple[str, float]:
+        return max(self.stages.items(), key=lambda kv: kv[1])
+
+    def describe(self) -> str:
+        head = f"{'per GPU, GiB':<16}{'weights':>9}{'grads':>8}{'optim':>8}{'activ.':>8}{'KV etc':>8}{'total':>8}"
+        rows = [f"memory ({self.shape}, from its shapes; rlspec/cluster/memory.py)", head]
+        for r in self.roles:
+            rows.append(f"{r.role:<16}{r.weights:>9.1f}{r.gradients:>8.1f}{r.optimizer:>8.1f}{r.activations:>8.1f}"
+                        f"{r.engine:>8.1f}{r.total:>8.1f}")
+        stage, peak = self.peak
+        cap = f" of {self.capacity:.0f} GiB ({'fits' if peak <= self.capacity else 'DOES NOT FIT'})" \
+            if self.capacity else " (cluster.gpu_memory_gib not set: not checked)"
+        rows.append("busiest GPU by stage: " + ", ".join(f"{s} {v:.1f}" for s, v in self.stages.items())
+                    + f"; peak {peak:.1f} GiB in {stage}{cap}")
+        return "\n".join(rows)
+
+
+def gpu_memory(cfg, plan) -> GPUMemory | None:
+    """The run's per-GPU memory (cfg resolved: config.resolve_auto); None on CPU machines or when
+    the model's shapes are not at hand."""
+    from rlspec.sim.shapes import total_params
+
+    c, t, g = cfg.cluster, cfg.trainer, cfg.generation
+    m = model_shape(cfg.model.path)
+    if not plan.on_gpu or m is None:
+        return None
+    P = total_params(m)
+    tb = DTYPE_BYTES[t.dtype]
+    W, z = c.learner_world_size, t.zero_stage
+    shard = lambda stage_from: W if z >= stage_from else 1  # noqa: E731
+    tokens = t.micro_batch_size * (cfg.data.max_prompt_tokens + g.max_new_tokens)
+    chunk = min(t.logit_chunk_tokens, tokens) * m.vocab_size * (2 * 4 + tb)  # fp32 logits and their grad, the head's output
+    learner = RoleMemory("learner", weights=tb * P / shard(3) / GIB, gradients=tb * P / shard(2) / GIB,
+                         optimizer=(12 if tb < 4 else 8) * P / shard(1) / GIB,
+                         activations=(tokens * tb * activation_elements(m, t.gradient_checkpointing) + chunk) / GIB)
+    copies = 1 + (cfg.algo.kl_coef > 0)  # the policy, and the KL reference
+    logprob = RoleMemory("logprob_worker", weights=copies * tb * P / GIB,
+                         activations=min(t.logit_chunk_tokens, tokens) * m.vocab_size * (4 + tb) / GIB) \
+        if cfg.algo.recompute_logprobs else None
+    cap = c.gpu_memory_gib
+    engine_gib = g.gpu_memory_utilization * cap if cap else 0.0
+    # the engine's weights (sharded over its TP ranks) sit inside its fraction; the rest is KV cache
+    engine_weights = DTYPE_BYTES[g.dtype] * P / g.tensor_parallel_size / GIB
+    engine = RoleMemory(f"generator (TP {g.tensor_parallel_size})", weights=engine_weights,
+                        engine=engine_gib - engine_weights)
+    roles = [r for r in (engine, learner, logprob) if r is not None]
+    asleep = ENGINE_ASLEEP_GIB if g.sleep_mode else engine_gib
+    lp_res = logprob.resident if logprob else 0.0
+    if c.placement == "colocated":
+        ctx = CONTEXT_GIB * (2 + bool(logprob))
+        stages = {"generation": learner.resident + lp_res + engine_gib + ctx,
+                  "train": learner.resident + lp_res + asleep + learner.activations + ctx}
+        if logprob:
+            stages["logprob"] = learner.resident + lp_res + asleep + logprob.activations + ctx
+    else:  # engines on GPUs of their own; log-prob workers share the learners'
+        ctx = CONTEXT_GIB * (1 + bool(logprob))
+        stages = {"generation": engine_gib + CONTEXT_GIB, "train": learner.resident + lp_res + learner.activations + ctx}
+        if logprob:
+            stages["logprob"] = learner.resident + lp_res + logprob.activations + ctx
+    return GPUMemory(roles, stages, cap, f"{m.name}, {P / 1e9:.2f}B parameters")
+
+
+def check_fits(mem: GPUMemory) -> tuple[str, str] | None:
+    """(config key, message) when the busiest GPU overflows cluster.gpu_memory_gib, or an engine's
+    weights leave no room for its KV cache; else None."""
+    if mem is None or not mem.capacity:
+        return None
+    engine = mem.roles[0]
+    if engine.engine <= 0:
+        return "generation.gpu_memory_utilization", (
+            f"an engine's weights take {engine.weights:.0f} GiB per GPU, its whole share of the GPU "
+            f"({engine.total:.0f} GiB): no room for a KV cache (raise it, or generation.tensor_parallel_size)")
+    stage, peak = mem.peak
+    if peak <= mem.capacity:
+        return None
+    key = "generation.gpu_memory_utilization" if stage == "generation" else \
+        "trainer.micro_batch_size" if stage == "train" else "cluster.logprob_world_size"
+    return key, (f"the {stage} stage needs {peak:.0f} GiB on its busiest GPU, cluster.gpu_memory_gib is "
+                 f"{mem.capacity:.0f}" + (" (trainer.gradient_checkpointing would cut the activations)"
+                                          if stage == "train" else ""))
+
+
+def measure_layer(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, tokens: int = 64,
+                  checkpointing: bool = False) -> float:
+    """Bytes one token keeps for backward in one real Qwen3 decoder layer (Hugging Face, bfloat16,
+    SDPA attention), counted with saved-tensor hooks: what ACT_ELEMENTS is fitted to. Parameters
+    and the layer's input are not counted (the input is the previous layer's output, counted
+    there); under checkpointing the layer runs inside torch.utils.checkpoint."""
+    import torch
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    cfg = Qwen3Config(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim, num_hidden_layers=1, vocab_size=16)
+    cfg._attn_implementation = "sdpa"
+    layer = Qwen3DecoderLayer(cfg, 0).to(torch.bfloat16)
+    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(tokens)[None]
+    rope = Qwen3RotaryEmbedding(cfg)(x, pos)
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def run(h):
+        return layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if checkpointing:
+            torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+        else:
+            run(x)
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
+    return sum(n for ptr, n in kept.items() if ptr not in skip) / tokens

@@ -1,0 +1,106 @@
+"""Memory measured on real layers at real widths, on this CPU, and the per-GPU tables the memory
+model (rlspec/cluster/memory.py) makes of the paper's experiments from them.
+
+    python scripts/bench_memory.py --out docs/bench/memory.json
+
+Measures, with saved-tensor hooks (what autograd keeps for backward, per token):
+- one Qwen3 decoder layer at several widths, Qwen3-8B's included, plain and checkpointed, beside
+  the model's 8h + 4i + 5q + 5kv elements;
+- the output layer and log-softmax over Qwen3's 151,936-token vocabulary at hidden 4096: the
+  model's own logits path against rlspec's chunked head (trainer.logit_chunk_tokens).
+Then prints the dry-run memory table of rl_zero_qwen3_8b and qwen3_235b_a22b on GB200s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"Qwen3 at hidden 1024": (1024, 3072, 16, 8, 64), "Qwen3-4B": (2560, 9728, 32, 8, 128),
+          "Qwen3-8B": (4096, 12288, 32, 8, 128)}
+
+
+def head_bytes(tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
+    """Bytes per token kept for backward by the model's own logits path and by the chunked head."""
+    import torch
+
+    from rlspec.algo.logprobs import head_logprobs, token_logprobs
+
+    head = torch.nn.Linear(hidden, vocab, bias=False).to(torch.bfloat16)
+    h = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, vocab, (1, tokens))
+
+    def kept(fn) -> int:
+        seen = {}
+
+        def pack(x):
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            fn()
+        skip = {head.weight.untyped_storage().data_ptr(), h.untyped_storage().data_ptr()}
+        return sum(n for p, n in seen.items() if p not in skip)
+
+    return {"tokens": tokens, "hidden": hidden, "vocab": vocab, "chunk_tokens": chunk,
+            "model_logits_bytes_per_token": kept(lambda: token_logprobs(head(h), t)) / tokens,
+            "chunked_head_bytes_per_token": kept(lambda: head_logprobs(h, head, t, 1.0, chunk)) / tokens}
+
+
+def tables() -> dict:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import compose
+
+    from rlspec.cluster.memory import gpu_memory
+    from rlspec.config import plan_of, resolve_auto
+
+    out = {}
+    for name in ("rl_zero_qwen3_8b", "qwen3_235b_a22b"):
+        cfg = resolve_auto(compose([f"+experiment={name}"], plain=False))
+        mem = gpu_memory(cfg, plan_of(cfg))
+        out[name] = {"capacity_gib": mem.capacity, "stages_gib": mem.stages, "table": mem.describe(),
+                     "roles": [{"role": r.role, "weights": r.weights, "gradients": r.gradients,
+                                "optimizer": r.optimizer, "activations": r.activations, "kv_etc": r.engine,
+                                "total": r.total} for r in mem.roles]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "memory.json")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per measured layer")
+    a = ap.parse_args()
+    from rlspec.cluster.memory import ACT_ELEMENTS, measure_layer
+
+    t0 = time.time()
+    layers = []
+    for name, (h, i, heads, kv, hd) in LAYERS.items():
+        plain = measure_layer(h, i, heads, kv, hd, tokens=a.tokens)
+        ckpt = measure_layer(h, i, heads, kv, hd, tokens=a.tokens, checkpointing=True)
+        e = ACT_ELEMENTS
+        model = 2 * (e[0] * h + e[1] * i + e[2] * heads * hd + e[3] * kv * hd)
+        layers.append({"layer": name, "hidden": h, "intermediate": i, "heads": heads, "kv_heads": kv, "head_dim": hd,
+                       "measured_bytes_per_token": plain, "checkpointed_bytes_per_token": ckpt,
+                       "model_bytes_per_token": model, "model_error": model / plain - 1})
+        print(f"{name:>22}: {plain / 1024:7.1f} KiB/token kept (model {model / 1024:7.1f}, {100 * (model / plain - 1):+.1f}%), "
+              f"checkpointed {ckpt / 1024:.2f} KiB", flush=True)
+    head = head_bytes(1024, 4096, 151936, 256)
+    print(f"output layer, vocab 151936: model's logits {head['model_logits_bytes_per_token'] / 2**20:.2f} MiB/token kept, "
+          f"chunked head {head['chunked_head_bytes_per_token'] / 1024:.2f} KiB/token", flush=True)
+    t = tables()
+    for name, r in t.items():
+        print(f"\n{name}\n{r['table']}", flush=True)
+    git = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    commit = git("rev-parse", "--short", "HEAD") + (" with uncommitted changes" if git("status", "--porcelain", "rlspec") else "")
+    a.out.write_text(json.dumps({"version": commit, "tokens_per_layer_measurement": a.tokens, "layers": layers,
+                                 "output_layer": head, "experiments": t, "wall_seconds": time.time() - t0},
+                                indent=1) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The per-GPU memory model: its activation term against real layers measured here, the paper
+experiment's table on a GB200, and validation refusing what does not fit, naming the key."""
+import pytest
+
+from conftest import compose
+from rlspec.cluster.memory import ACT_ELEMENTS, check_fits, gpu_memory, measure_layer
+from rlspec.config import ConfigError, plan_of, resolve_auto, validate
+
+QWEN3_8B_LAYER = dict(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128)
+
+
+def elements(hidden, intermediate, heads, kv_heads, head_dim):
+    a, b, c, d = ACT_ELEMENTS
+    return a * hidden + b * intermediate + c * heads * head_dim + d * kv_heads * head_dim
+
+
+def test_activation_model_matches_a_real_qwen3_8b_layer():
+    """A Qwen3-8B decoder layer (bf16, 64 tokens) keeps about 211 KiB per token for backward;
+    the model's 8h + 4i + 5q + 5kv elements land within 2%. Checkpointed, it keeps nothing but
+    its input (counted by the layer before)."""
+    measured = measure_layer(**QWEN3_8B_LAYER)
+    predicted = 2 * elements(**QWEN3_8B_LAYER)
+    print(f"Qwen3-8B layer: measured {measured / 1024:.1f} KiB per token, model {predicted / 1024:.1f} KiB")
+    assert abs(predicted / measured - 1) < 0.02
+    assert measure_layer(**QWEN3_8B_LAYER, tokens=16, checkpointing=True) < 0.01 * measured
+
+
+def test_rl_zero_on_gb200_fits_and_its_terms_are_the_sharded_state():
+    cfg = resolve_auto(compose(["+experiment=rl_zero_qwen3_8b"], plain=False))
+    mem = gpu_memory(cfg, plan_of(cfg))
+    learner = next(r for r in mem.roles if r.role == "learner")
+    P, W = 8.19e9, cfg.cluster.learner_world_size
+    assert learner.optimizer == pytest.approx(12 * P / W / 2**30, rel=0.01)   # fp32 master + Adam, ZeRO-3
+    assert learner.weights == pytest.approx(2 * P / W / 2**30, rel=0.01)
+    stage, peak = mem.peak
+    assert check_fits(mem) is None and peak <= cfg.cluster.gpu_memory_gib
+    print(mem.describe())
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["trainer.gradient_checkpointing=false"], "trainer.micro_batch_size"),
+    (["generation.gpu_memory_utilization=0.98"], "generation.gpu_memory_utilization"),
+    (["generation.gpu_memory_utilization=0.05"], "generation.gpu_memory_utilization"),
+])
+def test_a_run_that_does_not_fit_is_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match="^" + key.replace(".", r"\.") + ":"):
+        validate(compose(["+experiment=rl_zero_qwen3_8b", *overrides], plain=False))
+
+
+def test_cpu_runs_and_unknown_models_are_not_checked():
+    assert gpu_memory(resolve_auto(compose()), plan_of(compose())) is None
+    validate(compose(["+experiment=rl_zero_qwen3_8b", "model.path=someorg/unknown-model"], plain=False))
