@@ -61,6 +61,15 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
     return (lp, torch.cat([p[1] for p in parts], 1)) if with_entropy else lp
 
 
+def output_logprobs(model, out, targets: torch.Tensor, temperature: float, chunk_tokens: int) -> torch.Tensor:
+    """log p(targets) [B, T] from a forward pass `out` run with output_hidden_states=True over
+    inputs one longer than targets, computed as sequence_logprobs computes them (bit for bit)."""
+    split = split_head(model)
+    if split is not None:
+        return head_logprobs(out.hidden_states[-1][:, :-1], split[1], targets, temperature, chunk_tokens)
+    return token_logprobs(out.logits[:, :-1], targets, temperature)
+
+
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       temperature: float = 1.0, with_entropy: bool = False,
                       prompt_lengths: torch.Tensor | None = None, plan: "PromptPlan | None" = None,

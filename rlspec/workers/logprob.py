@@ -6,7 +6,7 @@ import copy
 import torch
 
 from rlspec.algo.batching import micro_batches
-from rlspec.algo.logprobs import sequence_logprobs, token_logprobs
+from rlspec.algo.logprobs import output_logprobs, sequence_logprobs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
 from rlspec.engines.weight_sync import BroadcastReceiver
 from rlspec.messages import TrainBatch
@@ -57,7 +57,8 @@ class LogprobWorker:
             mb = host.to(self.device)
             ids, mask = mb.input_ids, mb.attention_mask
             o = self.policy(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
-            out[idx, : width - 1] = token_logprobs(o.logits[:, :-1], ids[:, 1:], self.temperature).cpu()
+            out[idx, : width - 1] = output_logprobs(self.policy, o, ids[:, 1:], self.temperature,
+                                                    self.chunk_tokens).cpu()
             f = features_from_output(o, self.capture["layer_ids"], self.capture["topk"], self.temperature,
                                      out_dtype=torch.bfloat16)
             # to the host: the features leave through the object store for the DraftTrainer
