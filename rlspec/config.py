@@ -92,6 +92,12 @@ class AlgoConfig:
     clip_low: float = 0.2
     # Clip-higher (DAPO): a larger upper clip keeps low-probability tokens learnable.
     clip_high: float = 0.28
+    # Dual-clip (verl's clip_ratio_c): a negative advantage's term is bounded at clip_ratio_c * |A|,
+    # which the PPO clip leaves unbounded where the ratio runs far above 1 (tokens the policy has
+    # moved towards since they were sampled, or off-policy under async). null: off. It binds only
+    # where the ratio's denominator is not this step's own forward (several steps per batch, a
+    # recompute, behaviour_ppo), and there it is on by default.
+    clip_ratio_c: Optional[float] = 3.0
     # k3 KL penalty to the reference (initial) policy; 0 disables it and the reference model.
     kl_coef: float = 0.0
     # Dynamic sampling (DAPO): drop groups whose rewards all agree and refill from new prompts.
@@ -189,6 +195,9 @@ class SpeculationConfig:
     # 'auto' drafts max_speculative_tokens on the first call and every this many calls, in the
     # buckets where it speculates, so acceptance at every draft position stays measured.
     auto_probe_every: int = 8
+    # A probe drafts max_speculative_tokens only in buckets where that step costs at most this many
+    # times a step without drafting (so a probing call is at most that much slower there).
+    auto_probe_max_cost: float = 1.5
     # Draft checkpoint directory or hub ID (draft_model, eagle3); must be None for ngram, mtp, suffix.
     model: Optional[str] = None
     # How the draft proposes: 'probabilistic' samples from the draft's distribution and accepts
@@ -294,8 +303,16 @@ class TrainerConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     warmup_steps: int = 0
-    # Samples per learner forward/backward; gradient accumulation covers the rest of the batch.
+    # Samples per learner forward/backward; gradient accumulation covers the rest of a mini-batch.
     micro_batch_size: int = 64
+    # Samples per optimizer step (all learner ranks): the rollout batch is cut into mini-batches,
+    # each one optimizer step (verl's ppo_mini_batch_size, NeMo RL's train_global_batch_size). null:
+    # the whole batch, one step. With several steps per batch the PPO ratio is taken against the
+    # weights before the first (the recompute's log-probs, or the learner's own no-grad pass),
+    # so clipping binds; each step's token mean is over its own mini-batch (DAPO).
+    mini_batch_size: Optional[int] = None
+    # Passes over the rollout batch's mini-batches per RL step.
+    ppo_epochs: int = 1
     # Forward each distinct prompt of a micro-batch once and the responses against its KV cache
     # (rlspec.algo.logprobs.shared_prompt_forward): the same log-probs and gradients for the
     # compute of one prompt per group. Off, or a model with sliding-window or recurrent layers:
@@ -488,6 +505,7 @@ def _validate_algo(cfg: RLSpecConfig) -> None:
     _check(a.recompute_logprobs is not False or not cfg.speculation.online.enabled, "algo.recompute_logprobs",
            "false, but speculation.online.enabled captures the draft's features in the log-prob recompute")
     _check(a.behaviour_weight_cap >= 1.0, "algo.behaviour_weight_cap", "must be >= 1 (1 is on-policy)")
+    _check(a.clip_ratio_c is None or a.clip_ratio_c > 1.0, "algo.clip_ratio_c", "must be > 1 or null (off)")
     q = cfg.async_grpo
     _check(q.max_policy_lag >= 0, "async_grpo.max_policy_lag", "must be >= 0")
     _check(q.queue_capacity is None or q.queue_capacity >= 1, "async_grpo.queue_capacity", "must be >= 1 or null")
@@ -529,6 +547,7 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
                f"k must be an integer >= 1 or 'auto', got {k!r}")
         _check(sp.max_speculative_tokens >= 1, "speculation.max_speculative_tokens", "must be >= 1")
         _check(sp.auto_probe_every >= 1, "speculation.auto_probe_every", "must be >= 1")
+        _check(sp.auto_probe_max_cost >= 1.0, "speculation.auto_probe_max_cost", "must be >= 1")
         _check(len(sp.auto_buckets) > 0 and min(sp.auto_buckets) >= 1, "speculation.auto_buckets",
                "must be a non-empty list of batch sizes >= 1")
         needs_model = sp.method in ("draft_model", "eagle3")
@@ -579,10 +598,14 @@ def _validate_run(cfg: RLSpecConfig) -> None:
     _check(c.gpu_memory_gib is None or c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be > 0 or null")
     _check(t.dtype in (None, "float32", "bfloat16"), "trainer.dtype", "must be float32, bfloat16 or null (auto)")
     samples = g.num_prompts_per_step * g.num_generations_per_prompt
-    per_rank = samples // c.learner_world_size
-    _check(samples % c.learner_world_size == 0, "cluster.learner_world_size",
-           f"must divide the batch of {samples} samples")
+    mini = t.mini_batch_size or samples
+    _check(t.mini_batch_size is None or (0 < mini and samples % mini == 0), "trainer.mini_batch_size",
+           f"must divide the rollout batch of {samples} samples (or be null)")
+    _check(t.ppo_epochs >= 1, "trainer.ppo_epochs", "must be >= 1")
+    per_rank = mini // c.learner_world_size
+    _check(mini % c.learner_world_size == 0, "cluster.learner_world_size",
+           f"must divide the {mini} samples of each optimizer step")
     _check(t.micro_batch_size > 0 and per_rank % t.micro_batch_size == 0, "trainer.micro_batch_size",
-           f"must divide the {per_rank} samples each learner rank gets per step")
+           f"must divide the {per_rank} samples each learner rank gets per optimizer step")
     _check(cfg.logging.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
            "must be offline, online or disabled")

@@ -15,6 +15,7 @@ class Sampling:
     seed: int | None = None   # the call's seed (None: the engine's own generator)
     top_p: float = 1.0
     top_k: int = -1
+    rollout: bool = True      # a training rollout (False: validation); only rollouts feed adaptive k
 
     def request_seed(self, i: int) -> int | None:
         """The seed of the call's i-th prompt: every prompt its own noise (two copies of a prompt
@@ -25,12 +26,13 @@ class Sampling:
         return (self.seed * 0x9E3779B1 + (i + 1) * 0x85EBCA77) % (2**31 - 1)
 
     @classmethod
-    def of(cls, generation, seed: int | None, n: int | None = None,
-           temperature: float | None = None) -> "Sampling":
+    def of(cls, generation, seed: int | None, n: int | None = None, temperature: float | None = None,
+           rollout: bool = True) -> "Sampling":
         """The rollout sampling a GenerationConfig sets (n and temperature overridable)."""
         g = generation
         return cls(g.num_generations_per_prompt if n is None else n,
-                   g.temperature if temperature is None else temperature, g.max_new_tokens, seed, g.top_p, g.top_k)
+                   g.temperature if temperature is None else temperature, g.max_new_tokens, seed, g.top_p, g.top_k,
+                   rollout)
 
 
 def step_moments(steps: list[tuple[int, float]]) -> list[float]:
@@ -155,6 +157,15 @@ class TrainBatch:
 
     def shard(self, rank: int, world: int) -> "TrainBatch":
         return self.rows(slice(rank * len(self) // world, (rank + 1) * len(self) // world))
+
+
+@dataclass
+class MiniBatch:
+    """One optimizer step's rows on one learner rank, with its global mini-batch's loss
+    denominators (loss-carrying tokens and sequences over all ranks)."""
+    batch: TrainBatch
+    num_tokens: float
+    num_seqs: float
 
 
 @dataclass

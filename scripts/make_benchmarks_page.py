@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_async  # noqa: E402
 import bench_draft  # noqa: E402
+import bench_minibatch  # noqa: E402
 import bench_rollout  # noqa: E402
 import bench_vs_peer  # noqa: E402
 
@@ -140,6 +141,17 @@ def draft_section(paths: list[Path]) -> list[str]:
     return out
 
 
+def minibatch_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    return ["## Optimizer steps per rollout batch: one against four mini-batches", "",
+            f"`{path.relative_to(ROOT)}` (at {r['version']}), the default experiment, {r['steps']} steps, seeds "
+            f"{r['seeds']}; mean ± std over seeds:", "", "```bash",
+            f"python scripts/bench_minibatch.py --steps {r['steps']} --seeds {' '.join(map(str, r['seeds']))} "
+            f"--out {path.relative_to(ROOT)}", "```", "", bench_minibatch.table(r["rows"]), "",
+            "clip_frac: the share of loss-carrying tokens whose PPO term the clip changed, averaged over a run's "
+            "optimizer steps; with one step per batch the ratio is exactly 1 and it is 0.", ""]
+
+
 def memory_section(path: Path) -> list[str]:
     r = json.loads(path.read_text())
     out = ["## Memory: real layers measured on this CPU, and the paper's experiments per GPU", "",
@@ -185,6 +197,8 @@ def page(bench: Path) -> str:
     drafts = sorted(bench.glob("draft_*.json"))
     if drafts:
         out += draft_section(drafts)
+    if (bench / "minibatch.json").exists():
+        out += minibatch_section(bench / "minibatch.json")
     if (bench / "memory.json").exists():
         out += memory_section(bench / "memory.json")
     return "\n".join(out).rstrip() + "\n"

@@ -104,7 +104,9 @@ def test_skipped_recompute_trains_like_the_recompute(tmp_path):
     assert [r["policy_lag_max"] for r in skip] == [r["policy_lag_max"] for r in full] == [0, 1, 1]
     assert all(r["stage_seconds"]["logprob"] == 0.0 for r in skip)
     assert all(r["stage_seconds"]["logprob"] > 0.0 for r in full)
-    assert all(r["extra"]["train/ratio_mean"] == pytest.approx(1.0, abs=1e-6) for r in skip)
+    # the recompute's log-probs come from the LogprobWorker's refit copy of the same weights: the
+    # ratio against them is 1 only if that refit is exact (the skip path's ratio is 1 by construction)
+    assert all(r["extra"]["train/ratio_mean"] == pytest.approx(1.0, abs=1e-3) for r in full)
     assert skip[0]["logprob_mismatch"] < 1e-3
     # the same rollouts (sampled by the same weights), the same loss, gradient and behaviour weights
     # up to float rounding

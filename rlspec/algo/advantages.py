@@ -3,13 +3,16 @@
 Departures from the textbook: rewards arrive as a [num_groups, G] tensor (G samples of one prompt
 per row); `normalize_std=False` gives Dr. GRPO's unscaled advantages; 'loo' uses the mean of the
 other G-1 samples as the baseline (RLOO), optionally scaled by the group std as NeMo RL does.
-A group whose rewards all agree gets advantage 0 for every sample.
+A group whose rewards all agree (max - min within a tolerance) gets advantage exactly 0 for every
+sample, whatever the reward values (float noise in the mean would otherwise be divided by ~eps).
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+from rlspec.algo.filters import zero_variance_groups
 
 AdvantageFn = Callable[[torch.Tensor, bool, float], torch.Tensor]
 ADVANTAGES: dict[str, AdvantageFn] = {}
@@ -47,4 +50,5 @@ def compute_advantages(name: str, rewards: torch.Tensor, normalize_std: bool = T
     """rewards [num_groups, G] -> advantages [num_groups, G] with the registered estimator."""
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [num_groups, G>=2], got {tuple(rewards.shape)}")
-    return ADVANTAGES[name](rewards.float(), normalize_std, eps)
+    rewards = rewards.float()
+    return ADVANTAGES[name](rewards, normalize_std, eps).masked_fill(zero_variance_groups(rewards)[:, None], 0.0)

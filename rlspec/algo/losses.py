@@ -4,7 +4,9 @@ Departures from the textbook PPO: the clip range is asymmetric (clip-higher, DAP
 ratio clipped to [1 - clip_low, 1 + clip_high]); the loss is averaged over every response token of
 the whole batch ('token_mean', DAPO) rather than per sequence, and the denominator is the *global*
 token count passed in, so micro-batches add up to exactly the full-batch loss; the optional KL to a
-reference policy uses the k3 estimator pi_ref/pi - log(pi_ref/pi) - 1 inside the loss.
+reference policy uses the k3 estimator pi_ref/pi - log(pi_ref/pi) - 1 inside the loss; dual-clip
+(Ye et al. 2020, verl's clip_ratio_c) bounds a negative advantage's term at clip_ratio_c * |A|,
+which PPO's clip leaves unbounded when the ratio is far above 1 (off-policy tokens).
 """
 from __future__ import annotations
 
@@ -68,19 +70,27 @@ class LossInputs:
 
 @register_loss("grpo")
 def ppo_clip_loss(x: LossInputs, clip_low: float, clip_high: float, kl_coef: float, agg: str,
-                  num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with clip-higher and optional k3 KL; returns (loss, metrics)."""
+                  num_tokens: float, num_seqs: float,
+                  clip_ratio_c: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with clip-higher, dual-clip (clip_ratio_c; None: off) and optional
+    k3 KL; returns (loss, metrics)."""
     ratio = torch.exp((x.logp - x.old_logp).clamp(-20.0, 20.0))  # [B, T]
     adv = x.advantages.unsqueeze(1)  # [B, 1]
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(per_token, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        bound = -adv * clip_ratio_c  # > 0 where adv < 0
+        dual = (adv < 0) & (per_token > bound)
+        per_token = torch.where(dual, bound, per_token)
     if x.weight is not None:
         per_token = per_token * x.weight
     m = x.mask.float()
     metrics = {
         "pg_loss": aggregate(agg, per_token, m, num_tokens, num_seqs).detach(),
         "clip_frac": aggregate(agg, (clipped > unclipped).float(), m, num_tokens, num_seqs).detach(),
+        "dual_clip_frac": aggregate(agg, dual.float(), m, num_tokens, num_seqs).detach(),
         "ratio_mean": aggregate(agg, ratio.detach(), m, num_tokens, num_seqs),
     }
     if kl_coef > 0:
@@ -93,5 +103,5 @@ def ppo_clip_loss(x: LossInputs, clip_low: float, clip_high: float, kl_coef: flo
 
 
 def policy_loss(name: str, x: LossInputs, *, clip_low: float, clip_high: float, kl_coef: float,
-                agg: str, num_tokens: float, num_seqs: float):
-    return LOSSES[name](x, clip_low, clip_high, kl_coef, agg, num_tokens, num_seqs)
+                agg: str, num_tokens: float, num_seqs: float, clip_ratio_c: float | None = None):
+    return LOSSES[name](x, clip_low, clip_high, kl_coef, agg, num_tokens, num_seqs, clip_ratio_c)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from rlspec.cluster.calls import Call, fan_out, remote
-from rlspec.messages import Sampling, TrainBatch
+from rlspec.messages import MiniBatch, Sampling, TrainBatch
 from rlspec.workers.draft_trainer import DraftTrainer
 from rlspec.workers.generator import Generator
 from rlspec.workers.learner import Learner
@@ -98,9 +98,9 @@ class Learners(Group):
     role = "learner"
     index_always = True
 
-    def train_step(self, shards: list[tuple[TrainBatch, float, float]]) -> list[Call]:
-        """Rank r trains on shards[r] = (its rows, the step's loss tokens, the step's sequences)."""
-        return [self.one(r, Learner.train_step, *shards[r]) for r in range(len(self.handles))]
+    def train_step(self, parts: list[list[MiniBatch]], epochs: int = 1) -> list[Call]:
+        """Rank r takes one optimizer step per mini-batch of parts[r] (its rows of each), epochs times."""
+        return [self.one(r, Learner.train_step, parts[r], epochs) for r in range(len(self.handles))]
 
     def full_weights(self, dtype: str = "float32") -> list[Call]:
         return self.each(Learner.full_weights, dtype)

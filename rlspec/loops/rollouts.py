@@ -68,7 +68,8 @@ def validate(run: Run, step: int) -> float:
     import time
 
     g, started, t0 = run.cfg.generation, time.time(), time.perf_counter()
-    sampling = Sampling.of(g, step_seed(run.cfg.trainer.seed, step, salt=99), n=1, temperature=g.val_temperature)
+    sampling = Sampling.of(g, step_seed(run.cfg.trainer.seed, step, salt=99), n=1, temperature=g.val_temperature,
+                           rollout=False)
     ro = wait(run.actors.generators.generate([p.token_ids for p in run.val.prompts], sampling), run.actors.timeout_s)
     acc = score(run.tokenizer, ro, [p.answer for p in run.val.prompts], run.cfg.data.reward).mean().item()
     run.log.validation(step, acc, len(run.val), started, time.perf_counter() - t0)

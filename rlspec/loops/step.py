@@ -20,7 +20,7 @@ from rlspec.loops.queue import RolloutQueue
 from rlspec.loops.rollouts import GenTotals, generate, rewards, step_seed
 from rlspec.loops.runlog import StageTimer
 from rlspec.loops.state import Counters, Run
-from rlspec.messages import RolloutBatch, StepRecord
+from rlspec.messages import MiniBatch, RolloutBatch, StepRecord, TrainBatch
 
 
 def collect_groups(run: Run, sampler: PromptSampler, step: int, timer: StageTimer, totals: GenTotals,
@@ -61,6 +61,19 @@ def collect_groups(run: Run, sampler: PromptSampler, step: int, timer: StageTime
     return ro, torch.stack([c[1] for c in chosen]), weight, stats
 
 
+def mini_batches(batch: TrainBatch, weight: torch.Tensor, size: int | None, world: int) -> list[list[MiniBatch]]:
+    """Per learner rank, the rollout batch's mini-batches of `size` consecutive samples (None: one),
+    each sharded over the ranks with its own loss denominators (over all ranks)."""
+    size = size or len(batch)
+    out: list[list[MiniBatch]] = [[] for _ in range(world)]
+    for lo in range(0, len(batch), size):
+        part, w = batch.rows(slice(lo, lo + size)), weight[lo:lo + size]
+        tokens, seqs = float(part.loss_mask.sum()), float((w > 0).sum())
+        for r in range(world):
+            out[r].append(MiniBatch(part.shard(r, world), tokens, seqs))
+    return out
+
+
 def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
                queue: RolloutQueue | None = None) -> StepRecord:
     cfg, actors = run.cfg, run.actors
@@ -85,10 +98,9 @@ def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
         draft_call = actors.draft_trainer.update(cfg.speculation.online.steps_per_rl_step,
                                                  actors.logprobs.take_features())
     with timer("train"):
-        world = len(actors.learners)
-        num_tokens, num_seqs = float(batch.loss_mask.sum()), float((weight > 0).sum())
-        shards = [(batch.shard(r, world), num_tokens, num_seqs) for r in range(world)]
-        per_rank = wait(actors.learners.train_step(shards), actors.timeout_s)
+        per_rank = wait(actors.learners.train_step(mini_batches(batch, weight, cfg.trainer.mini_batch_size,
+                                                                len(actors.learners)), cfg.trainer.ppo_epochs),
+                        actors.timeout_s)
         metrics = {}
         for r in per_rank:  # partial sums over global denominators
             metrics = merge_weight_sums(metrics, r[0])

@@ -13,12 +13,16 @@ So k is chosen per batch-size bucket, from two measured things:
   before it were, from vLLM's per-position counters after every generate call (accepted over
   reached, counts of earlier calls decayed).
 Expected tokens per verification with k drafts: L(k) = 1 + sum_{i<k} prod_{j<=i} a_j; the planner
-picks argmax_k L(k) / t(B, k) per bucket, and switches speculation off for a whole call when no
-bucket beats OFF, so a rollout never runs slower than it would without speculation.
+picks argmax_k L(k) / t(B, k) per bucket, and switches speculation off for a whole call when it
+predicts no speculation to be faster (a prediction from measured costs and acceptance, not a
+guarantee: the benchmarks page reports how close it lands; on Model Runner V2, OFF is k=0).
 Whether a mixed schedule beats OFF for a whole call is judged on the previous call's batch-size
 trajectory (how many sequences were still running at each token index): a k=0 bucket still pays
 the draft's forward, OFF does not. The first call, and every `probe_every`-th, drafts k_max in the
-buckets that speculate, so acceptance at every position stays measured.
+buckets that speculate where a k_max step costs at most `probe_max_cost` times a step without
+drafting, so acceptance at every position stays measured; those calls can be slower than no
+speculation, by at most that factor per step. Only training rollouts feed the estimates (not
+validation calls, whose lengths and temperature differ).
 """
 from __future__ import annotations
 
@@ -85,6 +89,7 @@ class DraftLengthPlanner:
     step_seconds: dict[tuple[int, int], float]   # (bucket, k or OFF) -> seconds per engine step
     accept: list[float] = field(default_factory=list)  # [k_max] conditional acceptance a_i
     decay: float = 0.9   # weight left on earlier counts each time a position or cost is measured again
+    probe_max_cost: float = 1.5  # a probe drafts k_max only where that step costs at most this x OFF's
     counts: list[list[float]] = field(default_factory=list, repr=False)  # per position: [accepted, reached]
     calibrated: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # step costs as timed
     cost_counts: dict[int, list[float]] = field(default_factory=dict, repr=False)  # bucket: [sum offset, n]
@@ -107,12 +112,16 @@ class DraftLengthPlanner:
 
     def plan(self, lengths: list[int] | None = None, probe: bool = False) -> DraftPlan:
         """k per bucket; OFF for the call when it is predicted faster over `lengths` (the last
-        call's response lengths) or, without them, when no bucket beats OFF. probe: k_max in every
-        bucket that speculates (first call: every bucket)."""
+        call's response lengths) or, without them, when no bucket beats OFF. probe: k_max in the
+        buckets that speculate (first call: every bucket) where a k_max step costs at most
+        probe_max_cost times a step without drafting, so a probe is at most that much slower than
+        no speculation in any bucket."""
         best = {}
         for b in self.buckets:
             rates = {k: self.tokens_per_second(b, k) for k in range(self.k_max + 1) if (b, k) in self.step_seconds}
-            best[b] = self.k_max if probe and (not self.accept or best_is_spec(rates, self, b)) else max(rates, key=rates.get)
+            affordable = self.step_seconds[(b, self.k_max)] <= self.probe_max_cost * self.step_seconds[(b, OFF)]
+            probing = probe and affordable and (not self.accept or best_is_spec(rates, self, b))
+            best[b] = self.k_max if probing else max(rates, key=rates.get)
         ranges = bucket_ranges(self.buckets, self.max_batch)
         plan = DraftPlan(off=False, k_by_bucket=best, schedule=[(lo, hi, best[b]) for lo, hi, b in ranges])
         if not self.accept:

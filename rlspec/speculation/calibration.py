@@ -52,26 +52,30 @@ class AdaptiveK:
     def __init__(self, engine: VLLMEngine, spec: SpeculationConfig):
         self.engine = engine
         self.buckets = sorted(spec.auto_buckets)
-        self.probe_every = spec.auto_probe_every
+        self.probe_every, self.probe_max_cost = spec.auto_probe_every, spec.auto_probe_max_cost
         self.planner: DraftLengthPlanner | None = None
         self.plan: DraftPlan | None = None
         self.calibration_seconds = 0.0
         self.calls = 0
         self.last_lengths: list[int] | None = None
 
-    def before_call(self, prompt_ids: list[list[int]]) -> float:
+    def before_call(self, prompt_ids: list[list[int]], rollout: bool = True) -> float:
         """Plan the k of the next call (calibrating on its prompts on the first); returns the
-        seconds spent calibrating, which the call reports as its own."""
+        seconds spent calibrating, which the call reports as its own. Only training rollouts
+        count towards probes (and, after the call, feed the estimates)."""
         t0 = time.perf_counter()
         if self.planner is None:
             self.planner = self.calibrate(prompt_ids)
-        self.plan = self.planner.plan(self.last_lengths, probe=self.calls % self.probe_every == 0)
-        self.calls += 1
+            self.planner.probe_max_cost = self.probe_max_cost
+        self.plan = self.planner.plan(self.last_lengths, probe=rollout and self.calls % self.probe_every == 0)
+        self.calls += rollout
         self.set_k(OFF if self.plan.off else self.plan.k_at)
         return time.perf_counter() - t0
 
-    def after_call(self, ro: RolloutBatch, decode: list[tuple[int, float]]) -> None:
-        """Feed the call's acceptance counters and decode-step timings to the planner."""
+    def after_call(self, ro: RolloutBatch, decode: list[tuple[int, float]], rollout: bool = True) -> None:
+        """Feed a training rollout's acceptance counters and decode-step timings to the planner."""
+        if not rollout:
+            return
         self.last_lengths = [len(r) for r in ro.response_ids]
         self.planner.observe(ro.spec.drafts, ro.spec.accepted_per_pos,
                              self.planner.calls_k_min(self.plan, len(ro.response_ids)))

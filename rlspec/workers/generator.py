@@ -33,11 +33,11 @@ class Generator:
         Under generation.sleep_mode the engine releases its GPU memory when the call is done."""
         self.engine.wake_up()
         try:
-            planning = self.adaptive.before_call(prompt_ids) if self.adaptive else 0.0
+            planning = self.adaptive.before_call(prompt_ids, sampling.rollout) if self.adaptive else 0.0
             ro = self.engine.generate(prompt_ids, sampling, self.policy_version)
             ro.seconds += planning  # the call that calibrates 'auto' reports that cost too
             if self.adaptive:
-                self.adaptive.after_call(ro, self.engine.decode_steps)
+                self.adaptive.after_call(ro, self.engine.decode_steps, sampling.rollout)
                 ro.draft_schedule = self.adaptive.draft_schedule()
             return ro
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
@@ -14,7 +15,7 @@ from rlspec.algo.losses import LossInputs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
 from rlspec.engines.deepspeed_engine import init_distributed, make_engine
 from rlspec.engines.weight_sync import BroadcastSender, RefitGroup, TensorMeta, endpoint, metas_of
-from rlspec.messages import TrainBatch
+from rlspec.messages import MiniBatch, TrainBatch
 from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
 
 
@@ -47,28 +48,77 @@ class Learner:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.shared_prompts = (trainer.shared_prompt_forward and prompt_cache_supported(module)
                                and not trainer.gradient_checkpointing)
-        samples_per_step = generation.num_prompts_per_step * generation.num_generations_per_prompt
+        # DeepSpeed's batch is one optimizer step's: a mini-batch
+        samples_per_step = trainer.mini_batch_size or generation.num_prompts_per_step * generation.num_generations_per_prompt
         self.engine, self.sched = make_engine(module, trainer, samples_per_step, world_size)
         self.policy_version = 0
         self.sender: BroadcastSender | None = None
 
-    def train_step(self, batch: TrainBatch, num_tokens: float, num_seqs: float) -> tuple[dict, dict]:
-        """One optimizer step over this rank's shard. num_tokens / num_seqs are the whole step's
-        loss-carrying token and sequence counts (all ranks), the loss's denominators.
-        Returns (partial sums that add up over ranks to the step's loss and metrics, rank stats)."""
+    def train_step(self, parts: list[MiniBatch], epochs: int = 1) -> tuple[dict, dict]:
+        """epochs x len(parts) optimizer steps, one per mini-batch of this rank's shard, in order.
+        Each part carries its global mini-batch's loss-carrying token and sequence counts (all
+        ranks), the loss's denominators. Returns (partial sums that add up over ranks to the mean
+        of the steps' losses and metrics, rank stats)."""
         t0 = time.perf_counter()
         # Planned on the host (which rows, how wide, which share a prompt); each micro-batch moves
         # to the device as it is taken, and results leave as Python floats.
-        ok = torch.tensor([float(finite_inputs(batch))], device=self.device)  # NCCL reduces device tensors
+        ok = torch.tensor([float(all(finite_inputs(p.batch) for p in parts))], device=self.device)
         if self.world_size > 1:  # every rank must skip together, or the collectives would hang
-            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)  # NCCL: device tensors
         if not ok.item():
             # Skipped before the engine sees it: weights, optimizer, scheduler and DeepSpeed's
             # step counters stay exactly as they were.
             self.policy_version += 1
-            return {"loss": float("nan")}, {"skipped": 1.0, "grad_norm": float("nan"), "lr": float(self.sched.get_last_lr()[0]),
-                                            "micro_batches": 0.0, "seconds": time.perf_counter() - t0}
+            return {"loss": float("nan")}, {"skipped": 1.0, "grad_norm": float("nan"), "optimizer_steps": 0.0,
+                                            "lr": float(self.sched.get_last_lr()[0]), "micro_batches": 0.0,
+                                            "seconds": time.perf_counter() - t0}
+        steps = epochs * len(parts)
+        if steps > 1:
+            # Every step's ratio is taken against the weights before the first one: without a
+            # recompute, this rank's own no-grad pass over its rows now.
+            parts = [MiniBatch(replace(p.batch, old_logprobs=self._logprobs(p.batch)), p.num_tokens, p.num_seqs)
+                     if p.batch.old_logprobs is None else p for p in parts]
         self.engine.train()
+        sums, norms, applied, micro = defaultdict(float), [], True, 0
+        for epoch in range(epochs):
+            for p in parts:
+                step_sums, n = self._optimizer_step(p, steps, first_epoch=epoch == 0)
+                for k, v in step_sums.items():
+                    sums[k] += v
+                micro += n
+                norms.append(float(self.engine.get_global_grad_norm() or 0.0))
+                applied = applied and self.engine.was_step_applied()
+        # ZeRO 1-3 refuse a non-finite gradient themselves (the step is not applied); without ZeRO,
+        # SkippingAdamW does. Should an update with a non-finite gradient still have gone in under
+        # stage 0 (an optimizer wrapper that ignores `overflow`), the weights are lost: end the run.
+        finite = all(map(math.isfinite, norms)) and math.isfinite(sums["loss"])
+        skipped = not applied or not finite
+        if self.trainer.zero_stage == 0 and applied and not finite:
+            raise FloatingPointError("non-finite gradient under ZeRO stage 0 and the update was applied; "
+                                     "resume from the last checkpoint")
+        stats = {"skipped": float(skipped), "grad_norm": sum(norms) / len(norms), "optimizer_steps": float(steps),
+                 "lr": float(self.sched.get_last_lr()[0]), "micro_batches": float(micro),
+                 "seconds": time.perf_counter() - t0}
+        self.policy_version += 1
+        release_cached_memory(self.device)
+        return dict(sums), stats
+
+    @torch.no_grad()
+    def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[N, T] this rank's current log-probs of the batch's tokens, on the host."""
+        out = torch.zeros(batch.loss_mask.shape)
+        for idx, width in micro_batches(batch.attention_mask, self.trainer.micro_batch_size):
+            mb = batch.rows(idx, width).to(self.device)
+            out[idx, : width - 1] = sequence_logprobs(self.engine, mb.input_ids, mb.attention_mask, self.temperature,
+                                                      chunk_tokens=self.trainer.logit_chunk_tokens).cpu()
+        return out * (batch.loss_mask != 0)
+
+    def _optimizer_step(self, part: MiniBatch, steps: int, first_epoch: bool) -> tuple[dict, int]:
+        """Forward and backward of one mini-batch's micro-batches; DeepSpeed steps the optimizer at
+        the last (its gradient accumulation covers exactly one mini-batch). Partial sums of the
+        step's loss and metrics, each divided by `steps` (so the run reports their mean over the
+        steps), and how many micro-batches ran."""
+        batch, num_tokens, num_seqs = part.batch, part.num_tokens, part.num_seqs
         sums, chunks = defaultdict(float), micro_batches(batch.attention_mask, self.trainer.micro_batch_size)
         for idx, width in chunks:
             host = batch.rows(idx, width)
@@ -77,50 +127,37 @@ class Learner:
             plan = prompt_plan(host.input_ids, host.attention_mask, host.prompt_lengths) if shared else None
             logp, ent = sequence_logprobs(self.engine, mb.input_ids, mb.attention_mask, self.temperature,
                                           with_entropy=True, plan=plan, chunk_tokens=self.trainer.logit_chunk_tokens)
-            # The proximal policy is the current weights, before this step's update. The batch
-            # gets exactly this one optimizer step (the weights do not move between micro-batches),
-            # so without a recompute it is this forward pass, detached. The ratio is taken against
-            # it (behaviour_ppo: against the sampler's log-probs), and the behaviour weight corrects
-            # for the older weights that sampled the tokens (none, behaviour_ppo: the mask, weight 1).
+            # The proximal policy is the weights before the batch's first update: with one step per
+            # batch the weights do not move between micro-batches, so without a recompute it is
+            # this forward pass, detached (ratio 1, as in PPO's first epoch); with several, the
+            # recompute or train_step's own pass. The ratio is taken against it (behaviour_ppo:
+            # against the sampler's log-probs), and the behaviour weight corrects for the older
+            # weights that sampled the tokens (none, behaviour_ppo: the mask, weight 1).
             prox = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
             behav, cap = mb.behaviour_logprobs, self.algo.behaviour_weight_cap
             old = ratio_reference(prox, behav, self.correction)
             weight, mask = behaviour_weights(prox, behav, mb.loss_mask, self.correction, cap)
-            resp = mb.loss_mask != 0  # sampler vs learner log-probs, as the loop reports them
-            sums["mismatch_sum"] += float((behav - logp.detach()).abs().masked_fill(~resp, 0.0).sum())
-            sums["mismatch_tokens"] += float(resp.sum())
-            # pi_prox / pi_behav, reported whatever the correction
-            sums.update(merge_weight_sums(sums, weight_sums(prox, behav, mb.loss_mask, cap)))
-            x = LossInputs(logp=logp, old_logp=old, advantages=mb.advantages,
-                           mask=mask, ref_logp=mb.ref_logprobs,
+            if first_epoch:  # sampler vs learner (before any update) log-probs, as the loop reports them
+                resp, learner_lp = mb.loss_mask != 0, logp.detach() if steps == 1 else prox
+                sums["mismatch_sum"] += float((behav - learner_lp).abs().masked_fill(~resp, 0.0).sum())
+                sums["mismatch_tokens"] += float(resp.sum())
+                # pi_prox / pi_behav, reported whatever the correction
+                sums.update(merge_weight_sums(sums, weight_sums(prox, behav, mb.loss_mask, cap)))
+            x = LossInputs(logp=logp, old_logp=old, advantages=mb.advantages, mask=mask, ref_logp=mb.ref_logprobs,
                            weight=weight)
             loss, metrics = policy_loss(self.algo.loss, x, clip_low=self.algo.clip_low,
                                         clip_high=self.algo.clip_high, kl_coef=self.algo.kl_coef,
-                                        agg=self.algo.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
-            # The denominators are global, so micro-batch losses add up to the step's loss; DeepSpeed
-            # averages gradients over ranks, hence the world-size factor.
+                                        agg=self.algo.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                                        clip_ratio_c=self.algo.clip_ratio_c)
+            # The denominators are the mini-batch's, so micro-batch losses add up to its loss;
+            # DeepSpeed averages gradients over ranks, hence the world-size factor.
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             self.engine.step()
-            sums["loss"] += loss.item()
+            sums["loss"] += loss.item() / steps
             for k, v in metrics.items():
-                sums[k] += float(v)
-            m = x.mask.float()
-            sums["entropy"] += float((ent * m).sum() / max(num_tokens, 1.0))
-        grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
-        # ZeRO 1-3 refuse a non-finite gradient themselves (the step is not applied); without ZeRO,
-        # SkippingAdamW does. Should an update with a non-finite gradient still have gone in under
-        # stage 0 (an optimizer wrapper that ignores `overflow`), the weights are lost: end the run.
-        applied = self.engine.was_step_applied()
-        skipped = not applied or not math.isfinite(grad_norm) or not math.isfinite(sums["loss"])
-        if self.trainer.zero_stage == 0 and skipped and applied:
-            raise FloatingPointError("non-finite gradient under ZeRO stage 0 and the update was applied; "
-                                     "resume from the last checkpoint")
-        stats = {"skipped": float(skipped), "grad_norm": grad_norm,
-                 "lr": float(self.sched.get_last_lr()[0]), "micro_batches": float(len(chunks)),
-                 "seconds": time.perf_counter() - t0}
-        self.policy_version += 1
-        release_cached_memory(self.device)
-        return dict(sums), stats
+                sums[k] += float(v) / steps
+            sums["entropy"] += float((ent * x.mask.float()).sum() / max(num_tokens, 1.0)) / steps
+        return sums, len(chunks)
 
     def save_checkpoint(self, path: str) -> None:
         """DeepSpeed state (weights, optimizer, scheduler, this rank's partitions) + RNG, into path/learner."""

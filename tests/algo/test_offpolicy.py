@@ -109,3 +109,19 @@ def test_auto_correction_follows_the_async_config():
     assert off_policy_correction(cfg) == "none"
     cfg.algo.off_policy_correction = "tis"
     assert off_policy_correction(cfg) == "tis"
+
+
+def test_importance_weights_and_their_stats_against_hand_values():
+    """pi_prox / pi_behav at log-prob gaps 0, ln 2, -ln 4, ln 3 (the last token masked off):
+    weights 1, 2, 0.25; mean 3.25/3, max 2, one of three above a cap of 1.5."""
+    import math
+
+    from rlspec.algo import importance_weights, weight_stats, weight_sums
+
+    prox = torch.tensor([[0.0, math.log(2.0), -math.log(4.0), math.log(3.0)]])
+    behav = torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert torch.allclose(importance_weights(prox, behav), torch.tensor([[1.0, 2.0, 0.25, 3.0]]))
+    st = weight_stats(weight_sums(prox, behav, mask, cap=1.5))
+    assert st["mean"] == pytest.approx(3.25 / 3) and st["max"] == pytest.approx(2.0)
+    assert st["capped_frac"] == pytest.approx(1 / 3)

@@ -105,3 +105,16 @@ def test_observe_steps_adds_the_measured_offset_to_every_k_of_a_bucket():
     # steps far faster than timed lower every k of the bucket by at most half its cheapest cost
     pl.observe_steps([(1, 2, 0.01)] * 50)
     assert pl.step_seconds[(1, OFF)] == pytest.approx(0.45) and pl.step_seconds[(1, 3)] == pytest.approx(1.3 - 0.45)
+
+
+def test_probes_skip_buckets_where_drafting_costs_more_than_the_bound():
+    """Before any acceptance is measured the first call probes k_max, but only in buckets where a
+    k_max step costs at most probe_max_cost (1.5) x a step without drafting: at batch 256 a k=3
+    step costs 3x OFF, so that bucket runs without drafting (k=0) even in the probe."""
+    costs = {(1, OFF): 1.0, (1, 0): 1.05, (1, 1): 1.1, (1, 2): 1.15, (1, 3): 1.2,
+             (256, OFF): 1.0, (256, 0): 1.2, (256, 1): 1.8, (256, 2): 2.4, (256, 3): 3.0}
+    p = DraftLengthPlanner(k_max=3, max_batch=256, step_seconds=costs)
+    first = p.plan(probe=True)
+    assert first.k_by_bucket == {1: 3, 256: 0}
+    p.probe_max_cost = 4.0
+    assert p.plan(probe=True).k_by_bucket == {1: 3, 256: 3}

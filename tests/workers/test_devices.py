@@ -8,7 +8,7 @@ import torch
 from conftest import logprob_worker, tiny_paths
 from device_check import OnDevice
 from rlspec.algo.batching import build_train_batch
-from rlspec.messages import RolloutBatch
+from rlspec.messages import MiniBatch, RolloutBatch
 
 
 def host_batch(seed: int = 0, n: int = 8, group: int = 2):
@@ -88,7 +88,7 @@ def test_learner_step_moves_its_batch_onto_its_device(monkeypatch):
                                   rendezvous=("127.0.0.1", 0), threads=1, device="meta")
     batch = host_batch()
     with OnDevice():
-        sums, stats = learner.train_step(batch, float(batch.loss_mask.sum()), float(len(batch)))
+        sums, stats = learner.train_step([MiniBatch(batch, float(batch.loss_mask.sum()), float(len(batch)))])
     assert stats["skipped"] == 0.0 and stats["micro_batches"] == 2.0 and "loss" in sums
     assert all(p.grad is None or p.grad.device.type == "meta" for p in learner.engine.module.parameters())
 

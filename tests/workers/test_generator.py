@@ -56,23 +56,29 @@ def test_greedy_speculation_is_token_for_token_exact(plain, drafted, prompts, me
         ray.kill(spec)
 
 
-def test_logprobs_under_speculation_match_target_recompute(drafted, prompts, tiny_policy):
-    """Sampled (T=1) rollouts with a draft: vLLM's returned log-probs are the target's. Tolerance:
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_under_speculation_match_target_recompute(drafted, prompts, tiny_policy, temperature):
+    """Sampled rollouts with a draft: vLLM's returned log-probs are the target's processed ones
+    (at T=0.7 they differ from the raw log-probs, so the learner's temperature must match). Tolerance:
     mean |diff| < 1e-4 and max < 1e-3 per token in float32; asking for log-probs keeps speculation on."""
     from transformers import AutoModelForCausalLM
 
     from rlspec.algo.logprobs import sequence_logprobs
 
-    ro = generate(drafted, prompts, 4, 1.0, 40)
+    ro = generate(drafted, prompts, 4, temperature, 40)
     assert ro.spec.drafts > 0 and ro.spec.accepted_tokens > 0  # speculation stayed on
     model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
-    diffs = []
+    diffs, raw_diffs = [], []
     with torch.no_grad():
         for p, r, lp in zip(ro.prompt_ids, ro.response_ids, ro.logprobs):
             ids = torch.tensor([p + r])
-            ref = sequence_logprobs(model, ids, torch.ones_like(ids))[0, len(p) - 1:]
+            ref = sequence_logprobs(model, ids, torch.ones_like(ids), temperature)[0, len(p) - 1:]
             diffs.append((ref - torch.tensor(lp)).abs())
+            raw = sequence_logprobs(model, ids, torch.ones_like(ids))[0, len(p) - 1:]
+            raw_diffs.append((raw - torch.tensor(lp)).abs())
     d = torch.cat(diffs)
+    if temperature != 1.0:  # the raw distribution's log-probs would not pass
+        assert torch.cat(raw_diffs).max().item() > 1e-2
     assert d.mean().item() < 1e-4 and d.max().item() < 1e-3, (d.mean().item(), d.max().item())
 
 
@@ -152,6 +158,13 @@ def test_auto_draft_length_exact_probing_then_off(plain, prompts):
     assert first.spec.drafts > 0 and len(first.spec.accepted_per_pos) == 3
     second = generate(auto, prompts, 1, 0.0, 48)
     assert second.response_ids == base.response_ids
+    # a validation call (rollout=False) neither counts as a call nor feeds the planner
+    import dataclasses
+
+    calls = lambda gen: (gen.adaptive.calls, gen.adaptive.last_lengths)  # noqa: E731
+    before = ray.get(auto.__ray_call__.remote(calls), timeout=60)
+    call(auto.generate, prompts[:2], dataclasses.replace(sampling(1, 0.0, 8), rollout=False))
+    assert ray.get(auto.__ray_call__.remote(calls), timeout=60) == before
     assert ray.get(auto.__ray_call__.remote(make_speculation_lose), timeout=60)
     off = generate(auto, prompts, 1, 0.0, 48)
     assert off.response_ids == base.response_ids

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_paths
+from conftest import ROOT, tiny_paths
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
-from rlspec.messages import TrainBatch
+from rlspec.messages import MiniBatch, TrainBatch
 
 
 def batch(nan_advantage: bool) -> TrainBatch:
@@ -39,11 +39,11 @@ def test_nonfinite_update_is_skipped_and_the_next_one_applies(zero_stage=1):
     learner = learner_of(t, 29600 + zero_stage)
     before = learner.full_weights()
     opt_steps = learner.engine.global_steps
-    metrics, stats = learner.train_step(batch(nan_advantage=True), 28.0, 4.0)
+    metrics, stats = learner.train_step([MiniBatch(batch(nan_advantage=True), 28.0, 4.0)])
     assert stats["skipped"] == 1.0 and math.isnan(metrics["loss"])
     after = learner.full_weights()
     assert all(torch.equal(before[k], after[k]) for k in before) and learner.engine.global_steps == opt_steps
-    metrics, stats = learner.train_step(batch(nan_advantage=False), 28.0, 4.0)
+    metrics, stats = learner.train_step([MiniBatch(batch(nan_advantage=False), 28.0, 4.0)])
     assert stats["skipped"] == 0.0 and math.isfinite(metrics["loss"])
     assert any(not torch.equal(before[k], v) for k, v in learner.full_weights().items())
 
@@ -59,20 +59,20 @@ def gradient_fault(zero_stage: int, dtype: str = "float32") -> None:
     learner = learner_of(t, 29610 + 2 * zero_stage + (dtype == "bfloat16"))
     wrapper = type(learner.engine.optimizer).__name__
     assert wrapper == {(0, "float32"): "SkippingAdamW", (0, "bfloat16"): "FP16_UnfusedOptimizer"}.get((zero_stage, dtype), wrapper)
-    assert learner.train_step(batch(nan_advantage=False), 28.0, 4.0)[1]["skipped"] == 0.0  # moments exist now
+    assert learner.train_step([MiniBatch(batch(nan_advantage=False), 28.0, 4.0)])[1]["skipped"] == 0.0  # moments exist now
     before, lr = learner.full_weights(), learner.sched.get_last_lr()
     moments = [v.clone() for s in learner.engine.optimizer.state.values() for v in s.values()
                if torch.is_tensor(v)] if zero_stage == 0 else []
     emb = learner.engine.module.get_input_embeddings().weight
     hook = emb.register_hook(lambda g: torch.full_like(g, float("nan")))
-    metrics, stats = learner.train_step(batch(nan_advantage=False), 28.0, 4.0)
+    metrics, stats = learner.train_step([MiniBatch(batch(nan_advantage=False), 28.0, 4.0)])
     assert stats["skipped"] == 1.0 and not math.isfinite(stats["grad_norm"]), (metrics, stats)
     after = learner.full_weights()
     assert all(torch.equal(before[k], after[k]) for k in before) and learner.sched.get_last_lr() == lr
     now = [v for s in learner.engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     assert all(torch.equal(a, b) for a, b in zip(moments, now)) and len(moments) == (len(now) if zero_stage == 0 else 0)
     hook.remove()
-    metrics, stats = learner.train_step(batch(nan_advantage=False), 28.0, 4.0)
+    metrics, stats = learner.train_step([MiniBatch(batch(nan_advantage=False), 28.0, 4.0)])
     assert stats["skipped"] == 0.0 and math.isfinite(metrics["loss"]) and learner.sched.get_last_lr() != lr
     assert any(not torch.equal(before[k], v) for k, v in learner.full_weights().items())
     print("gradient fault skipped", flush=True)
@@ -82,6 +82,81 @@ def gradient_fault(zero_stage: int, dtype: str = "float32") -> None:
 def test_nonfinite_gradient_is_skipped_by_the_engine(zero_stage, dtype):
     """In a fresh process per stage (DeepSpeed keeps its process groups)."""
     r = subprocess.run([sys.executable, "-c", f"from test_learner import gradient_fault; gradient_fault({zero_stage}, {dtype!r})"],
-                       cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+                       cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"},
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "gradient fault skipped" in r.stdout, r.stderr[-3000:]
+
+
+def rows(n: int = 8, seed: int = 1) -> TrainBatch:
+    """n rows of 12 tokens, the last 7 the response, advantages of both signs, sampler log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 200, (n, 12), generator=g)
+    mask = torch.zeros(n, 11)
+    mask[:, 4:] = 1
+    adv = torch.randn(n, generator=g)
+    return TrainBatch(ids, torch.ones_like(ids), mask, adv, -3 * torch.rand(n, 11, generator=g) * mask)
+
+
+def reference_update(batch: TrainBatch, size: int, epochs: int, lr: float, clip: float) -> dict[str, torch.Tensor]:
+    """The update by hand in plain torch: AdamW steps over consecutive mini-batches of `size`
+    rows, each with the PPO ratio against the initial weights' log-probs, clip-higher [0.8, 1.28]
+    and dual clip 3, token mean over the mini-batch, gradients clipped to `clip`."""
+    from rlspec.algo.logprobs import sequence_logprobs
+    from rlspec.algo.losses import LossInputs, ppo_clip_loss
+    from rlspec.models import load_causal_lm
+
+    model = load_causal_lm(tiny_paths().model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    with torch.no_grad():
+        old = sequence_logprobs(model, batch.input_ids, batch.attention_mask) * batch.loss_mask
+    for _ in range(epochs):
+        for lo in range(0, len(batch), size):
+            sl = slice(lo, lo + size)
+            logp = sequence_logprobs(model, batch.input_ids[sl], batch.attention_mask[sl])
+            x = LossInputs(logp=logp, old_logp=old[sl], advantages=batch.advantages[sl], mask=batch.loss_mask[sl])
+            loss, _ = ppo_clip_loss(x, 0.2, 0.28, 0.0, "token_mean", float(batch.loss_mask[sl].sum()), float(size),
+                                    clip_ratio_c=3.0)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def mini_batch_run(size: int, epochs: int, port: int) -> tuple[dict, dict, dict]:
+    from rlspec.loops.step import mini_batches
+
+    from rlspec.workers.learner import Learner
+
+    t = TrainerConfig(micro_batch_size=2, zero_stage=0, dtype="float32", mini_batch_size=size, ppo_epochs=epochs,
+                      lr=1e-3)
+    learner = Learner(paths=tiny_paths(), model=ModelConfig(), algo=AlgoConfig(off_policy_correction="none"),
+                      trainer=t, generation=GenerationConfig(num_prompts_per_step=2, num_generations_per_prompt=4),
+                      rank=0, world_size=1, rendezvous=("127.0.0.1", port), threads=1)
+    b = rows()
+    (parts,) = mini_batches(b, torch.ones(len(b)), size, 1)
+    sums, stats = learner.train_step(parts, epochs)
+    return learner.full_weights(), sums, stats
+
+
+def mini_batches_match_the_reference() -> None:
+    """Run in a fresh process (DeepSpeed keeps its process groups)."""
+    got, sums, stats = mini_batch_run(2, 1, 29640)
+    want = reference_update(rows(), 2, 1, 1e-3, 1.0)
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert stats["optimizer_steps"] == 4 and stats["skipped"] == 0.0
+    assert worst < 1e-6, worst
+    assert sums["clip_frac"] > 0  # later mini-batches move the ratio past the clip
+    print(f"4 mini-batches: largest weight difference from the hand-computed reference {worst:.2e}, "
+          f"clip_frac {sums['clip_frac']:.3f}", flush=True)
+
+
+def test_four_mini_batches_match_a_hand_computed_reference():
+    """8 rows, mini-batches of 2 (4 AdamW steps, ZeRO 0): the Learner's weights equal a plain-torch
+    loop taking the same four steps by hand; the ratio moves off 1, so clipping binds."""
+    r = subprocess.run([sys.executable, "-c", "from test_learner import mini_batches_match_the_reference as f; f()"],
+                       cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "4 mini-batches" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    print(r.stdout.strip().splitlines()[-1])

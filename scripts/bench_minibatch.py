@@ -1,0 +1,74 @@
+"""One optimizer step per rollout batch against several (trainer.mini_batch_size), on the default
+experiment, side by side: held-out accuracy, how often the PPO clip binds, step time.
+
+    python scripts/bench_minibatch.py --steps 40 --seeds 0 1 2 --out docs/bench/minibatch.json
+
+Cells run interleaved per seed (machine drift hits both alike); each is `python -m rlspec.train`
+with the cell's overrides (scripts/bench_async.py runs them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_async import ROOT, mean_std, run_cell  # noqa: E402
+
+CELLS = {"one step per batch": [], "4 mini-batches": ["trainer.mini_batch_size=64"]}
+
+
+def with_clipping(r: dict) -> dict:
+    recs = json.loads((Path(r["run_dir"]) / "summary.json").read_text())["records"]
+    return {**r, "clip_frac": statistics.mean(x["extra"].get("train/clip_frac", 0.0) for x in recs),
+            "dual_clip_frac": statistics.mean(x["extra"].get("train/dual_clip_frac", 0.0) for x in recs),
+            "optimizer_steps": recs[-1]["extra"].get("train/optimizer_steps", 1.0)}
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| cell | optimizer steps per batch | clip_frac | held-out acc (start -> end) | step s |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['cell']} | {r['optimizer_steps']:.0f} | {r['clip_frac']:.3f} ± {r['clip_frac_std']:.3f} | "
+                   f"{r['val_accuracy_start']:.3f} -> {r['val_accuracy']:.3f} ± {r['val_accuracy_std']:.3f} | "
+                   f"{r['step_seconds']:.2f} ± {r['step_seconds_std']:.2f} |")
+    return "\n".join(out)
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    rows = []
+    for name in CELLS:
+        mine = [r for r in runs if r["cell"] == name]
+        row = {"cell": name, "seeds": [r["seed"] for r in mine], "overrides": CELLS[name],
+               "optimizer_steps": mine[0]["optimizer_steps"], "val_accuracy_start": mine[0]["val_accuracy_start"]}
+        for m in ("clip_frac", "dual_clip_frac", "val_accuracy", "step_seconds"):
+            row[m], row[f"{m}_std"] = mean_std([r[m] for r in mine])
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--work", default="multirun/bench_minibatch", help="run directories go here")
+    ap.add_argument("--out", default="bench_minibatch.json")
+    a = ap.parse_args()
+    t0, runs = time.time(), []
+    for seed in a.seeds:
+        for name, overrides in CELLS.items():
+            runs.append(with_clipping(run_cell(name, overrides, seed, a.steps, ROOT / a.work, 1800)))
+    rows = summarise(runs)
+    print(table(rows))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    Path(a.out).write_text(json.dumps({"version": commit.strip(), "steps": a.steps, "seeds": a.seeds, "rows": rows,
+                                       "runs": runs, "wall_seconds": time.time() - t0}, indent=1) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
