@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -217,6 +218,7 @@ def run(args) -> list[dict]:
             paths=ModelPaths(target, target, spec.model), model=ModelConfig(max_model_len=256), generation=gen,
             speculation=spec, seed=args.seed, threads=args.threads)
     records = []
+    version = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     for b in args.batch_sizes:
         n = min(b, args.group)
         batch = prompts[: b // n]
@@ -241,7 +243,8 @@ def run(args) -> list[dict]:
                                           for i in range(len(spec_tot[0].accepted_per_pos))] if drafts else [],
                    "draft_schedule": ros[-1].draft_schedule,
                    "speedup_vs_none": tps / base, "target_params": n_params, "target_active_params": n_active, "dtype": args.dtype,
-                   "temperature": args.temperature, "max_tokens": args.max_tokens, **moe}
+                   "temperature": args.temperature, "max_tokens": args.max_tokens, "version": version,
+                   "repeats": args.repeats, **moe}
             records.append(rec)
             print(f"{method:>11} k={k} batch={b:4d}: {tps:8.1f} tok/s (runs {', '.join(f'{x:.0f}' for x in rates)})"
                   f"  acc_len {acc:.2f}  speedup {rec['speedup_vs_none']:.2f}x", flush=True)
