@@ -179,9 +179,29 @@ class OnlineDraftConfig:
 
 
 @dataclass
+class HistoryConfig:
+    """Rollout-history drafting (speculation.method=history, rlspec/speculation/history.py): drafts
+    read from earlier rollouts of the same prompt, the live siblings of its group and the prompt."""
+    # A draft continues the longest context suffix (at least min_match tokens, at most max_match)
+    # seen before; min_match is the length of the index key (1 to 3).
+    min_match: int = 2
+    max_match: int = 8
+    # Each drafted token must be the continuation of at least this share of the matches still
+    # agreeing with the draft so far: drafts stop where the history disagrees.
+    min_prob: float = 0.5
+    # Matches read per source and row, the most recent ones.
+    max_candidates: int = 64
+    # Bounds: responses kept per prompt (oldest dropped), and tokens kept over all prompts (least
+    # recently seen prompts evicted first).
+    max_rollouts_per_prompt: int = 32
+    max_tokens: int = 2_000_000
+
+
+@dataclass
 class SpeculationConfig:
     # none | draft_model (a small LM) | eagle3 (a draft head) | mtp (the target's own MTP layers)
-    # | ngram (prompt lookup) | suffix. Verification is lossless rejection sampling in vLLM.
+    # | ngram (prompt lookup) | suffix | history (earlier rollouts of the same prompt and its
+    # group's siblings). Verification is lossless rejection sampling in vLLM.
     method: str = "none"
     # Draft length k (tokens proposed per verification), or 'auto': k (0 .. max_speculative_tokens,
     # or speculation off) chosen per batch-size bucket and per step from measured step costs and
@@ -192,13 +212,14 @@ class SpeculationConfig:
     # Batch sizes at which 'auto' times engine steps at start (each running batch size uses the
     # nearest, in log scale).
     auto_buckets: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256])
-    # 'auto' drafts max_speculative_tokens on the first call and every this many calls, in the
-    # buckets where it speculates, so acceptance at every draft position stays measured.
+    # 'auto' probes (drafts longer than planned, to measure acceptance further along the draft) on
+    # the first call, on every this many training calls, and on every training call while some draft
+    # position was never measured.
     auto_probe_every: int = 8
-    # A probe drafts max_speculative_tokens only in buckets where that step costs at most this many
-    # times a step without drafting (so a probing call is at most that much slower there).
+    # A probing step costs at most this many times the step it replaces: on the first call a step
+    # without drafting, later the bucket's planned k (rlspec/speculation/adaptive.py: plan).
     auto_probe_max_cost: float = 1.5
-    # Draft checkpoint directory or hub ID (draft_model, eagle3); must be None for ngram, mtp, suffix.
+    # Draft checkpoint directory or hub ID (draft_model, eagle3); none for ngram, mtp, suffix, history.
     model: Optional[str] = None
     # How the draft proposes: 'probabilistic' samples from the draft's distribution and accepts
     # with min(1, p/q); 'greedy' proposes the draft's argmax (one-hot q). Both keep the target's
@@ -209,6 +230,7 @@ class SpeculationConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     online: OnlineDraftConfig = field(default_factory=OnlineDraftConfig)
+    history: HistoryConfig = field(default_factory=HistoryConfig)
 
     @property
     def adaptive(self) -> bool:
@@ -371,7 +393,7 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="rlspec_schema", node=RLSpecConfig)
 
 
-SPEC_METHODS = ("none", "draft_model", "eagle3", "mtp", "ngram", "suffix")
+SPEC_METHODS = ("none", "draft_model", "eagle3", "mtp", "ngram", "suffix", "history")
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -557,6 +579,12 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
                "must be greedy or probabilistic")
         _check(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculation.prompt_lookup_min",
                "must be in [1, prompt_lookup_max]")
+    h = sp.history
+    _check(1 <= h.min_match <= 3, "speculation.history.min_match", f"must be 1, 2 or 3, got {h.min_match}")
+    _check(h.max_match >= h.min_match, "speculation.history.max_match", "must be >= speculation.history.min_match")
+    _check(0 < h.min_prob <= 1, "speculation.history.min_prob", f"must be in (0, 1], got {h.min_prob}")
+    for key in ("max_candidates", "max_rollouts_per_prompt", "max_tokens"):
+        _check(getattr(h, key) >= 1, f"speculation.history.{key}", "must be >= 1")
     o = sp.online
     if o.enabled:
         _check(sp.method == "eagle3", "speculation.online.enabled",

@@ -93,6 +93,7 @@ class RolloutBatch:
     draft_schedule: list[list[int]] | None = None  # 'auto': [first, last, k] batch-size ranges used
     # step_moments() of the call's decode steps (prefill steps left out): engine step cost vs batch
     decode_moments: list[float] | None = None
+    history: dict | None = None      # speculation=history: the drafter's counters (HistoryStats)
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +103,7 @@ class RolloutBatch:
         return RolloutBatch([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
                             [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
                             self.policy_version, self.seconds, self.spec, self.draft_schedule,
-                            self.decode_moments)
+                            self.decode_moments, self.history)
 
     @staticmethod
     def concat(parts: list["RolloutBatch"], mixed_versions: bool = False) -> "RolloutBatch":

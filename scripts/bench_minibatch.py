@@ -24,16 +24,20 @@ CELLS = {"one step per batch": [], "4 mini-batches": ["trainer.mini_batch_size=6
 
 def with_clipping(r: dict) -> dict:
     recs = json.loads((Path(r["run_dir"]) / "summary.json").read_text())["records"]
-    return {**r, "clip_frac": statistics.mean(x["extra"].get("train/clip_frac", 0.0) for x in recs),
-            "dual_clip_frac": statistics.mean(x["extra"].get("train/dual_clip_frac", 0.0) for x in recs),
-            "optimizer_steps": recs[-1]["extra"].get("train/optimizer_steps", 1.0)}
+    clip = [x["extra"]["train/clip_frac"] for x in recs]
+    return {**r, "clip_frac": statistics.mean(clip), "clip_frac_max": max(clip),
+            "clip_steps": sum(c > 0 for c in clip),
+            "dual_clip_frac": statistics.mean(x["extra"]["train/dual_clip_frac"] for x in recs),
+            "optimizer_steps": recs[-1]["extra"]["train/optimizer_steps"]}
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| cell | optimizer steps per batch | clip_frac | held-out acc (start -> end) | step s |",
-           "|---|---|---|---|---|"]
+    out = ["| cell | optimizer steps per batch | clip_frac (mean over steps) | largest step's clip_frac | "
+           "steps where the clip bound | held-out acc (start -> end) | step s |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['cell']} | {r['optimizer_steps']:.0f} | {r['clip_frac']:.3f} ± {r['clip_frac_std']:.3f} | "
+        out.append(f"| {r['cell']} | {r['optimizer_steps']:.0f} | {r['clip_frac']:.1e} ± {r['clip_frac_std']:.1e} | "
+                   f"{r['clip_frac_max']:.1e} | {r['clip_steps']:.1f} of {r['steps']} | "
                    f"{r['val_accuracy_start']:.3f} -> {r['val_accuracy']:.3f} ± {r['val_accuracy_std']:.3f} | "
                    f"{r['step_seconds']:.2f} ± {r['step_seconds_std']:.2f} |")
     return "\n".join(out)
@@ -45,7 +49,8 @@ def summarise(runs: list[dict]) -> list[dict]:
         mine = [r for r in runs if r["cell"] == name]
         row = {"cell": name, "seeds": [r["seed"] for r in mine], "overrides": CELLS[name],
                "optimizer_steps": mine[0]["optimizer_steps"], "val_accuracy_start": mine[0]["val_accuracy_start"]}
-        for m in ("clip_frac", "dual_clip_frac", "val_accuracy", "step_seconds"):
+        row["steps"] = mine[0]["steps"]
+        for m in ("clip_frac", "clip_frac_max", "clip_steps", "dual_clip_frac", "val_accuracy", "step_seconds"):
             row[m], row[f"{m}_std"] = mean_std([r[m] for r in mine])
         rows.append(row)
     return rows
@@ -57,11 +62,21 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--work", default="multirun/bench_minibatch", help="run directories go here")
     ap.add_argument("--out", default="bench_minibatch.json")
+    ap.add_argument("--resummarise", metavar="JSON", help="recompute an earlier run's rows from its run directories "
+                    "(still on disk) and write them back")
     a = ap.parse_args()
+    if a.resummarise:
+        r = json.loads(Path(a.resummarise).read_text())
+        r["runs"] = [with_clipping({**x, "steps": r["steps"]}) for x in r["runs"]]
+        r["rows"] = summarise(r["runs"])
+        Path(a.resummarise).write_text(json.dumps(r, indent=1) + "\n")
+        print(table(r["rows"]))
+        return
     t0, runs = time.time(), []
     for seed in a.seeds:
         for name, overrides in CELLS.items():
-            runs.append(with_clipping(run_cell(name, overrides, seed, a.steps, ROOT / a.work, 1800)))
+            runs.append(with_clipping({**run_cell(name, overrides, seed, a.steps, ROOT / a.work, 1800),
+                                       "steps": a.steps}))
     rows = summarise(runs)
     print(table(rows))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout

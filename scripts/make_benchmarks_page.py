@@ -30,7 +30,7 @@ ROLLOUT = {
     "rollout_default_big.json": ("The same pair at batch 64 and 256 (the default experiment's rollout batch)",
                                  "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
                                  "--batch-sizes 64 256 --methods none draft_model:1 draft_model:3 draft_model:5 "
-                                 "draft_model:7 draft_model:auto ngram:3 --repeats 15 "
+                                 "draft_model:7 draft_model:auto ngram:3 --repeats 31 "
                                  "--out docs/bench/rollout_default_big.json"),
     "rollout_wide_small.json": ("A widened dense target (the tiny policy at 4x width and 8 layers: 101M parameters, bf16), "
                                 "batch 1 and 8",
@@ -90,16 +90,35 @@ def peer_section(path: Path) -> list[str]:
     return out
 
 
+def auto_lines(records: list[dict]) -> list[str]:
+    """Per batch size: 'auto' against no speculation and against the best fixed k of its method."""
+    out = []
+    for a in (r for r in records if r["k"] == "auto"):
+        fixed = [r for r in records if r["method"] == a["method"] and r["batch_size"] == a["batch_size"]
+                 and r["k"] != "auto"]
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda r: r["tokens_per_second"])
+        out.append(f"- batch {a['batch_size']}: `auto` {a['speedup_vs_none']:.2f}x no speculation, "
+                   f"{a['tokens_per_second'] / best['tokens_per_second']:.2f}x the best fixed k (k={best['k']}, "
+                   f"{best['speedup_vs_none']:.2f}x)")
+    return out
+
+
 def rollout_section(paths: list[Path]) -> list[str]:
     out = ["## Rollout generation and the k sweep", "",
            "Generation alone, no speculation against each drafting method and k, side by side in one "
            "invocation (each cell: tokens/s, speedup against no speculation in the same run, tokens per "
-           "verification). These files do not record the rlspec version they were measured at, so an `auto` "
-           "row need not reflect the current planner: rerun its command to measure it.", ""]
+           "verification; the median over the timed calls). A file that does not record the rlspec version "
+           "it was measured at predates the current `auto` planner: rerun its command to measure it.", ""]
     for p in paths:
         title, cmd = ROLLOUT[p.name]
-        out += [f"### {title}", "", f"`{p.relative_to(ROOT)}`:", "", "```bash", cmd, "```", "",
-                bench_rollout.table(json.loads(p.read_text())), ""]
+        records = json.loads(p.read_text())
+        at = (f" (at {records[0]['version']}, {records[0]['repeats']} timed calls per cell)"
+              if "version" in records[0] else " (rlspec version not recorded)")
+        lines = auto_lines(records) if "version" in records[0] else []
+        out += [f"### {title}", "", f"`{p.relative_to(ROOT)}`{at}:", "", "```bash", cmd, "```", "",
+                bench_rollout.table(records), ""] + (lines + [""] if lines else [])
     return out
 
 

@@ -11,6 +11,32 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
     return [(p * n // parts, (p + 1) * n // parts) for p in range(parts)]
 
 
+def by_prompt(prompt_ids: list[list[int]], parts: int) -> list[list[int]]:
+    """Prompt indices per engine, each prompt always on the same engine (a hash of its tokens):
+    history drafting finds a prompt's earlier rollouts where they were generated. Stateless, so a
+    resumed run routes as before; the price is per-call imbalance (binomial in the prompt count)."""
+    import zlib
+
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i, p in enumerate(prompt_ids):
+        out[zlib.crc32(torch.tensor(p, dtype=torch.int64).numpy().tobytes()) % parts].append(i)
+    return out
+
+
+def merge_routed(parts: list[RolloutBatch], routes: list[list[int]], n: int) -> RolloutBatch:
+    """merge_rollouts of engines that got the prompt indices `routes` (n samples each), rows put
+    back in prompt order."""
+    out = merge_rollouts(parts)
+    where = {}  # prompt index -> first row in the merged batch
+    row = 0
+    for idx in routes:
+        for i in idx:
+            where[i] = row
+            row += n
+    order = [where[i] + j for i in sorted(where) for j in range(n)]
+    return out.select(order)
+
+
 def merge_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
     """Engine outputs in prompt order. Engines run in parallel: the call took the slowest one's
     time; speculation counters add up."""
@@ -19,6 +45,8 @@ def merge_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
     specs = [p.spec for p in parts if p.spec is not None]
     out.spec = sum(specs[1:], specs[0]) if specs else None
     out.draft_schedule = parts[0].draft_schedule
+    hist = [p.history for p in parts if p.history is not None]
+    out.history = {k: sum(h[k] for h in hist) for k in hist[0]} if hist else None
     for p in parts:
         out.decode_moments = add_moments(out.decode_moments, p.decode_moments)
     return out

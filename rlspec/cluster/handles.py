@@ -51,18 +51,44 @@ class Group:
 class Generators(Group):
     role = "generator"
 
+    def __init__(self, handles: list[Any], sticky: bool = False):
+        super().__init__(handles)
+        self.sticky = sticky  # speculation=history: a prompt always goes to the same engine
+
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Call:
         """Rollouts of every prompt, the prompts spread over the engines and joined in order."""
         if len(self.handles) == 1:
             return self.one(0, Generator.generate, prompt_ids, sampling)
         from rlspec.cluster import fanout  # torch: not imported before the driver starts Ray
 
+        if self.sticky:
+            routes = fanout.by_prompt(prompt_ids, len(self.handles))
+            used = [(e, r) for e, r in enumerate(routes) if r]
+            parts = [self.one(e, Generator.generate, [prompt_ids[i] for i in r], sampling) for e, r in used]
+            return fan_out(self.role, Generator.generate.__name__, parts,
+                           lambda ros: fanout.merge_routed(ros, [r for _, r in used], sampling.n))
         parts = [self.one(e, Generator.generate, prompt_ids[lo:hi], sampling)
                  for e, (lo, hi) in enumerate(fanout.split(len(prompt_ids), len(self.handles))) if hi > lo]
         return fan_out(self.role, Generator.generate.__name__, parts, fanout.merge_rollouts)
 
     def ping(self) -> list[Call]:
         return self.all(Generator.ping)
+
+    def save_history(self, ckpt_dir: str) -> list[Call]:
+        """speculation=history: every engine's store to ckpt_dir/history_E.pt."""
+        return [self.one(e, Generator.save_history, f"{ckpt_dir}/history_{e}.pt") for e in range(len(self))]
+
+    def load_history(self, ckpt_dir: str) -> list[Call]:
+        """Engine E takes history_E.pt; with another engine count than at the save, prompts route
+        elsewhere, so every engine takes every store."""
+        from pathlib import Path
+
+        saved = sorted(Path(ckpt_dir).glob("history_*.pt"))
+        if not saved:
+            return []
+        if len(saved) == len(self):
+            return [self.one(e, Generator.load_history, [f"{ckpt_dir}/history_{e}.pt"]) for e in range(len(self))]
+        return self.each(Generator.load_history, [str(p) for p in saved])
 
 
 class LogprobWorkers(Group):

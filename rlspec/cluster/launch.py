@@ -61,7 +61,8 @@ def launch_actors(cfg: RLSpecConfig, paths: ModelPaths) -> Actors:
     threads = c.threads_per_actor
     generators = Generators([start(Generator, GEN, e, paths=paths, model=cfg.model, generation=g,
                                    speculation=cfg.speculation, seed=t.seed, threads=c.generator_threads or threads,
-                                   nice=c.generator_nice) for e in range(c.num_generators)])
+                                   nice=c.generator_nice) for e in range(c.num_generators)],
+                            sticky=cfg.speculation.method == "history")
     if plan.on_gpu:
         # vLLM sizes its KV cache from the memory free while it starts (and, under sleep mode,
         # releases it until the first call): learners and log-prob workers sharing its GPUs start

@@ -3,7 +3,8 @@
     checkpoints/
       step_00000004/        learner/ (DeepSpeed: weights, optimizer, scheduler, per rank),
                             reference.pt (KL reference policy, when on), draft.pt (online-
-                            trained draft head and its optimizer, when on), driver.pt (data-loader
+                            trained draft head and its optimizer, when on), history_E.pt
+                            (speculation=history: engine E's store), driver.pt (data-loader
                             position, driver RNGs, run log, counters), config.json, COMPLETE
       step_00000008/
       latest                "step_00000008", written last
@@ -186,7 +187,8 @@ class Checkpointer:
         tmp = begin(self.root, step)
         a = self.actors
         wait([*a.learners.save_checkpoint(str(tmp)), *a.logprobs.save_reference(str(tmp / "reference.pt")),
-              *([a.draft_trainer.save(str(tmp / "draft.pt"))] if a.draft_trainer is not None else [])],
+              *([a.draft_trainer.save(str(tmp / "draft.pt"))] if a.draft_trainer is not None else []),
+              *(a.generators.save_history(str(tmp)) if a.generators.sticky else [])],
              a.timeout_s)
         state = DriverState(step=step, sampler=position, rng=rng_state(), records=[asdict(r) for r in self.log.records],
                             val=list(self.log.val), counters=counters.as_dict())
@@ -207,6 +209,8 @@ class Checkpointer:
             # the online-trained head (its optimizer too); its feature cache refills from new rollouts
             wait(a.draft_trainer.load(str(ckpt / "draft.pt")), a.timeout_s)
             a.weights.push_draft(a.draft_trainer, state.step)
+        if a.generators.sticky:  # speculation=history: the drafter's store, so drafting pays at once
+            wait(a.generators.load_history(str(ckpt)), a.timeout_s)
         sampler.load_state(state.sampler)
         set_rng_state(state.rng)
         self.log.records = [StepRecord(**r) for r in state.records]

@@ -33,9 +33,14 @@ class GenTotals:
     spec: SpecStats | None = None
     draft_schedule: list | None = None  # 'auto': the last call's [first, last, k] ranges
     decode_moments: list | None = None  # engine decode steps' step_moments(), every call and engine
+    history: dict | None = None  # speculation=history: the drafter's counters, summed over calls
 
     def add(self, ro: RolloutBatch) -> None:
         self.tokens += ro.num_tokens
+        if ro.history is not None:  # counters add up over calls; the store's size is the latest
+            old = self.history or {}
+            self.history = {k: v if k in ("prompts", "history_tokens") else old.get(k, 0) + v
+                            for k, v in ro.history.items()}
         self.seconds += ro.seconds
         self.draft_schedule = ro.draft_schedule
         self.decode_moments = add_moments(self.decode_moments, ro.decode_moments)

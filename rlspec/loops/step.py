@@ -137,6 +137,7 @@ def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
         spec=None if spec is None else {"drafts": spec.drafts, "drafted_tokens": spec.draft_tokens,
                                         "accepted_tokens": spec.accepted_tokens,
                                         "acceptance_per_pos": spec.acceptance_per_pos,
+                                        **{f"history_{k}": v for k, v in (totals.history or {}).items()},
                                         **({} if totals.draft_schedule is None else
                                            {"draft_schedule": totals.draft_schedule})},
         extra={**{f"train/{k}": v for k, v in metrics.items()}, **stats, **draft, "refit_seconds": refit_s,

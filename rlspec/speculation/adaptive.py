@@ -18,11 +18,14 @@ predicts no speculation to be faster (a prediction from measured costs and accep
 guarantee: the benchmarks page reports how close it lands; on Model Runner V2, OFF is k=0).
 Whether a mixed schedule beats OFF for a whole call is judged on the previous call's batch-size
 trajectory (how many sequences were still running at each token index): a k=0 bucket still pays
-the draft's forward, OFF does not. The first call, and every `probe_every`-th, drafts k_max in the
-buckets that speculate where a k_max step costs at most `probe_max_cost` times a step without
-drafting, so acceptance at every position stays measured; those calls can be slower than no
-speculation, by at most that factor per step. Only training rollouts feed the estimates (not
-validation calls, whose lengths and temperature differ).
+the draft's forward, OFF does not. Probing measures the positions the plan would not reach: the
+first call drafts, per bucket, the longest k whose step costs at most `probe_max_cost` times a step
+without drafting; later probes (every `probe_every`-th training call, and every training call while
+some position was never measured) draft, in the buckets that speculate, the longest k whose step
+costs at most `probe_max_cost` times the planned k's. A probing step thus costs at most that factor
+times a step that emits at least as many tokens as no speculation's (predicted from measured
+costs). Only training rollouts feed the estimates (not validation calls, whose lengths and
+temperature differ).
 """
 from __future__ import annotations
 
@@ -89,7 +92,7 @@ class DraftLengthPlanner:
     step_seconds: dict[tuple[int, int], float]   # (bucket, k or OFF) -> seconds per engine step
     accept: list[float] = field(default_factory=list)  # [k_max] conditional acceptance a_i
     decay: float = 0.9   # weight left on earlier counts each time a position or cost is measured again
-    probe_max_cost: float = 1.5  # a probe drafts k_max only where that step costs at most this x OFF's
+    probe_max_cost: float = 1.5  # a probing step costs at most this x the step it replaces (OFF, or the planned k)
     counts: list[list[float]] = field(default_factory=list, repr=False)  # per position: [accepted, reached]
     calibrated: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # step costs as timed
     cost_counts: dict[int, list[float]] = field(default_factory=dict, repr=False)  # bucket: [sum offset, n]
@@ -112,25 +115,47 @@ class DraftLengthPlanner:
 
     def plan(self, lengths: list[int] | None = None, probe: bool = False) -> DraftPlan:
         """k per bucket; OFF for the call when it is predicted faster over `lengths` (the last
-        call's response lengths) or, without them, when no bucket beats OFF. probe: k_max in the
-        buckets that speculate (first call: every bucket) where a k_max step costs at most
-        probe_max_cost times a step without drafting, so a probe is at most that much slower than
-        no speculation in any bucket."""
+        call's response lengths) or, without them, when no bucket beats OFF.
+
+        Probing measures acceptance at draft positions the plan alone would not reach, at a bounded
+        cost: before anything is measured, every bucket drafts the largest k whose step costs at
+        most probe_max_cost x a step without drafting (none where even k=1 costs more; the call
+        runs OFF if that holds everywhere). With probe=True, every bucket that speculates drafts
+        the largest k whose step costs at most probe_max_cost x its planned k's step. Either way a
+        probing step costs at most probe_max_cost x a step that emits no fewer tokens than no
+        speculation's, as predicted from the measured costs."""
+        first = not self.accept
         best = {}
         for b in self.buckets:
             rates = {k: self.tokens_per_second(b, k) for k in range(self.k_max + 1) if (b, k) in self.step_seconds}
-            affordable = self.step_seconds[(b, self.k_max)] <= self.probe_max_cost * self.step_seconds[(b, OFF)]
-            probing = probe and affordable and (not self.accept or best_is_spec(rates, self, b))
-            best[b] = self.k_max if probing else max(rates, key=rates.get)
+            k = max(rates, key=rates.get)
+            if first:
+                k = self.probe_k(b, OFF, 0)
+            elif probe and k > 0 and best_is_spec(rates, self, b):
+                k = self.probe_k(b, k, k)
+            best[b] = k
         ranges = bucket_ranges(self.buckets, self.max_batch)
         plan = DraftPlan(off=False, k_by_bucket=best, schedule=[(lo, hi, best[b]) for lo, hi, b in ranges])
-        if not self.accept:
-            return plan  # nothing measured yet: the first call probes
-        if lengths:
+        if first:
+            plan.off = all(k == 0 for k in best.values())  # drafting costs too much everywhere
+        elif lengths:
             plan.off = self.call_seconds(plan, lengths) >= self.call_seconds(None, lengths)
         else:
             plan.off = all(self.tokens_per_second(b, best[b]) <= self.tokens_per_second(b, OFF) for b in self.buckets)
         return plan
+
+    def probe_k(self, bucket: int, base: int, floor: int) -> int:
+        """The largest k >= max(floor, 1) whose step costs at most probe_max_cost x the step at
+        `base` (a k, or OFF); floor when there is none."""
+        limit = self.probe_max_cost * self.step_seconds[(bucket, base)]
+        ks = [k for k in range(max(floor, 1), self.k_max + 1)
+              if (bucket, k) in self.step_seconds and self.step_seconds[(bucket, k)] <= limit]
+        return max(ks, default=floor)
+
+    def unmeasured(self) -> bool:
+        """Some draft position has never been reached by a measured draft (probing continues on
+        every training call until each is, or none is affordable)."""
+        return not self.counts or any(c[1] <= 0 for c in self.counts)
 
     def call_seconds(self, plan: DraftPlan | None, lengths: list[int]) -> float:
         """Predicted engine seconds to generate responses of these lengths (plan None: OFF).

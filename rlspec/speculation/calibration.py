@@ -32,6 +32,7 @@ VLLM_SURFACE = {
     "propose_draft_token_ids": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner",   # V1 only
                                 "vllm.v1.worker.cpu_model_runner:CPUModelRunner"],
     "input_batch": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],          # V1 only
+    "drafter": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],  # V1 (speculation=history runs there)
     "step": ["vllm.v1.engine.llm_engine:LLMEngine"],
     "has_unfinished_requests": ["vllm.v1.engine.llm_engine:LLMEngine"],
     "add_request": ["vllm.v1.engine.llm_engine:LLMEngine"],
@@ -67,7 +68,8 @@ class AdaptiveK:
         if self.planner is None:
             self.planner = self.calibrate(prompt_ids)
             self.planner.probe_max_cost = self.probe_max_cost
-        self.plan = self.planner.plan(self.last_lengths, probe=rollout and self.calls % self.probe_every == 0)
+        probe = rollout and (self.calls % self.probe_every == 0 or self.planner.unmeasured())
+        self.plan = self.planner.plan(self.last_lengths, probe=probe)
         self.calls += rollout
         self.set_k(OFF if self.plan.off else self.plan.k_at)
         return time.perf_counter() - t0
@@ -95,6 +97,10 @@ class AdaptiveK:
         n = len(sched.dynamic_sd_lookup)
         off = k_of_batch == OFF
         sched.dynamic_sd_lookup[:] = [0] * n if off else [0] + [k_of_batch(b) for b in range(1, n)]
+        if self.engine.spec_config["method"] == "custom_class":  # rlspec's history drafter reads k itself
+            from rlspec.speculation import history
+
+            self.engine.llm.collective_rpc(history.set_k, args=(list(sched.dynamic_sd_lookup),))
         if self.engine.spec_config["method"] != "ngram":  # n-gram lookup costs nothing to skip
             self.engine.llm.collective_rpc(_set_drafting, args=(not off,))
 

@@ -9,6 +9,10 @@ def vllm_speculative_config(spec: SpeculationConfig, draft_dir: str | None) -> d
     if spec.method == "none":
         return None
     out: dict = {"method": spec.method, "num_speculative_tokens": spec.k_max}
+    if spec.method == "history":  # rlspec's own drafter, hosted as vLLM's custom proposer
+        from rlspec.speculation.history import PROPOSER
+
+        out.update(method="custom_class", model=PROPOSER)
     if spec.adaptive:
         # Built for the largest k; the scheduler's batch-size schedule (rewritten every call by
         # rlspec.speculation.calibration) picks the k each engine step uses. Every k from 1 to
@@ -42,4 +46,4 @@ def gpu_model_runner(spec: SpeculationConfig) -> str:
     """The model runner vLLM picks for this speculation on a GPU ("V1" or "V2"): V2 wherever
     Triton runs, except for the methods V2 does not implement (vLLM's own rule, checked against
     the installed wheel by tests/speculation/test_runner_api.py). The CPU build always runs V1."""
-    return "V1" if spec.method in V1_ONLY_METHODS else "V2"
+    return "V1" if spec.method in V1_ONLY_METHODS or spec.method == "history" else "V2"

@@ -4,6 +4,7 @@ are refit from the learner and the DraftTrainer."""
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 
 import torch
 
@@ -11,6 +12,7 @@ from rlspec.config import GenerationConfig, ModelConfig, SpeculationConfig
 from rlspec.engines.vllm_engine import VLLMEngine
 from rlspec.messages import RolloutBatch, Sampling
 from rlspec.models import ModelPaths
+from rlspec.speculation import history
 from rlspec.speculation.calibration import AdaptiveK
 from rlspec.speculation.vllm_config import vllm_speculative_config
 
@@ -24,6 +26,9 @@ class Generator:
         self.engine = VLLMEngine(paths.model, paths.tokenizer, generation, model.max_model_len, seed,
                                  vllm_speculative_config(speculation, paths.draft))
         self.adaptive = AdaptiveK(self.engine, speculation) if speculation.adaptive else None
+        self.history = speculation.method == "history"
+        if self.history:
+            self.engine.llm.collective_rpc(history.configure, args=(asdict(speculation.history),))
         self.engine.sleep()  # sleep mode: hold no GPU memory until the first call (learners start next)
         self.policy_version = 0
         self.draft_version = 0
@@ -34,14 +39,42 @@ class Generator:
         self.engine.wake_up()
         try:
             planning = self.adaptive.before_call(prompt_ids, sampling.rollout) if self.adaptive else 0.0
+            if self.history:
+                self.engine.llm.collective_rpc(history.begin_call, args=(prompt_ids,))
             ro = self.engine.generate(prompt_ids, sampling, self.policy_version)
             ro.seconds += planning  # the call that calibrates 'auto' reports that cost too
+            if self.history:
+                ro.history = self.engine.llm.collective_rpc(history.call_stats)[0]
+                if sampling.rollout:  # training rollouts become history; validation answers do not
+                    self.record_history(ro.prompt_ids, ro.response_ids)
             if self.adaptive:
                 self.adaptive.after_call(ro, self.engine.decode_steps, sampling.rollout)
                 ro.draft_schedule = self.adaptive.draft_schedule()
             return ro
         finally:
             self.engine.sleep()
+
+    def record_history(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
+        """speculation=history: these responses join their prompts' history (every call's training
+        rollouts do so by themselves)."""
+        if not self.history:
+            raise RuntimeError("record_history: speculation.method is not history")
+        self.engine.llm.collective_rpc(history.record, args=(prompt_ids, response_ids))
+
+    def history_state(self) -> dict:
+        """speculation=history: the drafter's store (every prompt's recent responses)."""
+        return self.engine.llm.collective_rpc(history.state_dict)[0]
+
+    def load_history_state(self, state: dict) -> None:
+        self.engine.llm.collective_rpc(history.load_state_dict, args=(state,))
+
+    def save_history(self, path: str) -> None:
+        torch.save(self.history_state(), path)
+
+    def load_history(self, paths: list[str]) -> None:
+        """The stores saved at `paths`, merged (least recently seen first, bounds applied)."""
+        states = [torch.load(p, weights_only=True) for p in paths]
+        self.load_history_state({"prompts": [x for s in states for x in s["prompts"]]})
 
     def push_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
         """Refit the target from tensors (the object-store transport); seconds taken."""

@@ -21,6 +21,24 @@ def test_merge_rollouts_keeps_prompt_order_and_sums_speculation():
     assert m.seconds == 5.0 and m.spec == SpecStats(3, 9, 6, [3, 2, 1]) and m.policy_version == 3
 
 
+def test_history_routing_keeps_each_prompt_on_one_engine_and_rows_in_prompt_order():
+    prompts = [[i, i + 1, 7] for i in range(40)]
+    routes = fanout.by_prompt(prompts, 3)
+    assert sorted(i for r in routes for i in r) == list(range(40)) and all(routes)
+    # the same prompt goes to the same engine whatever else is in the call, and in which order
+    again = fanout.by_prompt(prompts[::-1][:10], 3)
+    engine_of = {tuple(prompts[i]): e for e, r in enumerate(routes) for i in r}
+    assert all(engine_of[tuple(prompts[::-1][i])] == e for e, r in enumerate(again) for i in r)
+    # engines answer in their own order (2 samples per prompt); the merge puts rows back in order
+    parts = [RolloutBatch([prompts[i] for i in r for _ in range(2)], [[i, j] for i in r for j in range(2)],
+                          [[0.0, 0.0]] * 2 * len(r), [False] * 2 * len(r), 1, 1.0 + e,
+                          history={"rows": len(r)}) for e, r in enumerate(routes)]
+    m = fanout.merge_routed(parts, routes, 2)
+    assert m.response_ids == [[i, j] for i in range(40) for j in range(2)]
+    assert m.prompt_ids == [p for p in prompts for _ in range(2)]
+    assert m.seconds == 3.0 and m.history == {"rows": 40}
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     from rlspec.loops.runlog import RunLog

@@ -107,14 +107,25 @@ def test_observe_steps_adds_the_measured_offset_to_every_k_of_a_bucket():
     assert pl.step_seconds[(1, OFF)] == pytest.approx(0.45) and pl.step_seconds[(1, 3)] == pytest.approx(1.3 - 0.45)
 
 
-def test_probes_skip_buckets_where_drafting_costs_more_than_the_bound():
-    """Before any acceptance is measured the first call probes k_max, but only in buckets where a
-    k_max step costs at most probe_max_cost (1.5) x a step without drafting: at batch 256 a k=3
-    step costs 3x OFF, so that bucket runs without drafting (k=0) even in the probe."""
-    costs = {(1, OFF): 1.0, (1, 0): 1.05, (1, 1): 1.1, (1, 2): 1.15, (1, 3): 1.2,
-             (256, OFF): 1.0, (256, 0): 1.2, (256, 1): 1.8, (256, 2): 2.4, (256, 3): 3.0}
+def test_probes_draft_as_long_as_the_cost_bound_allows_and_reach_deeper_positions_stepwise():
+    """Nothing measured: each bucket drafts the longest k whose step costs at most 1.5x a step
+    without drafting (batch 256: k=1 at 1.4x; k=2 would be 1.8x). Measured: a probe drafts, where
+    the plan speculates, the longest k whose step costs at most 1.5x the planned k's, so a plan that
+    picked k=1 from a_1 alone reaches k=3 through the probes."""
+    costs = {(1, OFF): 1.0, (1, 0): 1.1, (1, 1): 1.3, (1, 2): 1.6, (1, 3): 1.9,
+             (256, OFF): 1.0, (256, 0): 1.2, (256, 1): 1.4, (256, 2): 1.8, (256, 3): 2.2}
     p = DraftLengthPlanner(k_max=3, max_batch=256, step_seconds=costs)
+    assert p.unmeasured()
     first = p.plan(probe=True)
-    assert first.k_by_bucket == {1: 3, 256: 0}
-    p.probe_max_cost = 4.0
-    assert p.plan(probe=True).k_by_bucket == {1: 3, 256: 3}
+    assert first.k_by_bucket == {1: 1, 256: 1} and not first.off
+    p.observe(drafts=100, accepted_per_pos=[95, 0, 0], k_min=1)   # only a_1 measured
+    plan = p.plan()
+    assert plan.k_by_bucket == {1: 1, 256: 1} and p.unmeasured()
+    probe = p.plan(probe=True)                                      # 1.5 x 1.3 = 1.95 >= t(1, 3)
+    assert probe.k_by_bucket == {1: 3, 256: 2}
+    p.observe(drafts=100, accepted_per_pos=[95, 90, 85], k_min=2)
+    p.observe(drafts=100, accepted_per_pos=[95, 90, 85], k_min=3)
+    assert not p.unmeasured() and p.plan().k_by_bucket[1] == 3
+    # with drafting unaffordable everywhere, the first call runs without it (and so stays bounded)
+    p = DraftLengthPlanner(k_max=3, max_batch=256, step_seconds={**costs, (1, 1): 1.6, (256, 1): 1.6})
+    assert p.plan(probe=True).off

@@ -25,12 +25,19 @@ SPECS = {
     "eagle3": ["speculation=eagle3"],  # the shipped trained head (rlspec.draft.train)
     # a 1-token lookup window so that the short, high-entropy samples still get n-gram drafts
     "ngram": ["speculation=ngram", "speculation.prompt_lookup_min=1", "speculation.prompt_lookup_max=2"],
+    # rollout history: the 999 live siblings of every sample draft for it (1-token keys, as for ngram)
+    "history": ["speculation=history", "speculation.history.min_match=1"],
+    # ... and a history written by another policy first: the same model at temperature 0.3
+    # (RL's stale history) changes how much is accepted, never what is sampled
+    "history_other_policy": ["speculation=history", "speculation.history.min_match=1"],
 }
+OTHER_POLICY = dict(temperature=0.3)
 
 
-def _sample(seed: int, setting: str, overrides: list[str]):
-    """Samples [prompt][n][position] (EOS ends a sample early: later positions read -1) and the
-    number of accepted draft tokens, from a Generator actor (the training path, fix included)."""
+def _sample(seed: int, setting: str, overrides: list[str], prime: bool = False):
+    """Samples [prompt][n][position] (EOS ends a sample early: later positions read -1), the
+    number of accepted draft tokens and the history drafter's counters (None for other methods),
+    from a Generator actor (the training path, fix included)."""
     import ray
 
     from rlspec.messages import Sampling
@@ -39,13 +46,16 @@ def _sample(seed: int, setting: str, overrides: list[str]):
     cfg = compose(overrides)
     tok = load_tokenizer(cfg.model.path, "model.path")
     gen = start_generator(overrides, seed=seed)
+    if prime:  # rollouts of another policy become the history (a training call records them)
+        ray.get(gen.generate.remote([tok(p)["input_ids"] for p in PROMPTS],
+                                    Sampling(64, OTHER_POLICY["temperature"], MAX_TOKENS)), timeout=600)
     s = SETTINGS[setting]
     sampling = Sampling(N_SAMPLES, s["temperature"], MAX_TOKENS, None, s.get("top_p", 1.0), s.get("top_k", -1))
     ro = ray.get(gen.generate.remote([tok(p)["input_ids"] for p in PROMPTS], sampling), timeout=600)
     ray.kill(gen)
     padded = [r + [-1] * (MAX_TOKENS - len(r)) for r in ro.response_ids]
     samples = [padded[i * N_SAMPLES:(i + 1) * N_SAMPLES] for i in range(len(PROMPTS))]
-    return samples, 0 if ro.spec is None else ro.spec.accepted_tokens
+    return samples, 0 if ro.spec is None else ro.spec.accepted_tokens, ro.history
 
 
 _refs: dict = {}
@@ -61,8 +71,10 @@ def _reference(setting: str):
 @pytest.mark.parametrize("method", sorted(SPECS))
 def test_sampled_speculation_matches_target_distribution(ray_session, method, setting):
     ref = _reference(setting)
-    got, accepted = _sample(1, setting, SPECS[method])
+    got, accepted, history = _sample(1, setting, SPECS[method], prime=method == "history_other_policy")
     assert accepted > 100, f"only {accepted} draft tokens accepted: the test would test nothing"
+    if method == "history_other_policy":  # the other policy's answers were drafted from, and taken
+        assert history["accepted_history"] > 100, history
     pvals = {(p, pos): two_sample_p([s[pos] for s in ref[i]], [s[pos] for s in got[i]])
              for i, p in enumerate(PROMPTS) for pos in range(MAX_TOKENS)}
     worst = min(pvals, key=pvals.get)

@@ -71,6 +71,28 @@ def test_gpu_runner_choice_matches_vllm(method):
     assert want == ("V1" if method in ("custom_class", "suffix") else "V2")
 
 
+def test_history_drafter_is_a_vllm_custom_proposer_run_by_v1():
+    """speculation=history is vLLM's 'custom_class' method, which V2 does not take (GPUs fall back
+    to V1); V1 calls it with the batch's token rows, and vLLM's factory builds it from its path."""
+    from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
+
+    from rlspec.speculation.history import PROPOSER, HistoryProposer
+
+    spec = SpeculationConfig(method="history", num_speculative_tokens=3)
+    assert vllm_speculative_config(spec, None) == {"method": "custom_class", "model": PROPOSER,
+                                                   "num_speculative_tokens": 3}
+    assert gpu_model_runner(spec) == "V1" and unsupported_on_v2("custom_class")
+    src = inspect.getsource(load("vllm.v1.worker.gpu_model_runner:GPUModelRunner").propose_draft_token_ids)
+    call = src[src.index('spec_config.method == "custom_class"'):][:400]
+    assert all(a in call for a in ("sampled_token_ids,", "self.input_batch.num_tokens_no_spec,",
+                                   "self.input_batch.token_ids_cpu,"))
+    assert list(inspect.signature(HistoryProposer.propose).parameters)[1:4] == [
+        "sampled_token_ids", "num_tokens_no_spec", "token_ids_cpu"]
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(model=PROPOSER, num_speculative_tokens=3),
+                          model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 1000))
+    assert isinstance(create_custom_proposer(cfg), HistoryProposer)
+
+
 def test_adaptive_schedule_names_every_k_and_parses_in_vllm():
     """Under 'auto' the configured schedule holds every k from 1 to k_max (each a captured CUDA
     graph shape) and is one vLLM accepts."""

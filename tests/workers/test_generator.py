@@ -154,7 +154,12 @@ def test_auto_draft_length_exact_probing_then_off(plain, prompts):
     base = generate(plain, prompts, 1, 0.0, 48)
     first = generate(auto, prompts, 1, 0.0, 48)
     assert first.response_ids == base.response_ids
-    assert first.draft_schedule and all(k == 3 for *_, k in first.draft_schedule)  # the probe
+    # the first call probes: per bucket the longest k whose step costs at most 1.5x no drafting's
+    costs, ks = ray.get(auto.__ray_call__.remote(
+        lambda gen: (dict(gen.adaptive.planner.calibrated), gen.adaptive.plan.k_by_bucket)), timeout=60)
+    assert sorted(ks) == [1, 4] and max(ks.values()) >= 1, ks
+    for b, k in ks.items():
+        assert k == max([j for j in range(1, 4) if costs[(b, j)] <= 1.5 * costs[(b, -1)]], default=0), (costs, ks)
     assert first.spec.drafts > 0 and len(first.spec.accepted_per_pos) == 3
     second = generate(auto, prompts, 1, 0.0, 48)
     assert second.response_ids == base.response_ids

@@ -1,0 +1,321 @@
+"""Rollout-history drafting (`speculation=history`): drafts that cost no model, read from what RL
+already generated. RL samples G answers per prompt and returns to the same prompts every epoch;
+RhymeRL (arXiv 2508.18588) drafts from a prompt's earlier answers, Seer (arXiv 2511.14617) from
+the siblings of its group. Here three sources serve each request:
+
+- history: the prompt's responses from earlier calls (the most recent max_rollouts_per_prompt),
+- siblings: this call's responses to the same prompt as far as they got (finished ones whole,
+  the request's own answer so far included),
+- prompt: the prompt's own tokens (prompt lookup).
+
+Each source keeps continuation counts: for every context of min_match .. max_match tokens it saw,
+how often each next token followed. A draft takes, token by token, the next token of the longest
+context suffix any source has seen (counts of all sources at that length summed) while that
+token's share of the counts is at least min_prob, up to k tokens: a consistent history drafts
+long, a split one drafts nothing, and a draft stops where the responses it follows ended. Drafts
+are deterministic (one-hot q), so vLLM's rejection sampling keeps the target's distribution
+whatever the history holds.
+
+vLLM hosts the drafter as a custom proposer (speculative_config method 'custom_class', which
+Model Runner V1 runs: on a GPU vLLM falls back to V1 for it). It sees only the batch's token rows,
+so the Generator tells it through vLLM's collective_rpc which prompts a call runs (`begin_call`)
+and which responses the call returned (`record`); rows are told apart by their prompt prefix."""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from rlspec.config import HistoryConfig
+
+SOURCES = ("history", "siblings", "prompt")
+PROPOSER = "rlspec.speculation.history.HistoryProposer"
+
+
+class Table:
+    """Continuation counts: for every context of min_match .. max_match tokens seen, how often
+    each next token followed it (contexts keyed by their hash: a collision can only cost
+    acceptance, never correctness, since every draft is verified)."""
+
+    def __init__(self, orders: range):
+        self.orders = orders
+        self.next: dict[int, dict[int, int]] = {}
+
+    def add(self, seq: list[int], start: int, sign: int = 1) -> None:
+        """Count the continuations at positions start .. len(seq)-1 (sign -1 takes them back)."""
+        for p in range(max(start, self.orders.start), len(seq)):
+            t = seq[p]
+            for j in self.orders:
+                if j > p:
+                    break
+                key = hash(tuple(seq[p - j:p]))
+                d = self.next.get(key)
+                if d is None:
+                    if sign > 0:
+                        self.next[key] = {t: 1}
+                    continue
+                c = d.get(t, 0) + sign
+                if c > 0:
+                    d[t] = c
+                else:
+                    d.pop(t, None)
+                    if not d:
+                        del self.next[key]
+
+    def __len__(self) -> int:
+        return len(self.next)
+
+
+@dataclass
+class HistoryStats:
+    """Per-call counters of the history drafter (rows: a request at one engine step)."""
+    rows: int = 0              # requests the drafter was asked for
+    matched: int = 0           # ... that got a draft
+    drafted: list[int] = field(default_factory=lambda: [0] * len(SOURCES))   # tokens by source
+    accepted: list[int] = field(default_factory=lambda: [0] * len(SOURCES))  # attributed accepts by source
+    prompts: int = 0           # prompts with history at the call's start
+    history_tokens: int = 0    # tokens held over all prompts at the call's start
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        for name in ("drafted", "accepted"):
+            d.update({f"{name}_{s}": v for s, v in zip(SOURCES, d.pop(name))})
+        return d
+
+
+class PromptHistory:
+    """A prompt's most recent responses and their continuation table (each response counted
+    behind the prompt's last tokens, so a match may start in the prompt)."""
+
+    def __init__(self, prompt: list[int], cap: int, orders: range):
+        self.prompt, self.cap = prompt, cap
+        self.responses: deque[list[int]] = deque()
+        self.table = Table(orders)
+        self.tokens = 0
+
+    def _seq(self, response: list[int]) -> tuple[list[int], int]:
+        """The response behind the prompt's last tokens, and -1 where it ended."""
+        head = self.prompt[-(self.table.orders.stop - 1):]
+        return head + response + [-1], len(head)
+
+    def add(self, response: list[int]) -> None:
+        if len(self.responses) == self.cap:
+            old = self.responses.popleft()
+            self.table.add(*self._seq(old), sign=-1)
+            self.tokens -= len(old)
+        self.responses.append(response)
+        self.table.add(*self._seq(response))
+        self.tokens += len(response)
+
+
+class HistoryIndex:
+    """The store (per prompt: its recent responses) and the drafting over it, free of vLLM."""
+
+    def __init__(self, cfg: HistoryConfig, k_max: int):
+        self.cfg, self.k_max = cfg, k_max
+        self.orders = range(cfg.min_match, cfg.max_match + 1)
+        self.prompts: OrderedDict[tuple, PromptHistory] = OrderedDict()  # least recently seen first
+        self.total = 0  # tokens held over all prompts
+        self.live: dict[tuple, tuple[Table, Table]] = {}  # this call's prompts: (siblings, prompt) tables
+        self.by_head: dict[tuple, list[tuple]] = {}       # first head_len tokens -> live prompts
+        self.head_len = 0
+        self.rows: dict[int, tuple[int, tuple | None]] = {}  # row -> (tokens, prompt) at the last step
+        self.pending: dict[int, tuple[list[int], list[int]]] = {}  # row -> (draft, sources)
+        self.stats = HistoryStats()
+
+    # -- what the Generator tells it --------------------------------------------------------------
+    def begin_call(self, prompt_ids: list[list[int]]) -> None:
+        self.live = {}
+        for p in prompt_ids:
+            key = tuple(p)
+            if key not in self.live:
+                prompt_table = Table(self.orders)
+                prompt_table.add(list(p), 0)
+                self.live[key] = (Table(self.orders), prompt_table)
+            if key in self.prompts:
+                self.prompts.move_to_end(key)
+        self.head_len = min((len(p) for p in self.live), default=0)
+        self.by_head = {}
+        for key in self.live:
+            self.by_head.setdefault(key[: self.head_len], []).append(key)
+        self.rows, self.pending = {}, {}
+        self.stats = HistoryStats(prompts=len(self.prompts), history_tokens=self.total)
+
+    def record(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
+        """Finished rollouts join their prompt's history; least recently seen prompts go first when
+        the store holds more than max_tokens."""
+        for p, r in zip(prompt_ids, response_ids):
+            key = tuple(p)
+            h = self.prompts.get(key)
+            if h is None:
+                h = self.prompts[key] = PromptHistory(list(p), self.cfg.max_rollouts_per_prompt, self.orders)
+            self.prompts.move_to_end(key)
+            if len(r):
+                self.total -= h.tokens
+                h.add(list(r))
+                self.total += h.tokens
+        while self.total > self.cfg.max_tokens and self.prompts:
+            self.total -= self.prompts.popitem(last=False)[1].tokens
+
+    def tokens(self) -> int:
+        return self.total
+
+    def state_dict(self) -> dict:
+        return {"prompts": [[h.prompt, [list(r) for r in h.responses]] for h in self.prompts.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prompts.clear()
+        self.total = 0
+        for p, rs in state["prompts"]:
+            self.record([p] * max(1, len(rs)), rs or [[]])
+
+    # -- drafting ---------------------------------------------------------------------------------
+    def prompt_of(self, row: np.ndarray) -> tuple | None:
+        if not self.live or len(row) < self.head_len:
+            return None
+        for key in self.by_head.get(tuple(row[: self.head_len].tolist()), ()):
+            if len(row) >= len(key) and tuple(row[: len(key)].tolist()) == key:
+                return key
+        return None
+
+    def propose(self, rows: list[np.ndarray], sampled: list[list[int]], k: int) -> list[list[int]]:
+        """Drafts (at most k tokens each) for the running requests, given each one's tokens so far
+        (prompt and output) and the tokens the last step appended to it."""
+        tail = self.cfg.max_match + self.k_max + 1
+        seen, out = {}, []
+        for i, (row, s) in enumerate(zip(rows, sampled)):
+            n = len(row)
+            last = self.rows.get(i)
+            grew = last is not None and bool(s) and n == last[0] + len(s)
+            key = last[1] if grew else self.prompt_of(row)
+            seen[i] = (n, key)
+            ctx = row[max(0, n - tail):].tolist()
+            if grew:
+                self._settle(i, s)
+            else:  # another request now (or this one moved): the last draft here is not its
+                self.pending.pop(i, None)
+            tables = self.live.get(key) if key is not None else None
+            if tables is not None and s:  # the new tokens join the group's table (not the prompt's)
+                tables[0].add(ctx, len(ctx) - min(len(s), n - len(key)))
+            if not s or k <= 0:
+                out.append([])
+                continue
+            self.stats.rows += 1
+            hist = self.prompts.get(key) if key is not None else None
+            sources = (hist.table if hist is not None else None,
+                       tables[0] if tables is not None else None,
+                       tables[1] if tables is not None else None)
+            draft, srcs = self._draft(ctx, sources, k)
+            if draft:
+                self.stats.matched += 1
+                for src in srcs:
+                    self.stats.drafted[src] += 1
+                self.pending[i] = (draft, srcs)
+            out.append(draft)
+        self.rows = seen
+        self.pending = {i: v for i, v in self.pending.items() if i in seen}
+        return out
+
+    def _draft(self, ctx: list[int], tables, k: int) -> tuple[list[int], list[int]]:
+        """Token by token: the continuation of the longest context suffix any source has seen,
+        with the counts of all sources at that length summed; stop below min_prob."""
+        live = [(src, t.next) for src, t in enumerate(tables) if t is not None and t.next]
+        ctx = list(ctx)
+        draft, srcs = [], []
+        lo, hi = self.orders.start, min(self.orders.stop - 1, len(ctx))
+        for _ in range(k):
+            found = None
+            for j in range(hi, lo - 1, -1):
+                key = hash(tuple(ctx[-j:]))
+                found = [(src, d) for src, d in ((src, nxt.get(key)) for src, nxt in live) if d]
+                if found:
+                    break
+            if not found:
+                break
+            total = dict(found[0][1])
+            for _, d in found[1:]:
+                for t, c in d.items():
+                    total[t] = total.get(t, 0) + c
+            tok, c = max(total.items(), key=lambda x: x[1])
+            if tok < 0 or c < self.cfg.min_prob * sum(total.values()):  # -1: the responses ended here
+                break
+            draft.append(tok)
+            srcs.append(max(found, key=lambda x: x[1].get(tok, 0))[0])
+            ctx.append(tok)
+            # a context one longer than this match was never seen, unless this one was too
+            hi = min(j + 1, self.orders.stop - 1)
+        return draft, srcs
+
+    def _settle(self, i: int, sampled: list[int]) -> None:
+        """Attribute row i's accepted draft tokens (the last step's draft, as far as the sampled
+        tokens agree with it) to their sources."""
+        got = self.pending.pop(i, None)
+        if got is None:
+            return
+        draft, srcs = got
+        for j in range(min(len(sampled) - 1, len(draft))):
+            if sampled[j] != draft[j]:
+                break
+            self.stats.accepted[srcs[j]] += 1
+
+
+class HistoryProposer:
+    """vLLM's custom proposer (speculative_config method 'custom_class') over a HistoryIndex; the
+    Generator configures and feeds it through collective_rpc (the functions below)."""
+
+    def __init__(self, vllm_config):
+        spec = vllm_config.speculative_config
+        self.k_max = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.index = HistoryIndex(HistoryConfig(), self.k_max)
+        self.k_of_batch: list[int] | None = None  # 'auto': k per running batch size
+
+    def load_model(self, *args, **kwargs) -> None:  # no model to load
+        pass
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **kwargs) -> list[list[int]]:
+        n = len(sampled_token_ids)
+        k = self.k_max
+        if self.k_of_batch is not None:
+            k = min(k, self.k_of_batch[min(n, len(self.k_of_batch) - 1)])
+        rows = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(n)]
+        drafts = self.index.propose(rows, [list(s) for s in sampled_token_ids], k)
+        return [d[: max(0, self.max_model_len - len(r) - 1)] for d, r in zip(drafts, rows)]
+
+
+# -- collective_rpc entry points (run in every worker; `worker.model_runner.drafter` is the proposer) --
+def _proposer(worker) -> HistoryProposer:
+    drafter = worker.model_runner.drafter
+    if not isinstance(drafter, HistoryProposer):
+        raise RuntimeError(f"the engine's drafter is {type(drafter).__name__}, not rlspec's HistoryProposer")
+    return drafter
+
+
+def configure(worker, cfg: dict) -> None:
+    p = _proposer(worker)
+    p.index = HistoryIndex(HistoryConfig(**cfg), p.k_max)
+
+
+def begin_call(worker, prompt_ids: list[list[int]]) -> None:
+    _proposer(worker).index.begin_call(prompt_ids)
+
+
+def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
+    _proposer(worker).index.record(prompt_ids, response_ids)
+
+
+def call_stats(worker) -> dict:
+    return _proposer(worker).index.stats.as_dict()
+
+
+def set_k(worker, k_of_batch: list[int] | None) -> None:
+    _proposer(worker).k_of_batch = k_of_batch
+
+
+def state_dict(worker) -> dict:
+    return _proposer(worker).index.state_dict()
+
+
+def load_state_dict(worker, state: dict) -> None:
+    _proposer(worker).index.load_state_dict(state)

@@ -1,0 +1,227 @@
+"""Rollout-history drafting: the index on hand-made rows (what each source drafts, where drafts
+stop, the bounds, the counters), then through real vLLM (token-for-token under greedy; the
+two-sample tests are in test_lossless.py)."""
+import numpy as np
+import pytest
+
+from rlspec.config import HistoryConfig
+from rlspec.speculation.history import SOURCES, HistoryIndex, PromptHistory
+
+PROMPT = [1, 2, 3]
+
+
+def rows(*seqs):
+    return [np.asarray(s, np.int64) for s in seqs]
+
+
+def index(**kw) -> HistoryIndex:
+    return HistoryIndex(HistoryConfig(**kw), k_max=5)
+
+
+def test_earlier_responses_of_the_same_prompt_draft_their_continuation():
+    h = index()
+    h.record([PROMPT], [[10, 11, 12, 13, 14, 15, 16]])
+    h.begin_call([PROMPT])
+    # the request wrote 10 11 so far: the history continues 12 13 14 (k=3)
+    assert h.propose(rows(PROMPT + [10, 11]), [[11]], 3) == [[12, 13, 14]]
+    assert h.stats.drafted[SOURCES.index("history")] == 3 and h.stats.matched == 1
+    # another prompt's history is not read
+    h.begin_call([[7, 8, 9]])
+    assert h.propose(rows([7, 8, 9, 10, 11]), [[11]], 3) == [[]]
+
+
+def test_the_longest_matching_suffix_decides_and_a_split_history_drafts_nothing():
+    h = index(min_prob=0.6)
+    # after "5 6" the history went on 7 twice and 8 once; after "4 5 6" only ever 8
+    h.record([PROMPT] * 3, [[5, 6, 7, 0], [5, 6, 7, 0], [4, 5, 6, 8, 0]])
+    h.begin_call([PROMPT])
+    assert h.propose(rows(PROMPT + [4, 5, 6]), [[6]], 2) == [[8, 0]]
+    assert h.propose(rows(PROMPT + [9, 5, 6]), [[6]], 1) == [[7]]   # 2 of 3 >= 0.6
+    h = index(min_prob=0.6)
+    h.record([PROMPT] * 2, [[5, 6, 7], [5, 6, 8]])
+    h.begin_call([PROMPT])
+    assert h.propose(rows(PROMPT + [9, 5, 6]), [[6]], 3) == [[]]   # 1 of 2 < 0.6
+
+
+def test_a_draft_stops_where_the_responses_ended():
+    h = index()
+    h.record([PROMPT], [[20, 21, 22]])
+    h.begin_call([PROMPT])
+    assert h.propose(rows(PROMPT + [20, 21]), [[21]], 5) == [[22]]
+
+
+def test_siblings_draft_from_what_the_group_wrote_so_far():
+    h = index()
+    h.begin_call([PROMPT])
+    ahead = [30, 31, 32, 33, 34]
+    for t in range(1, len(ahead) + 1):  # one request runs ahead, a token per engine step
+        assert h.propose(rows(PROMPT + ahead[:t]), [[ahead[t - 1]]], 3) == [[]]
+    # its sibling starts: it drafts what the first one wrote after the same context
+    got = h.propose(rows(PROMPT + ahead, PROMPT + [30, 31]), [[34], [31]], 3)
+    assert got == [[], [32, 33, 34]]
+    assert h.stats.drafted == [0, 3, 0]
+
+
+def test_the_prompt_drafts_as_prompt_lookup():
+    h = index()
+    h.begin_call([[40, 41, 42, 43, 44]])
+    assert h.propose(rows([40, 41, 42, 43, 44, 9, 40, 41]), [[41]], 2) == [[42, 43]]
+    assert h.stats.drafted[SOURCES.index("prompt")] == 2
+
+
+def test_rows_without_a_new_token_or_k_zero_get_no_draft():
+    h = index()
+    h.record([PROMPT], [[10, 11, 12]])
+    h.begin_call([PROMPT])
+    assert h.propose(rows(PROMPT + [10, 11]), [[]], 3) == [[]]   # a prefill chunk
+    assert h.propose(rows(PROMPT + [10, 11]), [[11]], 0) == [[]]
+
+
+def test_accepted_tokens_are_attributed_to_the_source_that_drafted_them():
+    h = index()
+    h.record([PROMPT], [[10, 11, 12, 13, 14]])
+    h.begin_call([PROMPT])
+    assert h.propose(rows(PROMPT + [10, 11]), [[11]], 3) == [[12, 13, 14]]
+    # the target accepted 12 13, rejected 14 and sampled 99 in its place
+    h.propose(rows(PROMPT + [10, 11, 12, 13, 99]), [[12, 13, 99]], 3)
+    assert h.stats.accepted == [2, 0, 0]
+
+
+def test_bounds_per_prompt_and_over_all_prompts_evict_the_least_recently_seen():
+    h = index(max_rollouts_per_prompt=2, max_tokens=10)
+    h.record([PROMPT] * 3, [[1, 1], [2, 2], [3, 3]])
+    kept = h.prompts[tuple(PROMPT)]
+    assert list(kept.responses) == [[2, 2], [3, 3]]
+    fresh = PromptHistory(PROMPT, 2, kept.table.orders)
+    for r in kept.responses:
+        fresh.add(r)
+    assert kept.table.next == fresh.table.next  # the dropped response's counts were taken back
+    other, third = [5, 5], [6, 6]
+    h.record([other], [[7, 7, 7]])
+    h.begin_call([PROMPT])   # PROMPT is now the most recently seen
+    h.record([third], [[8, 8, 8, 8]])   # 4 + 3 + 4 = 11 > 10: `other` goes
+    assert list(h.prompts) == [tuple(PROMPT), tuple(third)]
+    assert h.tokens() == 8
+
+
+def test_state_round_trip_keeps_the_drafts():
+    h = index()
+    h.record([PROMPT] * 2, [[10, 11, 12], [10, 11, 13, 15]])
+    h.record([[9]], [[]])
+    g = index()
+    g.load_state_dict(h.state_dict())
+    assert g.state_dict() == h.state_dict()
+    for x in (h, g):
+        x.begin_call([PROMPT])
+    assert g.propose(rows(PROMPT + [10, 11, 13]), [[13]], 2) == h.propose(rows(PROMPT + [10, 11, 13]), [[13]], 2) == [[15]]
+
+
+def test_settings_are_validated_by_key():
+    from conftest import compose
+    from rlspec.config import ConfigError, validate
+
+    validate(compose(["speculation=history"]))
+    with pytest.raises(ConfigError, match=r"^speculation\.history\.min_match: must be 1, 2 or 3"):
+        validate(compose(["speculation=history", "speculation.history.min_match=4"]))
+    with pytest.raises(ConfigError, match=r"^speculation\.history\.min_prob"):
+        validate(compose(["speculation=history", "speculation.history.min_prob=0"]))
+
+
+# -- through real vLLM: the drafter hosted as vLLM's custom proposer, in a Generator actor ---------
+def _gen(actor, prompts, n, temperature, max_tokens=48):
+    import ray
+
+    from conftest import sampling
+
+    return ray.get(actor.generate.remote(prompts, sampling(n, temperature, max_tokens)), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    from conftest import heldout_prompts
+
+    return heldout_prompts(tokenizer, 12)
+
+
+def test_greedy_history_drafting_is_exact_and_history_pays_on_the_second_epoch(ray_session, prompts):
+    """Greedy: every call equals no speculation token for token; the first call has only prompt
+    lookup and the live batch, the second drafts from the first's responses and accepts more; a
+    new engine loaded with the first's store drafts as the first engine did on its second call."""
+    import ray
+
+    from conftest import start_generator
+
+    plain = start_generator([])
+    base = _gen(plain, prompts, 1, 0.0)
+    ray.kill(plain)
+    hist = start_generator(["speculation=history"])
+    first = _gen(hist, prompts, 1, 0.0)
+    second = _gen(hist, prompts, 1, 0.0)
+    assert first.response_ids == base.response_ids and second.response_ids == base.response_ids
+    assert first.history["drafted_history"] == 0 and second.history["prompts"] == len(prompts)
+    assert second.history["accepted_history"] > 0
+    print(f"acceptance length: first call {first.spec.acceptance_length:.2f}, second "
+          f"{second.spec.acceptance_length:.2f}; counters {first.history} / {second.history}")
+    assert second.spec.acceptance_length > first.spec.acceptance_length + 0.5, (first.spec, second.spec)
+    # vLLM's own counters agree with the drafter's: everything drafted was verified
+    assert second.spec.draft_tokens == sum(second.history[f"drafted_{s}"] for s in SOURCES)
+    assert second.spec.accepted_tokens >= sum(second.history[f"accepted_{s}"] for s in SOURCES)
+    state = ray.get(hist.history_state.remote(), timeout=60)
+    ray.kill(hist)
+    resumed = start_generator(["speculation=history"])
+    ray.get(resumed.load_history_state.remote(state), timeout=60)
+    again = _gen(resumed, prompts, 1, 0.0)
+    assert again.response_ids == base.response_ids
+    assert again.spec.accepted_tokens == second.spec.accepted_tokens
+    # sampled groups: siblings draft for each other
+    group = _gen(resumed, prompts[:4], 8, 1.0)
+    assert group.history["drafted_siblings"] > 0 and group.history["accepted_siblings"] > 0
+    ray.kill(resumed)
+
+
+def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(ray_session, prompts):
+    """Under 'auto' the scheduler's k per batch size reaches the history drafter (vLLM does not
+    pass it to custom proposers): at k=1 every draft is one token, with speculation off none."""
+    import ray
+
+    from conftest import sampling, start_generator
+
+    plain = start_generator([])
+    base = _gen(plain, prompts, 1, 0.0)
+    ray.kill(plain)
+    auto = start_generator(["speculation=history", "speculation.num_speculative_tokens=auto",
+                            "speculation.max_speculative_tokens=3", "speculation.auto_buckets=[1,4]"])
+    for _ in range(2):
+        ro = _gen(auto, prompts, 1, 0.0)
+        assert ro.response_ids == base.response_ids
+        assert ro.spec.draft_tokens <= 3 * ro.spec.drafts
+
+    def generate_at(gen, k, prompts, s):  # the engine alone, at a k set as 'auto' sets it
+        from rlspec.speculation.adaptive import OFF
+        gen.adaptive.set_k(OFF if k == OFF else (lambda b: k))
+        return gen.engine.generate(prompts, s, 0)
+
+    one = ray.get(auto.__ray_call__.remote(generate_at, 1, prompts, sampling(1, 0.0, 48)), timeout=600)
+    assert one.response_ids == base.response_ids
+    assert one.spec.drafts > 0 and one.spec.draft_tokens == one.spec.drafts
+    off = ray.get(auto.__ray_call__.remote(generate_at, -1, prompts, sampling(1, 0.0, 48)), timeout=600)
+    assert off.response_ids == base.response_ids and off.spec.draft_tokens == 0
+    ray.kill(auto)
+
+
+def test_a_run_keeps_its_history_through_a_checkpoint(tmp_path):
+    """8 prompts, 4 per step: steps 3-4 are the second epoch. A run stopped after step 2 and
+    resumed drafts step 3 from step 1-2's rollouts, restored from the checkpoint."""
+    from test_resilience_cli import records, train
+
+    hist = ["speculation=history", "data.train.num_rows=8", "trainer.checkpoint_every=2"]
+    first = train(tmp_path, *hist, "trainer.max_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "checkpoints" / "step_00000002" / "history_0.pt").is_file()
+    resumed = train(tmp_path, *hist, "trainer.max_steps=4")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    recs = records(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    s1, s3 = recs[0]["spec"], recs[2]["spec"]
+    assert s1["history_prompts"] == 0 and s1["history_drafted_history"] == 0
+    assert s3["history_prompts"] == 8 and s3["history_accepted_history"] > 0, s3
