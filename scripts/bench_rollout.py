@@ -188,7 +188,9 @@ def run(args) -> list[dict]:
     tiny = ROOT / "rlspec" / "assets" / "tiny"
     target = str(tiny / "policy")
     tok = load_tokenizer(target, "target")
-    ps = load_prompts(DatasetConfig(num_rows=max(args.batch_sizes), seed=7), SyntheticConfig(), key="bench",
+    calls = args.repeats + 1 if args.prompts == "fresh" else 1  # fresh: new prompts for every call
+    need = max(b // min(b, args.group) for b in args.batch_sizes) * calls
+    ps = load_prompts(DatasetConfig(num_rows=need, seed=7), SyntheticConfig(), key="bench",
                       tokenizer=tok, template="rl_zero", max_prompt_tokens=64, on_bad_row="error")
     prompts = [p.token_ids for p in ps.prompts]
     if args.widen > 1 or args.extra_layers:
@@ -221,9 +223,10 @@ def run(args) -> list[dict]:
     version = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     for b in args.batch_sizes:
         n = min(b, args.group)
-        batch = prompts[: b // n]
         runs = {name: [] for name in actors}
         for rep in range(args.repeats + 1):  # round-robin, so load drift hits every method alike
+            lo = rep * (b // n) if args.prompts == "fresh" else 0
+            batch = prompts[lo: lo + b // n]
             for name, actor in actors.items():
                 ro = ray.get(actor.generate.remote(batch, Sampling(n, args.temperature, args.max_tokens)), timeout=1800)
                 if rep:  # the first round warms each engine up at this batch shape
@@ -244,7 +247,7 @@ def run(args) -> list[dict]:
                    "draft_schedule": ros[-1].draft_schedule,
                    "speedup_vs_none": tps / base, "target_params": n_params, "target_active_params": n_active, "dtype": args.dtype,
                    "temperature": args.temperature, "max_tokens": args.max_tokens, "version": version,
-                   "repeats": args.repeats, **moe}
+                   "repeats": args.repeats, "prompts": args.prompts, **moe}
             records.append(rec)
             print(f"{method:>11} k={k} batch={b:4d}: {tps:8.1f} tok/s (runs {', '.join(f'{x:.0f}' for x in rates)})"
                   f"  acc_len {acc:.2f}  speedup {rec['speedup_vs_none']:.2f}x", flush=True)
@@ -287,6 +290,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per point (median reported)")
+    ap.add_argument("--prompts", choices=["replay", "fresh"], default="replay",
+                    help="replay: every call of a batch size runs the same prompts (for speculation=history, "
+                         "each call is another epoch of them); fresh: new prompts for every call")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rlspec-bench"))
     ap.add_argument("--out", type=Path, default=Path("bench_rollout.json"))
     ap.add_argument("--table", type=Path, metavar="JSON", help="print the markdown table of an earlier run and exit")
