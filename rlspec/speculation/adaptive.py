@@ -125,23 +125,27 @@ class DraftLengthPlanner:
         probing step costs at most probe_max_cost x a step that emits no fewer tokens than no
         speculation's, as predicted from the measured costs."""
         first = not self.accept
-        best = {}
+        best, probing = {}, {}
         for b in self.buckets:
             rates = {k: self.tokens_per_second(b, k) for k in range(self.k_max + 1) if (b, k) in self.step_seconds}
-            k = max(rates, key=rates.get)
+            best[b] = max(rates, key=rates.get)
             if first:
-                k = self.probe_k(b, OFF, 0)
-            elif probe and k > 0 and best_is_spec(rates, self, b):
-                k = self.probe_k(b, k, k)
-            best[b] = k
+                probing[b] = self.probe_k(b, OFF, 0)
+            elif probe and best[b] > 0 and best_is_spec(rates, self, b):
+                probing[b] = self.probe_k(b, best[b], best[b])
         ranges = bucket_ranges(self.buckets, self.max_batch)
         plan = DraftPlan(off=False, k_by_bucket=best, schedule=[(lo, hi, best[b]) for lo, hi, b in ranges])
+        # whether to speculate at all is judged on the plan itself, never on its probing variant
+        # (whose deeper positions are unmeasured, so it always looks slower)
         if first:
-            plan.off = all(k == 0 for k in best.values())  # drafting costs too much everywhere
+            plan.off = all(k == 0 for k in probing.values())  # drafting costs too much everywhere
         elif lengths:
             plan.off = self.call_seconds(plan, lengths) >= self.call_seconds(None, lengths)
         else:
             plan.off = all(self.tokens_per_second(b, best[b]) <= self.tokens_per_second(b, OFF) for b in self.buckets)
+        if probing and not plan.off:
+            best = {**best, **probing}
+            plan = DraftPlan(off=False, k_by_bucket=best, schedule=[(lo, hi, best[b]) for lo, hi, b in ranges])
         return plan
 
     def probe_k(self, bucket: int, base: int, floor: int) -> int:

@@ -126,6 +126,13 @@ def test_probes_draft_as_long_as_the_cost_bound_allows_and_reach_deeper_position
     p.observe(drafts=100, accepted_per_pos=[95, 90, 85], k_min=2)
     p.observe(drafts=100, accepted_per_pos=[95, 90, 85], k_min=3)
     assert not p.unmeasured() and p.plan().k_by_bucket[1] == 3
+    # a probe never switches a call off: that is judged on the plan, whose positions are measured
+    # (a_1 = 0.5: k=1 beats OFF, 1.5 tokens per 1.3x step; the probe's k=3 predicts 1.5 per 1.9x)
+    p = DraftLengthPlanner(k_max=3, max_batch=256, step_seconds=dict(costs))
+    p.observe(drafts=100, accepted_per_pos=[50, 0, 0], k_min=1)
+    lengths = [40] * 8
+    assert not p.plan(lengths).off and not p.plan(lengths, probe=True).off
+    assert p.plan(lengths, probe=True).k_by_bucket == {1: 3, 256: 2}
     # with drafting unaffordable everywhere, the first call runs without it (and so stays bounded)
     p = DraftLengthPlanner(k_max=3, max_batch=256, step_seconds={**costs, (1, 1): 1.6, (256, 1): 1.6})
     assert p.plan(probe=True).off

@@ -143,7 +143,20 @@ def prompts(tokenizer):
     return heldout_prompts(tokenizer, 12)
 
 
-def test_greedy_history_drafting_is_exact_and_history_pays_on_the_second_epoch(ray_session, prompts):
+@pytest.fixture(scope="module")
+def base(ray_session, prompts):
+    """Greedy responses without speculation."""
+    import ray
+
+    from conftest import start_generator
+
+    plain = start_generator([])
+    ro = _gen(plain, prompts, 1, 0.0)
+    ray.kill(plain)
+    return ro
+
+
+def test_greedy_history_drafting_is_exact_and_history_pays_on_the_second_epoch(base, prompts):
     """Greedy: every call equals no speculation token for token; the first call has only prompt
     lookup and the live batch, the second drafts from the first's responses and accepts more; a
     new engine loaded with the first's store drafts as the first engine did on its second call."""
@@ -151,9 +164,6 @@ def test_greedy_history_drafting_is_exact_and_history_pays_on_the_second_epoch(r
 
     from conftest import start_generator
 
-    plain = start_generator([])
-    base = _gen(plain, prompts, 1, 0.0)
-    ray.kill(plain)
     hist = start_generator(["speculation=history"])
     first = _gen(hist, prompts, 1, 0.0)
     second = _gen(hist, prompts, 1, 0.0)
@@ -179,16 +189,13 @@ def test_greedy_history_drafting_is_exact_and_history_pays_on_the_second_epoch(r
     ray.kill(resumed)
 
 
-def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(ray_session, prompts):
+def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts):
     """Under 'auto' the scheduler's k per batch size reaches the history drafter (vLLM does not
     pass it to custom proposers): at k=1 every draft is one token, with speculation off none."""
     import ray
 
     from conftest import sampling, start_generator
 
-    plain = start_generator([])
-    base = _gen(plain, prompts, 1, 0.0)
-    ray.kill(plain)
     auto = start_generator(["speculation=history", "speculation.num_speculative_tokens=auto",
                             "speculation.max_speculative_tokens=3", "speculation.auto_buckets=[1,4]"])
     for _ in range(2):
