@@ -216,6 +216,7 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
     ray.kill(auto)
 
 
+@pytest.mark.slow
 def test_a_run_keeps_its_history_through_a_checkpoint(tmp_path):
     """8 prompts, 4 per step: steps 3-4 are the second epoch. A run stopped after step 2 and
     resumed drafts step 3 from step 1-2's rollouts, restored from the checkpoint."""

@@ -67,8 +67,11 @@ def _reference(setting: str):
     return _refs[setting]
 
 
+SLOW = {"history_other_policy"}  # run with -m slow (CI time); the default suite keeps history itself
+
+
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-@pytest.mark.parametrize("method", sorted(SPECS))
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in sorted(SPECS)])
 def test_sampled_speculation_matches_target_distribution(ray_session, method, setting):
     ref = _reference(setting)
     got, accepted, history = _sample(1, setting, SPECS[method], prime=method == "history_other_policy")
