@@ -25,12 +25,12 @@ ROLLOUT = {
     "rollout_default_small.json": ("The default experiment's pair (tiny policy and tiny draft, fp32 engine), batch 1 and 8",
                                    "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
                                    "--batch-sizes 1 8 --methods none draft_model:1 draft_model:3 draft_model:5 "
-                                   "draft_model:7 draft_model:auto ngram:3 --repeats 31 "
+                                   "draft_model:7 draft_model:auto ngram:3 history:5 history:auto --repeats 31 "
                                    "--out docs/bench/rollout_default_small.json"),
     "rollout_default_big.json": ("The same pair at batch 64 and 256 (the default experiment's rollout batch)",
                                  "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
                                  "--batch-sizes 64 256 --methods none draft_model:1 draft_model:3 draft_model:5 "
-                                 "draft_model:7 draft_model:auto ngram:3 --repeats 31 "
+                                 "draft_model:7 draft_model:auto ngram:3 history:5 history:auto --repeats 31 "
                                  "--out docs/bench/rollout_default_big.json"),
     "rollout_wide_small.json": ("A widened dense target (the tiny policy at 4x width and 8 layers: 101M parameters, bf16), "
                                 "batch 1 and 8",
