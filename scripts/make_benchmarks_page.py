@@ -99,7 +99,7 @@ def auto_lines(records: list[dict]) -> list[str]:
         if not fixed:
             continue
         best = max(fixed, key=lambda r: r["tokens_per_second"])
-        out.append(f"- batch {a['batch_size']}: `auto` {a['speedup_vs_none']:.2f}x no speculation, "
+        out.append(f"- {a['method']}, batch {a['batch_size']}: `auto` {a['speedup_vs_none']:.2f}x no speculation, "
                    f"{a['tokens_per_second'] / best['tokens_per_second']:.2f}x the best fixed k (k={best['k']}, "
                    f"{best['speedup_vs_none']:.2f}x)")
     return out
@@ -114,7 +114,10 @@ def rollout_section(paths: list[Path]) -> list[str]:
     for p in paths:
         title, cmd = ROLLOUT[p.name]
         records = json.loads(p.read_text())
-        at = (f" (at {records[0]['version']}, {records[0]['repeats']} timed calls per cell)"
+        replay = ("; every call of a batch size on the same prompts, so `history` drafts from the earlier calls' "
+                  "answers: a replay, as of a second epoch" if records[0].get("prompts") == "replay"
+                  and any(r["method"] == "history" for r in records) else "")
+        at = (f" (at {records[0]['version']}, {records[0]['repeats']} timed calls per cell{replay})"
               if "version" in records[0] else " (rlspec version not recorded)")
         lines = auto_lines(records) if "version" in records[0] else []
         out += [f"### {title}", "", f"`{p.relative_to(ROOT)}`{at}:", "", "```bash", cmd, "```", "",
