@@ -149,17 +149,20 @@ def test_auto_draft_length_exact_probing_then_off(plain, prompts):
             planner.step_seconds[(b, k)] = 1.0 if k == OFF else 1.0 + 2.0 * (k + 1)
         return planner.plan(gen.adaptive.last_lengths).off
 
+    # a probe bound of 3x: on the tiny pair a k=1 step costs about 1.5x a plain one, too close to the
+    # default bound for the test to know whether the first call drafts
     auto = start(METHODS["draft_model"] + ["speculation.num_speculative_tokens=auto",
-                                           "speculation.max_speculative_tokens=3", "speculation.auto_buckets=[1,4]"])
+                                           "speculation.max_speculative_tokens=3", "speculation.auto_buckets=[1,4]",
+                                           "speculation.auto_probe_max_cost=3.0"])
     base = generate(plain, prompts, 1, 0.0, 48)
     first = generate(auto, prompts, 1, 0.0, 48)
     assert first.response_ids == base.response_ids
-    # the first call probes: per bucket the longest k whose step costs at most 1.5x no drafting's
+    # the first call probes: per bucket the longest k whose step costs at most 3x no drafting's
     costs, ks = ray.get(auto.__ray_call__.remote(
         lambda gen: (dict(gen.adaptive.planner.calibrated), gen.adaptive.plan.k_by_bucket)), timeout=60)
-    assert sorted(ks) == [1, 4] and max(ks.values()) >= 1, ks
+    assert {1, 4} <= set(ks) and max(ks.values()) >= 1, ks  # the buckets, and the engine's largest batch
     for b, k in ks.items():
-        assert k == max([j for j in range(1, 4) if costs[(b, j)] <= 1.5 * costs[(b, -1)]], default=0), (costs, ks)
+        assert k == max([j for j in range(1, 4) if costs[(b, j)] <= 3.0 * costs[(b, -1)]], default=0), (costs, ks)
     assert first.spec.drafts > 0 and len(first.spec.accepted_per_pos) == 3
     second = generate(auto, prompts, 1, 0.0, 48)
     assert second.response_ids == base.response_ids
