@@ -10,7 +10,8 @@ from typing import Optional, Union
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from rlspec.cluster.plan import PlanError, make_plan, shared_weight_group_gpus
+from rlspec.cluster.plan import (PlanError, make_plan, receivers_off_learner_gpus, refit_transport,
+                                 shared_weight_group_gpus)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -284,10 +285,11 @@ class ClusterConfig:
     logprob_world_size: int = 1
     # Data-parallel learner ranks (DeepSpeed world size).
     learner_world_size: int = 1
-    # Weight refit: broadcast (learner rank 0 streams gathered weights to every engine over a
-    # torch.distributed group: NCCL on GPUs, gloo on CPU) or object_store (through Ray's object
-    # store). null (auto): broadcast, unless the plan puts two ranks of that group on one GPU
-    # (colocated roles), which NCCL refuses: then object_store.
+    # Weight refit, learner rank 0 driving vLLM's RL weight-transfer API: nccl (vLLM's engine: every
+    # receiver on a GPU of its own), ipc (vLLM's CUDA IPC engine: every receiver on a learner's GPU),
+    # group (rlspec's own torch.distributed group: gloo on CPU, NCCL on GPUs) or object_store
+    # (through Ray's object store). null (auto): group on CPU machines; on GPUs nccl, else ipc,
+    # else object_store (a plan mixing the two).
     refit: Optional[str] = None
     # Refit broadcast bucket size, MiB: tensors are flattened into buckets of about this size.
     refit_bucket_mb: int = 256
@@ -453,7 +455,7 @@ def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
         cfg.generation.sleep_mode = c.placement == "colocated" and c.gpus_per_node > 0 and not cfg.async_grpo.enabled
     resolve_engine(cfg.generation, on_gpu=c.gpus_per_node > 0)
     if c.refit is None:
-        c.refit = "object_store" if shared_weight_group_gpus(plan_of(cfg), cfg.algo.recompute_logprobs) else "broadcast"
+        c.refit = refit_transport(plan_of(cfg), cfg.algo.recompute_logprobs)
     cfg.trainer.dtype = cfg.trainer.dtype or default_dtype(c.gpus_per_node > 0)
     return cfg
 
@@ -600,14 +602,22 @@ def _validate_run(cfg: RLSpecConfig) -> None:
     """Placement, cluster, trainer and logging."""
     g, t, c = cfg.generation, cfg.trainer, cfg.cluster
     plan_of(cfg)  # raises naming the key that does not fit
-    _check(c.refit in (None, "broadcast", "object_store"), "cluster.refit",
-           "must be broadcast, object_store or null (auto)")
-    if c.refit == "broadcast":
-        shared = shared_weight_group_gpus(plan_of(cfg), recompute_logprobs(cfg))
+    _check(c.refit in (None, "nccl", "ipc", "group", "object_store"), "cluster.refit",
+           "must be nccl, ipc, group, object_store or null (auto)")
+    plan = plan_of(cfg)
+    if c.refit in ("nccl", "ipc"):
+        _check(plan.on_gpu, "cluster.refit", f"{c.refit} is vLLM's GPU transport; this plan has no GPUs "
+               "(cluster.gpus_per_node=0): use group, or null to choose")
+    if c.refit in ("nccl", "group"):
+        shared = shared_weight_group_gpus(plan, recompute_logprobs(cfg))
         slot, names = next(iter(shared.items()), (None, []))
-        _check(not shared, "cluster.refit", f"broadcast puts {' and '.join(names)} in one NCCL group on one GPU "
+        _check(not shared, "cluster.refit", f"{c.refit} puts {' and '.join(names)} in one NCCL group on one GPU "
                f"(node {getattr(slot, 'node', 0)}, GPU {getattr(slot, 'index', 0)}; {len(shared)} such GPUs), "
-               "which NCCL refuses; use object_store, or null to choose")
+               "which NCCL refuses; use ipc or object_store, or null to choose")
+    if c.refit == "ipc":
+        off = receivers_off_learner_gpus(plan, recompute_logprobs(cfg))
+        _check(not off, "cluster.refit", f"ipc reaches receivers on the learners' GPUs only; {', '.join(off)} "
+               "sit elsewhere: use nccl or object_store, or null to choose")
     _check(c.refit_bucket_mb >= 1, "cluster.refit_bucket_mb", "must be >= 1")
     _check(c.threads_per_actor >= 1, "cluster.threads_per_actor", "must be >= 1")
     _check(c.generator_threads is None or c.generator_threads >= 1, "cluster.generator_threads", "must be >= 1 or null")

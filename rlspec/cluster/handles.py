@@ -143,11 +143,6 @@ class Learners(Group):
     def ping(self) -> list[Call]:
         return self.each(Learner.ping)
 
-    def weight_group_endpoint(self) -> Call:
-        return self.one(0, Learner.weight_group_endpoint)
-
-    def weight_metas(self, dtype: str) -> Call:
-        return self.one(0, Learner.weight_metas, dtype)
 
 
 class DraftTrainerHandle(Group):

@@ -224,3 +224,26 @@ def weight_group_gpus(plan: PlacementPlan, logprob_workers: bool) -> dict[Slot, 
 def shared_weight_group_gpus(plan: PlacementPlan, logprob_workers: bool) -> dict[Slot, list[str]]:
     """The GPUs holding two or more ranks of the weight group (NCCL refuses those groups)."""
     return {s: names for s, names in weight_group_gpus(plan, logprob_workers).items() if len(names) > 1}
+
+
+def receivers_off_learner_gpus(plan: PlacementPlan, logprob_workers: bool) -> list[str]:
+    """The weight receivers on a GPU no learner rank holds (CUDA IPC cannot reach them: every
+    learner rank shares its own GPU's copy, and receivers open the copy on their GPU)."""
+    learner = {slots[0] for slots in plan.roles[LEARNER].slots}
+    out = [f"{GEN}[{e}]" for e, slots in enumerate(plan.roles[GEN].slots) if any(s not in learner for s in slots)]
+    if logprob_workers:
+        out += [f"{LOGPROB}[{r}]" for r, slots in enumerate(plan.roles[LOGPROB].slots) if slots[0] not in learner]
+    return out
+
+
+def refit_transport(plan: PlacementPlan, logprob_workers: bool) -> str:
+    """cluster.refit=null: rlspec's gloo group on CPU machines; on GPUs vLLM's nccl when every rank
+    of the group has a GPU of its own, vLLM's ipc when every receiver sits on a learner's GPU, and
+    the object store for a plan that mixes the two."""
+    if not plan.on_gpu:
+        return "group"
+    if not shared_weight_group_gpus(plan, logprob_workers):
+        return "nccl"
+    if not receivers_off_learner_gpus(plan, logprob_workers):
+        return "ipc"
+    return "object_store"

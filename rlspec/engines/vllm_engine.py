@@ -211,28 +211,29 @@ class VLLMEngine:
             self.asleep -= set(todo)
 
     # -- refit through vLLM's RL weight-update API (rlspec/engines/vllm_transfer.py) --------------
-    def join_weight_group(self, addr: str, port: int, rank_offset: int, world: int, backend: str,
-                          metas: list, bucket_bytes: int) -> None:
-        """Every worker of this engine joins the learner's weight group (ranks rank_offset ...)."""
-        self.llm.init_weight_transfer_engine({"init_info": dict(
-            addr=addr, port=port, rank_offset=rank_offset, world=world, backend=backend, metas=metas,
-            bucket_bytes=bucket_bytes)})
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """Every worker of this engine joins the transport init_info names (RLSpecInitInfo's fields)."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
 
-    def update_weights(self, update: dict, version: int, draft: bool = False) -> float:
-        """One weight update of the target (or the draft model), received inside vLLM's workers;
-        seconds taken. update: RLSpecUpdateInfo's fields (a broadcast round, or the tensors)."""
+    def start_weight_update(self, draft: bool = False) -> None:
         if draft and (self.spec_config is None or "model" not in self.spec_config):
             raise RuntimeError("this engine has no draft model to refit")
-        t0 = time.perf_counter()
         self.wake_up(("weights",))  # sleep mode: the KV cache waits for the next generate call
         (self.llm.start_draft_weight_update if draft else self.llm.start_weight_update)()
-        self.llm.update_weights({"update_info": update})
+
+    def update_weights(self, update_info: dict) -> None:
+        """One update (RLSpecUpdateInfo's fields), received inside vLLM's workers."""
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, version: int, draft: bool = False) -> None:
         self.llm.finish_weight_update(None if draft else str(version))
         self.llm.reset_prefix_cache()
-        return time.perf_counter() - t0
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int, draft: bool = False) -> float:
         """New weights given as tensors (Hugging Face names); seconds taken."""
+        t0 = time.perf_counter()
         names = list(weights)
-        return self.update_weights({"mode": "tensors", "names": names, "tensors": [weights[n] for n in names]},
-                                   version, draft)
+        self.start_weight_update(draft)
+        self.update_weights({"mode": "tensors", "names": names, "tensors": [weights[n] for n in names]})
+        self.finish_weight_update(version, draft)
+        return time.perf_counter() - t0

@@ -1,54 +1,84 @@
-"""rlspec's weight-transfer engine for vLLM, registered through vLLM's own factory
-(`WeightTransferEngineFactory`, backend "rlspec"). vLLM builds one in every worker of an engine
-(each tensor-parallel rank), and the Generator drives it through vLLM's RL weight-update API
-(`init_weight_transfer_engine`, `start_weight_update` / `start_draft_weight_update`,
-`update_weights`, `finish_weight_update`), so weights land inside the workers whichever model
-runner vLLM chose, and a draft update goes to the draft model vLLM itself names.
+"""Refit through vLLM's RL weight-transfer API, both ends.
 
-Two ways in, chosen per update:
-- broadcast: this worker is a rank of rlspec's own weight group (rlspec/engines/weight_sync.py:
-  gloo on CPU, NCCL on GPUs) and receives the learner's weights bucket by bucket, loading each
-  bucket as it lands (memory bounded by the bucket size);
-- tensors: the update carries the tensors themselves (the object-store transport, and the draft
-  head from the DraftTrainer).
-Either way the weights go through the model's own `load_weights` (checkpoint names; vLLM's weight
-loaders shard them for tensor parallelism) inside vLLM's layerwise reload, as its built-in engines
-do. The dtype sent must be the engine's own (checked)."""
+Engine side: backend "rlspec", registered through vLLM's `WeightTransferEngineFactory`; vLLM builds
+one in every worker of an engine (each tensor-parallel rank). It carries one of four transports,
+chosen at `init_weight_transfer_engine` (`transport`) and named again by every update (`mode`):
+- `nccl` and `ipc`: vLLM's own engines (`NCCLWeightTransferEngine` for receivers on GPUs of
+  their own, `IPCWeightTransferEngine` for receivers sharing the learners' GPUs), built inside
+  this one with the same model and config, receive vLLM's own payloads (`inner`);
+- `group`: rlspec's torch.distributed group (gloo on CPU, NCCL on GPUs: `weight_sync.RefitGroup`),
+  the same round trip on machines without GPUs;
+- `tensors` (no init needed): the update carries the tensors (Ray's object store; the draft head
+  of online draft training; checkpoint-free pushes).
+A draft update (`start_draft_weight_update`) retargets whichever engine receives. Weights go
+through the model's own `load_weights` inside vLLM's layerwise reload, as vLLM's engines do; a
+floating-point tensor in another dtype than the engine's is refused.
+
+Trainer side: learner rank 0 holds one of vLLM's trainer engines (`WeightTransferTrainerFactory`:
+vLLM's `nccl` and `ipc`, and rlspec's `rlspec` for the group), which drives every round through a
+`VLLMWeightSyncClient`: ActorClient, which fans each call out to the receiving Ray actors (the
+Generators' engines, and the LogprobWorkers, which host this same engine around their model),
+giving each its first rank in the group and waiting a bounded time."""
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import torch
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+from vllm.config import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeightTransferEngine,
+                                                   WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from rlspec.engines.weight_sync import RefitGroup, TensorMeta, buckets, metas_from_wire, recv_state
+from rlspec.engines.weight_sync import RefitGroup, metas_from_lists, recv_state, send_state
 
 BACKEND = "rlspec"
+TRANSPORTS = ("group", "nccl", "ipc")  # what init_weight_transfer_engine sets up
+MODES = ("tensors", *TRANSPORTS)       # what an update carries
+
+
+def _inner_engine_class(transport: str) -> type[WeightTransferEngine]:
+    if transport == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+        return NCCLWeightTransferEngine
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+    return IPCWeightTransferEngine
 
 
 @dataclass
 class RLSpecInitInfo(WeightTransferInitInfo):
-    """The weight group this engine's workers join (none: tensors-only updates)."""
-    addr: str | None = None
-    port: int = 0
-    rank_offset: int = 1          # this engine's first worker's rank in the group (the learner is 0)
-    world: int = 0
-    backend: str = "gloo"         # torch.distributed backend of the group: gloo (CPU) or nccl
-    metas: list = field(default_factory=list)   # [name, dtype name, shape] of every broadcast tensor
+    transport: str = "group"
+    inner: dict = field(default_factory=dict)  # group: GroupInit's fields; nccl, ipc: vLLM's own init payload
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"rlspec weight transfer: transport {self.transport!r} not in {TRANSPORTS}")
+
+
+@dataclass
+class GroupInit:
+    master_address: str
+    master_port: int
+    rank_offset: int                  # this engine's first worker's rank (the learner is 0)
+    world_size: int
+    backend: str = "gloo"             # torch.distributed backend: gloo (CPU) or nccl
     bucket_bytes: int = 256 << 20
 
 
 @dataclass
 class RLSpecUpdateInfo(WeightTransferUpdateInfo):
-    mode: str = "broadcast"       # broadcast | tensors
-    names: list = field(default_factory=list)
+    mode: str = "tensors"
+    names: list = field(default_factory=list)     # tensors: the tensors' names
     tensors: list = field(default_factory=list)
+    inner: dict = field(default_factory=dict)     # group: names, dtype_names, shapes; nccl, ipc: vLLM's payload
 
     def __post_init__(self):
-        if self.mode not in ("broadcast", "tensors"):
-            raise ValueError(f"rlspec weight update mode {self.mode!r}: broadcast or tensors")
+        if self.mode not in MODES:
+            raise ValueError(f"rlspec weight update mode {self.mode!r}: one of {MODES}")
         if self.mode == "tensors" and len(self.names) != len(self.tensors):
             raise ValueError(f"{len(self.names)} names for {len(self.tensors)} tensors")
 
@@ -59,60 +89,260 @@ class RLSpecTransferEngine(WeightTransferEngine[RLSpecInitInfo, RLSpecUpdateInfo
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
+        self.transport: str | None = None
         self.group: RefitGroup | None = None
-        self.metas: list[TensorMeta] = []
         self.bucket_bytes = 0
+        self.inner: WeightTransferEngine | None = None
 
     def init_transfer_engine(self, init_info: RLSpecInitInfo) -> None:
-        if init_info.addr is None:
-            return
-        p = self.parallel_config
-        rank = init_info.rank_offset + p.data_parallel_index * p.world_size + p.rank
-        self.group = RefitGroup(init_info.addr, init_info.port, rank, init_info.world, init_info.backend,
-                                device=self.device)
-        self.metas = metas_from_wire(init_info.metas)
-        self.bucket_bytes = init_info.bucket_bytes
+        self.shutdown()
+        if init_info.transport == "group":
+            g = GroupInit(**init_info.inner)
+            p = self.parallel_config
+            rank = g.rank_offset + p.data_parallel_index * p.world_size + p.rank
+            self.group = RefitGroup(g.master_address, g.master_port, rank, g.world_size, g.backend, device=self.device)
+            self.bucket_bytes = g.bucket_bytes
+        else:
+            cls = _inner_engine_class(init_info.transport)
+            self.inner = cls(WeightTransferConfig(backend=init_info.transport), self.vllm_config, self.device,
+                             self._default_model)
+            self.inner.init_transfer_engine(self.inner.parse_init_info(init_info.inner))
+        self.transport = init_info.transport
+
+    # a draft update retargets the engine that receives, vLLM's inner one included
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        super().set_weight_update_target(model, model_config)
+        if self.inner is not None:
+            self.inner.set_weight_update_target(model, model_config)
+
+    def reset_weight_update_target(self) -> None:
+        super().reset_weight_update_target()
+        if self.inner is not None:
+            self.inner.reset_weight_update_target()
 
     def start_weight_update(self) -> None:
-        initialize_layerwise_reload(self.model)
+        if self.inner is not None:  # vLLM's engine: layerwise reload (and its own bookkeeping)
+            self.inner.start_weight_update()
+        else:
+            initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        finalize_layerwise_reload(self.model, self.model_config)
+        if self.inner is not None:  # ipc: also releases the buffers this update imported
+            self.inner.finish_weight_update()
+        else:
+            finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: RLSpecUpdateInfo) -> None:
-        if update_info.mode == "tensors":
-            self._load(list(zip(update_info.names, update_info.tensors)))
+        mode = update_info.mode
+        if mode == "tensors":
+            self._check(update_info.names, [t.dtype for t in update_info.tensors])
+            weights = list(zip(update_info.names, update_info.tensors))
+            if getattr(getattr(self.model_config, "hf_config", None), "tie_word_embeddings", False) \
+                    and "lm_head.weight" not in update_info.names:
+                # an in-place reload unties lm_head from the embedding: give it the embedding too
+                # (the learner's source sends it; tensors from elsewhere may not)
+                weights += [("lm_head.weight", t) for n, t in weights if n == "model.embed_tokens.weight"]
+            self.model.load_weights([(n, t.to(self.device)) for n, t in weights])
             return
-        if self.group is None:
-            raise RuntimeError("rlspec weight transfer: a broadcast update before the engine joined a weight group")
-        for idx in buckets(self.metas, self.bucket_bytes):
-            self._load(list(recv_state(self.group, [self.metas[i] for i in idx], self.bucket_bytes).items()))
+        if mode != self.transport:
+            raise RuntimeError(f"rlspec weight transfer: a {mode} update, but this engine joined "
+                               f"{self.transport or 'no transport'} (init_weight_transfer_engine)")
+        inner = update_info.inner
+        metas = metas_from_lists(inner["names"], inner["dtype_names"], inner["shapes"])
+        self._check([m.name for m in metas], [m.dtype for m in metas])
+        if mode == "group":
+            for part in recv_state(self.group, metas, self.bucket_bytes):
+                self.model.load_weights(part)
+        else:
+            self.inner.receive_weights(self.inner.parse_update_info(inner))
 
-    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def _check(self, names: list[str], dtypes: list[torch.dtype]) -> None:
         want = self.model_config.dtype
-        for name, t in weights:
-            if t.is_floating_point() and t.dtype != want:
-                raise TypeError(f"rlspec weight transfer: {name} arrives as {t.dtype}, the engine computes in "
+        for name, dt in zip(names, dtypes):
+            if dt.is_floating_point and dt != want:
+                raise TypeError(f"rlspec weight transfer: {name} arrives as {dt}, the engine computes in "
                                 f"{want}; send weights in the engine's dtype")
-        hf = self.model_config.hf_config
-        if getattr(hf, "tie_word_embeddings", False):
-            # An in-place reload unties lm_head from the embedding: give it the embedding too.
-            names = {n for n, _ in weights}
-            weights += [("lm_head.weight", t) for n, t in weights
-                        if n == "model.embed_tokens.weight" and "lm_head.weight" not in names]
-        self.model.load_weights([(n, t.to(self.device)) for n, t in weights])
+
+    def shutdown(self) -> None:
+        if self.inner is not None:
+            self.inner.shutdown()
+        self.group, self.inner, self.transport = None, None, None
+
+
+class HostedReceiver:
+    """The engine-side backend outside vLLM: a LogprobWorker receives every transport through the
+    same engine class, around a stand-in whose `load_weights` copies into its model (cast to the
+    model's dtype: the weights travel in the engines')."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device, wire_dtype: torch.dtype):
+        self.module = module
+        self.names = dict(module.state_dict(keep_vars=True))
+
+        class Loader(torch.nn.Module):
+            def load_weights(inner_self, weights):
+                for name, t in weights:
+                    if name not in self.names:
+                        raise RuntimeError(f"weight refit: {name} is not a parameter of the log-prob worker's model")
+                    with torch.no_grad():
+                        self.names[name].copy_(t)
+
+        cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
+                              model_config=SimpleNamespace(dtype=wire_dtype))
+        self.engine = RLSpecTransferEngine(WeightTransferConfig(backend=BACKEND), cfg, device, Loader())
+
+    def init(self, init_info: dict) -> None:
+        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+
+    def update(self, update_info: dict) -> None:
+        self.engine.receive_weights(self.engine.parse_update_info(update_info))
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+
+# -- the trainer side ------------------------------------------------------------------------------
+@dataclass
+class RLSpecTrainerInitInfo(TrainerInitInfo):
+    """rlspec's group: learner rank 0 is the group's rank 0, receivers follow."""
+    backend: ClassVar[str] = BACKEND
+    master_address: str = ""
+    master_port: int = 0
+    world_size: int = 0
+    group_backend: str = "gloo"
+    bucket_bytes: int = 256 << 20
+
+
+class RLSpecTrainerEngine(TrainerWeightTransferEngine[RLSpecTrainerInitInfo]):
+    """The group's sender, shaped as vLLM's NCCL trainer engine: every round starts the update on
+    every receiver, broadcasts bucket by bucket while they receive, then finishes it."""
+    init_info_cls = RLSpecTrainerInitInfo
+
+    def __init__(self, *, client, source, is_sender: bool = True, bucket_bytes: int = 256 << 20):
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.bucket_bytes = bucket_bytes
+        self.group: RefitGroup | None = None
+
+    @classmethod
+    def trainer_init(cls, init_info: RLSpecTrainerInitInfo, *, client, source=None) -> "RLSpecTrainerEngine":
+        if source is None:
+            raise ValueError("rlspec trainer weight transfer requires a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes)
+        if not engine.is_sender:
+            return engine
+        worker = dict(master_address=init_info.master_address, master_port=init_info.master_port, rank_offset=1,
+                      world_size=init_info.world_size, backend=init_info.group_backend,
+                      bucket_bytes=init_info.bucket_bytes)
+        with ThreadPoolExecutor(max_workers=1) as exe:  # the receivers block in the rendezvous with rank 0
+            joined = exe.submit(client.init_weight_transfer_engine, worker)
+            engine.group = RefitGroup(init_info.master_address, init_info.master_port, 0, init_info.world_size,
+                                      init_info.group_backend)
+            joined.result()
+        return engine
+
+    def send_weights(self) -> None:
+        meta = self.source.metadata()
+        if not self.is_sender:
+            for _ in self.source:  # the ZeRO-3 gathers are collectives
+                pass
+            return
+        self.client.start_weight_update()
+        with ThreadPoolExecutor(max_workers=1) as exe:  # the receivers take part in every broadcast
+            received = exe.submit(self.client.update_weights, dict(
+                names=[m.name for m in meta], dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+                shapes=[list(m.shape) for m in meta]))
+            send_state(self.group, meta, self.source, self.bucket_bytes)
+            received.result()
+        self.client.finish_weight_update()
 
     def shutdown(self) -> None:
         self.group = None
 
 
-def register() -> None:
-    """Make backend "rlspec" known to vLLM in this process (idempotent). The Generator calls it
-    before its engine starts; engine processes vLLM starts itself get it through the
-    vllm.general_plugins entry point."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+def trainer_init_info(transport: str, *, rank: int, address: str, port: int, world_size: int, bucket_bytes: int,
+                      group_backend: str = "gloo") -> TrainerInitInfo:
+    """vLLM's trainer init info for `transport`: `nccl`/`ipc` (vLLM's engines, packed into buffers of
+    bucket_bytes) or `group` (rlspec's)."""
+    if transport == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+        return NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world_size, packed=True,
+                                   packed_buffer_size_bytes=bucket_bytes, rank=rank)
+    if transport == "ipc":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+        return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=rank)
+    return RLSpecTrainerInitInfo(master_address=address, master_port=port, world_size=world_size,
+                                 group_backend=group_backend, bucket_bytes=bucket_bytes, rank=rank)
 
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, RLSpecTransferEngine)
-    except ValueError:  # registered already (the factory refuses a name twice)
-        pass
+
+class ActorClient:
+    """vLLM's `VLLMWeightSyncClient` over rlspec's receiving actors: each call goes to every
+    receiver (Generators and LogprobWorkers expose the four methods) and waits at most timeout_s.
+    vLLM's trainer engines address one engine at rank_offset 1; receiver i gets its own first rank.
+    `draft` and `version` are this round's: set them before `send_weights`."""
+
+    def __init__(self, transport: str, receivers: list[tuple[str, Any, int]], timeout_s: float):
+        """receivers: (name, Ray actor handle, its first rank in the group)."""
+        self.transport, self.receivers, self.timeout_s = transport, receivers, timeout_s
+        self.draft, self.version = False, 0
+
+    def _all(self, method: str, args_of) -> list:
+        import ray
+
+        refs = [getattr(h, method).remote(*args_of(first)) for _, h, first in self.receivers]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        if pending:
+            names = [name for (name, _, _), r in zip(self.receivers, refs) if r in pending]
+            raise TimeoutError(f"weight refit: {', '.join(names)} did not answer {method} within "
+                               f"{self.timeout_s:.0f}s (cluster.actor_timeout_s)")
+        return ray.get(refs)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        def payload(first: int) -> tuple:
+            inner = {**init_info, "rank_offset": first} if "rank_offset" in init_info else dict(init_info)
+            return ({"transport": self.transport, "inner": inner},)
+        self._all("init_weight_transfer_engine", payload)
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update", lambda _: (self.draft,))
+
+    def update_weights(self, update_info: dict) -> None:
+        self._all("update_weights", lambda _: ({"mode": self.transport, "inner": update_info},))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all("finish_weight_update", lambda _: (self.version, self.draft))
+
+
+class WeightSender:
+    """A learner rank's end of the refit: vLLM's trainer engine for `transport` over the learner's
+    weights (every rank holds one; rank 0 sends)."""
+
+    def __init__(self, transport: str, source, receivers: list[tuple[str, Any, int]], rank: int, address: str,
+                 port: int, world_size: int, bucket_bytes: int, group_backend: str, timeout_s: float):
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        register()
+        self.client = ActorClient(transport, receivers, timeout_s)
+        info = trainer_init_info(transport, rank=rank, address=address, port=port, world_size=world_size,
+                                 bucket_bytes=bucket_bytes, group_backend=group_backend)
+        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=source)
+
+    def send(self, version: int) -> float:
+        """One round; seconds taken."""
+        t0 = time.perf_counter()
+        self.client.version, self.client.draft = version, False
+        self.engine.send_weights()
+        return time.perf_counter() - t0
+
+
+def register() -> None:
+    """Make backend "rlspec" known to vLLM's factories in this process, engine and trainer side
+    (idempotent). Engine processes vLLM starts itself get it through the vllm.general_plugins
+    entry point."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    for factory, cls in ((WeightTransferEngineFactory, RLSpecTransferEngine),
+                         (WeightTransferTrainerFactory, RLSpecTrainerEngine)):
+        try:
+            factory.register_engine(BACKEND, cls)
+        except ValueError:  # registered already (the factory refuses a name twice)
+            pass
+
+

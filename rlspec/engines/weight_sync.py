@@ -1,38 +1,26 @@
-"""Weight-sync transports, the worker side: learner rank 0 streams full weights to every Generator
-engine and LogprobWorker over one torch.distributed group (NCCL on GPUs, gloo on CPU).
-
-Departures from a plain `state_dict` push through the object store:
-- the group is its own store-based process group (learner 0 = rank 0, then every engine and
-  log-prob worker), independent of DeepSpeed's learner group, so receivers need no DeepSpeed;
-- under ZeRO-3 the learner ranks gather one bucket of parameters at a time (every rank takes part
-  in the gather, rank 0 alone broadcasts), so no rank ever holds the whole model twice;
-- tensors travel flattened into buckets of about `bucket_mb`, one collective per bucket.
-The learner owns a BroadcastSender; vLLM engines receive inside their workers
-(rlspec/engines/vllm_transfer.py), a LogprobWorker through its BroadcastReceiver. The driver side,
-which picks the transport, is rlspec/cluster/refit.py.
+"""Weight-sync building blocks shared by every refit transport:
+- LearnerSource: the learner's weights as vLLM's `WeightSource` (what vLLM's trainer-side
+  weight-transfer engines send from): full Hugging Face-named tensors in the engines' dtype, on
+  the learner's device, gathered one bucket at a time under ZeRO-3 (every rank iterates: the
+  gathers are collectives; only rank 0 sends);
+- RefitGroup, send_state, recv_state: rlspec's own transport, a torch.distributed group of its
+  own (gloo on CPU, NCCL on GPUs) carrying flattened buckets of about `bucket_bytes`, one
+  collective per bucket; vLLM's factory knows it as backend "rlspec"
+  (rlspec/engines/vllm_transfer.py), and the CPU tests run it where GPUs run vLLM's `nccl`/`ipc`.
 """
 from __future__ import annotations
 
 import datetime
+import math
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+def numel(m: ParamMeta) -> int:
+    return math.prod(m.shape)
 
 
 class RefitGroup:
@@ -60,12 +48,12 @@ class RefitGroup:
         return flat
 
 
-def buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]:
+def buckets(metas: list[ParamMeta], bucket_bytes: int) -> list[list[int]]:
     """Consecutive indices grouped into buckets of one dtype and at most bucket_bytes (a tensor
     larger than that gets a bucket of its own)."""
     out, cur, size = [], [], 0
     for i, m in enumerate(metas):
-        nbytes = m.numel * m.dtype.itemsize
+        nbytes = numel(m) * m.dtype.itemsize
         if cur and (size + nbytes > bucket_bytes or metas[cur[0]].dtype != m.dtype):
             out.append(cur)
             cur, size = [], 0
@@ -74,47 +62,42 @@ def buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]:
     return out + ([cur] if cur else [])
 
 
-def send_state(group: RefitGroup, metas: list[TensorMeta], tensors: Iterator[list[torch.Tensor]],
+def send_state(group: RefitGroup, metas: list[ParamMeta], pairs: Iterable[tuple[str, torch.Tensor]],
                bucket_bytes: int) -> float:
-    """Rank 0: broadcast the tensors described by `metas`; `tensors` yields each bucket's tensors
-    (so a caller can gather them just in time). Returns seconds."""
+    """Rank 0: broadcast the tensors `pairs` yields, in the order and dtypes `metas` declares, one
+    bucket at a time (so a producer can gather them just in time). Returns seconds."""
     t0 = time.perf_counter()
-    # `tensors` first: zip then runs the producer to its end, closing its last gather.
-    for ts, idx in zip(tensors, buckets(metas, bucket_bytes)):
-        dtype = metas[idx[0]].dtype
-        flat = torch.cat([t.detach().reshape(-1).to(group.device, dtype) for t in ts])
-        group.broadcast(flat)
+    it = iter(pairs)
+    for idx in buckets(metas, bucket_bytes):
+        ts = []
+        for i in idx:
+            name, t = next(it)
+            m = metas[i]
+            if name != m.name or t.dtype != m.dtype or tuple(t.shape) != tuple(m.shape):
+                raise ValueError(f"weight source yields {name} {t.dtype} {tuple(t.shape)} where its metadata "
+                                 f"declares {m.name} {m.dtype} {tuple(m.shape)}")
+            ts.append(t.detach().reshape(-1).to(group.device))
+        group.broadcast(torch.cat(ts))
+    for extra in it:  # run the producer to its end (closes its last gather)
+        raise ValueError(f"weight source yields {extra[0]} beyond its metadata")
     return time.perf_counter() - t0
 
 
-def recv_state(group: RefitGroup, metas: list[TensorMeta], bucket_bytes: int) -> dict[str, torch.Tensor]:
-    """Ranks > 0: the tensors rank 0 sends, by name, on this rank's device."""
-    out = {}
+def recv_state(group: RefitGroup, metas: list[ParamMeta], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Ranks > 0: rank 0's tensors, one bucket at a time, on this rank's device."""
     for idx in buckets(metas, bucket_bytes):
         ms = [metas[i] for i in idx]
-        flat = group.broadcast(torch.empty(sum(m.numel for m in ms), dtype=ms[0].dtype, device=group.device))
-        for m, part in zip(ms, torch.split(flat, [m.numel for m in ms])):
-            out[m.name] = part.view(m.shape)
-    return out
+        flat = group.broadcast(torch.empty(sum(numel(m) for m in ms), dtype=ms[0].dtype, device=group.device))
+        yield [(m.name, part.view(m.shape)) for m, part in zip(ms, torch.split(flat, [numel(m) for m in ms]))]
 
 
-def metas_of(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> list[TensorMeta]:
-    """Full shapes, also for ZeRO-3 partitioned parameters (whose local shape is empty); each
-    tensor's own dtype, or `dtype` (what the receivers compute in) for every one."""
-    return [TensorMeta(n, tuple(getattr(p, "ds_shape", p.shape)), dtype or p.dtype) for n, p in named]
-
-
-def metas_to_wire(metas: list[TensorMeta]) -> list[list]:
-    """[name, dtype name, shape] per tensor: plain values for vLLM's init-info dict."""
-    return [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape)] for m in metas]
-
-
-def metas_from_wire(wire: list[list]) -> list[TensorMeta]:
-    return [TensorMeta(name, tuple(shape), getattr(torch, dtype)) for name, dtype, shape in wire]
+def metas_from_lists(names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> list[ParamMeta]:
+    """The per-round parameter lists vLLM's update infos carry, as metas."""
+    return [ParamMeta(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtype_names, shapes)]
 
 
 def endpoint() -> tuple[str, int]:
-    """(this node's IP, a free port on it) for the group's TCPStore."""
+    """(this node's IP, a free port on it) for a group's rendezvous."""
     import socket
 
     import ray
@@ -124,51 +107,34 @@ def endpoint() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
-class BroadcastReceiver:
-    """A receiving rank of the group outside vLLM (a LogprobWorker holds one)."""
+class LearnerSource(WeightSource):
+    """A learner's weights as vLLM's trainer-side engines take them. Names are the Hugging Face
+    checkpoint names; a tied output layer is sent as `lm_head.weight` too (an engine's in-place
+    reload would otherwise keep the old head). Tensors come in `dtype` (the engines'), on the
+    parameters' device; under ZeRO-3 each bucket of about `bucket_bytes` is gathered on every rank
+    while it is iterated, and copied out before its gather closes."""
 
-    def __init__(self, addr: str, port: int, rank: int, world: int, backend: str, metas: list[TensorMeta],
-                 bucket_bytes: int):
-        self.group = RefitGroup(addr, port, rank, world, backend)
-        self.metas, self.bucket_bytes = metas, bucket_bytes
+    def __init__(self, module: torch.nn.Module, zero3: bool, dtype: torch.dtype | None, bucket_bytes: int,
+                 tied_head: bool = True):
+        """tied_head: False sends the parameters alone (a checkpoint, which ties on load)."""
+        self.zero3, self.dtype, self.bucket_bytes = zero3, dtype, bucket_bytes
+        self.params = list(module.named_parameters())
+        cfg = getattr(module, "config", None)
+        if tied_head and getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in dict(self.params):
+            embed = dict(self.params).get("model.embed_tokens.weight")
+            if embed is not None:
+                self.params.append(("lm_head.weight", embed))
 
-    def receive(self) -> dict[str, torch.Tensor]:
-        """The target weights rank 0 sends this round, by name."""
-        return recv_state(self.group, self.metas, self.bucket_bytes)
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, self.dtype or p.dtype, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self.params]
 
-    def receive_into(self, push: Callable[[dict[str, torch.Tensor], int], object], version: int) -> float:
-        """Receive this round's weights and hand them to the owner's `push(weights, version)`;
-        seconds taken."""
-        t0 = time.perf_counter()
-        push(self.receive(), version)
-        return time.perf_counter() - t0
-
-
-class BroadcastSender:
-    """The learner's side: every rank calls `send` (ZeRO-3 gathers need all of them); only rank 0
-    holds the group and broadcasts."""
-
-    def __init__(self, module: torch.nn.Module, zero3: bool, bucket_bytes: int, group: RefitGroup | None,
-                 dtype: torch.dtype | None = None):
-        self.module, self.zero3, self.bucket_bytes, self.group = module, zero3, bucket_bytes, group
-        self.dtype = dtype  # the receivers' compute dtype (None: the parameters' own)
-
-    def send(self) -> float:
-        """Target weights bucket by bucket (gathered just in time under ZeRO-3), in the
-        receivers' dtype; seconds taken."""
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         import deepspeed
 
-        params = list(self.module.named_parameters())
-        metas = metas_of(params, self.dtype)
-
-        def gathered() -> Iterator[list[torch.Tensor]]:
-            for idx in buckets(metas, self.bucket_bytes):
-                ps = [params[i][1] for i in idx]
-                with deepspeed.zero.GatheredParameters(ps, modifier_rank=None, enabled=self.zero3):
-                    yield [p.data for p in ps]
-
-        if self.group is None:  # other ranks only take part in the gathers
-            for _ in gathered():
-                pass
-            return 0.0
-        return send_state(self.group, metas, gathered(), self.bucket_bytes)
+        for idx in buckets(self.metadata(), self.bucket_bytes):
+            ps = [self.params[i] for i in idx]
+            with deepspeed.zero.GatheredParameters([p for _, p in ps], modifier_rank=None, enabled=self.zero3):
+                for name, p in ps:
+                    t = p.data.detach().to(self.dtype or p.dtype)
+                    # a gathered partition is freed when its gather closes: keep a copy of its own
+                    yield name, (t.clone() if self.zero3 and t.data_ptr() == p.data.data_ptr() else t)

@@ -4,6 +4,7 @@ are refit from the learner and the DraftTrainer."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict
 
 import torch
@@ -88,17 +89,26 @@ class Generator:
         self.draft_version = version
         return seconds
 
-    def join_weight_group(self, addr: str, port: int, rank_offset: int, world: int, backend: str, metas: list,
-                          bucket_bytes: int) -> int:
-        """Every worker of the engine joins the learner's weight group, ranks from rank_offset."""
-        self.engine.join_weight_group(addr, port, rank_offset, world, backend, metas, bucket_bytes)
-        return rank_offset
+    # -- vLLM's weight-sync client protocol (VLLMWeightSyncClient), driven by learner rank 0 ------
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Every worker of the engine joins the refit transport (rlspec/engines/vllm_transfer.py)."""
+        self.engine.init_weight_transfer(init_info)
 
-    def receive_weights(self, version: int) -> float:
-        """Take this round's broadcast of the target's weights, inside vLLM's workers."""
-        seconds = self.engine.update_weights({"mode": "broadcast"}, version)
-        self.policy_version = version
-        return seconds
+    def start_weight_update(self, draft: bool = False) -> None:
+        self.engine.start_weight_update(draft)
+        self._update_t0 = time.perf_counter()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.engine.update_weights(update_info)
+
+    def finish_weight_update(self, version: int, draft: bool = False) -> float:
+        """The update is in: the engine samples `version` (seconds since its start)."""
+        self.engine.finish_weight_update(version, draft)
+        if draft:
+            self.draft_version = version
+        else:
+            self.policy_version = version
+        return time.perf_counter() - self._update_t0
 
     def ping(self) -> int:
         return self.policy_version

@@ -14,7 +14,7 @@ from rlspec.algo.logprobs import prompt_cache_supported, prompt_plan, sequence_l
 from rlspec.algo.losses import LossInputs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
 from rlspec.engines.deepspeed_engine import init_distributed, make_engine
-from rlspec.engines.weight_sync import BroadcastSender, RefitGroup, TensorMeta, endpoint, metas_of
+from rlspec.engines.weight_sync import LearnerSource, endpoint
 from rlspec.messages import MiniBatch, TrainBatch
 from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
 
@@ -52,7 +52,7 @@ class Learner:
         samples_per_step = trainer.mini_batch_size or generation.num_prompts_per_step * generation.num_generations_per_prompt
         self.engine, self.sched = make_engine(module, trainer, samples_per_step, world_size)
         self.policy_version = 0
-        self.sender: BroadcastSender | None = None
+        self.sender = None  # connect_weights: its end of the refit (vllm_transfer.WeightSender)
 
     def train_step(self, parts: list[MiniBatch], epochs: int = 1) -> tuple[dict, dict]:
         """epochs x len(parts) optimizer steps, one per mini-batch of this rank's shard, in order.
@@ -175,21 +175,20 @@ class Learner:
         self.policy_version = client["policy_version"]
         return self.policy_version
 
-    def full_weights(self, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    def full_weights(self, dtype: str = "float32", tied_head: bool = True) -> dict[str, torch.Tensor]:
         """Hugging Face-named full weights (gathered under ZeRO-3) on CPU in `dtype` (the
-        engines' for a refit); empty off rank 0."""
-        import deepspeed
-
-        params = dict(self.engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None,
-                                               enabled=self.trainer.zero_stage == 3):
-            if self.rank != 0:
-                return {}
-            return {k: v.detach().to("cpu", getattr(torch, dtype)).clone() for k, v in params.items()}
+        engines' for a refit: a tied output layer as lm_head.weight too); empty off rank 0."""
+        source = LearnerSource(self.engine.module, self.trainer.zero_stage == 3, getattr(torch, dtype), 256 << 20,
+                               tied_head)
+        if self.rank != 0:
+            for _ in source:  # the gathers are collectives
+                pass
+            return {}
+        return {n: t.to("cpu").clone() for n, t in source}
 
     def save_pretrained(self, path: str, tokenizer_dir: str | None = None) -> None:
         """Write the current policy in Hugging Face format (rank 0)."""
-        weights = self.full_weights()
+        weights = self.full_weights(tied_head=False)
         if self.rank != 0:
             return
         self.engine.module.save_pretrained(path, state_dict=weights)
@@ -197,25 +196,26 @@ class Learner:
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
 
-    # -- the broadcast weight sync (rlspec/engines/weight_sync.py) ---------------------------------
-    def weight_group_endpoint(self) -> tuple[str, int]:
+    # -- the refit (rlspec/engines/vllm_transfer.py): rank 0 drives vLLM's weight-transfer API ------
+    def weight_endpoint(self) -> tuple[str, int]:
+        """Where the refit group meets (rank 0's node, a free port)."""
         return endpoint()
 
-    def weight_metas(self, dtype: str) -> list[TensorMeta]:
-        """What a broadcast round sends: every parameter, in the engines' dtype."""
-        return metas_of(self.engine.module.named_parameters(), getattr(torch, dtype))
+    def connect_weights(self, transport: str, receivers: list, address: str, port: int, world_size: int,
+                        dtype: str, bucket_bytes: int, timeout_s: float) -> int:
+        """Every rank builds its end of `transport` (nccl, ipc or group) over this learner's weights
+        in the engines' `dtype`; rank 0 rendezvouses with the receivers ((name, actor, first rank))."""
+        from rlspec.engines.vllm_transfer import WeightSender
 
-    def join_weight_group(self, addr: str, port: int, world: int, backend: str, bucket_bytes: int,
-                          dtype: str) -> int:
-        """Rank 0 becomes the group's source; every rank takes part in the ZeRO-3 gathers."""
-        group = RefitGroup(addr, port, 0, world, backend) if self.rank == 0 else None
-        self.sender = BroadcastSender(self.engine.module, self.trainer.zero_stage == 3, bucket_bytes, group,
-                                      getattr(torch, dtype))
+        source = LearnerSource(self.engine.module, self.trainer.zero_stage == 3, getattr(torch, dtype), bucket_bytes)
+        self.sender = WeightSender(transport, source, receivers, self.rank, address, port, world_size, bucket_bytes,
+                                   "nccl" if self.device.type == "cuda" else "gloo", timeout_s)
         return self.rank
 
-    def broadcast_weights(self) -> float:
-        """This round of the broadcast: rank 0 sends, the other ranks help gather (ZeRO-3)."""
-        return self.sender.send()
+    def send_weights(self, version: int) -> float:
+        """One refit round: rank 0 sends, the other ranks take part in the gathers (ZeRO-3) and,
+        under ipc, in the handle exchange; seconds taken."""
+        return self.sender.send(version)
 
     def ping(self) -> int:
         return self.policy_version

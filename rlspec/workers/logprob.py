@@ -8,7 +8,7 @@ import torch
 from rlspec.algo.batching import micro_batches
 from rlspec.algo.logprobs import output_logprobs, sequence_logprobs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
-from rlspec.engines.weight_sync import BroadcastReceiver
+from rlspec.engines.vllm_transfer import HostedReceiver
 from rlspec.messages import TrainBatch
 from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
 
@@ -33,7 +33,8 @@ class LogprobWorker:
         self.policy_version = 0
         self.capture = capture
         self.features: list[dict] = []
-        self.receiver: BroadcastReceiver | None = None
+        # refits arrive in the engines' dtype, through the engines' own transfer backend
+        self.receiver = HostedReceiver(self.policy, self.device, getattr(torch, generation.dtype or trainer.dtype))
 
     @torch.no_grad()
     def _run(self, model, batch: TrainBatch) -> torch.Tensor:
@@ -89,14 +90,20 @@ class LogprobWorker:
             raise RuntimeError(f"weight refit mismatch: missing {missing}, unexpected {unexpected}")
         self.policy_version = version
 
-    def join_weight_group(self, *group) -> int:
-        """Join the broadcast group as a receiver (BroadcastReceiver's arguments)."""
-        self.receiver = BroadcastReceiver(*group)
-        return self.receiver.group.rank
+    # -- vLLM's weight-sync client protocol, as the Generators expose it (learner rank 0 drives it)
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.receiver.init(init_info)
 
-    def receive_weights(self, version: int) -> float:
-        """Take this round's broadcast of the policy's weights (rlspec/engines/weight_sync.py)."""
-        return self.receiver.receive_into(self.push_weights, version)
+    def start_weight_update(self, draft: bool = False) -> None:
+        if draft:
+            raise RuntimeError("a log-prob worker holds no draft model")
+
+    def update_weights(self, update_info: dict) -> None:
+        self.receiver.update(update_info)
+
+    def finish_weight_update(self, version: int, draft: bool = False) -> float:
+        self.policy_version = version
+        return 0.0
 
     def save_reference(self, path: str) -> None:
         if self.reference is not None:

@@ -147,27 +147,37 @@ def test_a_wide_engine_places_its_tp_workers_on_both_ray_nodes(tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
-def test_no_nccl_group_holds_two_ranks_on_one_gpu_in_any_experiment(name):
-    """Every shipped experiment resolves to a refit transport whose group has at most one rank per
-    GPU: the broadcast group where that holds, the object store where roles share GPUs."""
-    from rlspec.cluster.plan import shared_weight_group_gpus
+def test_every_experiment_refits_over_a_transport_its_placement_allows(name):
+    """Every shipped experiment resolves to a refit transport its plan can run: rlspec's gloo group
+    on CPU machines; on GPUs vLLM's nccl where every rank has a GPU of its own, vLLM's ipc where
+    every receiver sits on a learner's GPU (the colocated paper runs)."""
+    from rlspec.cluster.plan import receivers_off_learner_gpus, shared_weight_group_gpus
     from rlspec.config import plan_of, resolve_auto
 
     cfg = compose([f"+experiment={name}"], plain=False)
     validate(cfg)
     cfg = resolve_auto(cfg)
-    shared = shared_weight_group_gpus(plan_of(cfg), cfg.algo.recompute_logprobs)
-    assert cfg.cluster.refit == ("object_store" if shared else "broadcast")
+    plan = plan_of(cfg)
+    shared = shared_weight_group_gpus(plan, cfg.algo.recompute_logprobs)
+    off = receivers_off_learner_gpus(plan, cfg.algo.recompute_logprobs)
+    want = ("group" if not plan.on_gpu else "nccl" if not shared else "ipc" if not off else "object_store")
+    assert cfg.cluster.refit == want
     if cfg.cluster.placement == "colocated" and cfg.cluster.gpus_per_node:
-        assert shared and cfg.cluster.refit == "object_store"
+        assert cfg.cluster.refit == "ipc"
+    validate(cfg)
 
 
-def test_a_broadcast_refit_over_shared_gpus_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match=r"^cluster\.refit: broadcast puts learner\[0\] and generator\[0\] in one "
+def test_a_refit_transport_the_plan_cannot_run_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^cluster\.refit: nccl puts learner\[0\] and generator\[0\] in one "
                                           r"NCCL group on one GPU"):
-        validate(compose(["+experiment=rl_zero_qwen3_8b", "cluster.refit=broadcast"], plain=False))
+        validate(compose(["+experiment=rl_zero_qwen3_8b", "cluster.refit=nccl"], plain=False))
     # disaggregated: engines on GPUs of their own; the log-prob workers share the learners' GPUs
     base = ["+experiment=rl_think_qwen3_8b_async"]
-    validate(compose([*base, "cluster.refit=broadcast"], plain=False))
+    validate(compose([*base, "cluster.refit=nccl"], plain=False))
     with pytest.raises(ConfigError, match=r"learner\[0\] and logprob_worker\[0\]"):
-        validate(compose([*base, "cluster.refit=broadcast", "algo.kl_coef=0.01"], plain=False))
+        validate(compose([*base, "cluster.refit=nccl", "algo.kl_coef=0.01"], plain=False))
+    with pytest.raises(ConfigError, match=r"^cluster\.refit: ipc reaches receivers on the learners' GPUs only; "
+                                          r"generator\[0\]"):
+        validate(compose([*base, "cluster.refit=ipc"], plain=False))
+    with pytest.raises(ConfigError, match=r"^cluster\.refit: ipc is vLLM's GPU transport; this plan has no GPUs"):
+        validate(compose(["cluster.refit=ipc"], plain=False))

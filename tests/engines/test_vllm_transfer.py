@@ -1,15 +1,19 @@
-"""rlspec's weight-transfer backend as vLLM builds it: found through vLLM's factory by name, its
-init and update infos parsed from the dicts vLLM passes, a broadcast round received bucket by
-bucket into the model's load_weights, a tensors round loaded as given, and a tensor in another
-dtype than the engine's refused. (The engines' own tests run it inside real vLLM workers.)"""
-import threading
+"""rlspec's refit through vLLM's weight-transfer API, both ends, as vLLM builds them: the engine
+backend and the trainer engine found through vLLM's factories by name; init and update infos
+parsed from the dicts vLLM passes; a group round sent by the trainer engine through a client
+and received bucket by bucket into load_weights; a tensors round loaded as given; a tensor in
+another dtype than the engine's refused; and vLLM's own `nccl` and `ipc` payloads, as vLLM's
+trainer engines write them, reaching vLLM's own engines inside rlspec's with each receiver's rank.
+(The engines' own tests run all of it inside real vLLM workers.)"""
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rlspec.cluster.ray_cluster import free_port
-from rlspec.engines.weight_sync import RefitGroup, buckets, metas_of, metas_to_wire, send_state
+from rlspec.engines import vllm_transfer
+from rlspec.engines.weight_sync import LearnerSource
 
 
 class Recorder(torch.nn.Module):
@@ -29,15 +33,13 @@ def update(e, info: dict) -> None:
     e.receive_weights(e.parse_update_info(info))
 
 
-def engine(dtype=torch.float32, tied=False):
+def engine(dtype=torch.float32, rank=0, tied=False):
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from rlspec.engines import vllm_transfer
-
     vllm_transfer.register()
     vllm_transfer.register()  # idempotent
-    cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=rank),
                           model_config=SimpleNamespace(dtype=dtype, hf_config=SimpleNamespace(tie_word_embeddings=tied)))
     return WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="rlspec"), cfg, torch.device("cpu"),
                                                      Recorder())
@@ -48,11 +50,14 @@ WEIGHTS = {"model.embed_tokens.weight": torch.randn(50, 8), "model.layers.0.w": 
 
 
 def test_a_tensors_round_loads_as_given_and_ties_the_head():
+    e = engine()
+    update(e, {"mode": "tensors", "names": list(WEIGHTS), "tensors": list(WEIGHTS.values())})
+    (got,) = e.model.calls
+    assert [n for n, _ in got] == list(WEIGHTS) and all(torch.equal(dict(got)[k], v) for k, v in WEIGHTS.items())
     e = engine(tied=True)
     update(e, {"mode": "tensors", "names": list(WEIGHTS), "tensors": list(WEIGHTS.values())})
     (got,) = e.model.calls
-    names = [n for n, _ in got]
-    assert names == [*WEIGHTS, "lm_head.weight"]
+    assert [n for n, _ in got] == [*WEIGHTS, "lm_head.weight"]
     assert torch.equal(dict(got)["lm_head.weight"], WEIGHTS["model.embed_tokens.weight"])
 
 
@@ -60,29 +65,151 @@ def test_a_tensor_in_another_dtype_than_the_engines_is_refused_by_name():
     e = engine(dtype=torch.float32)
     with pytest.raises(TypeError, match="model.layers.0.w arrives as torch.bfloat16, the engine computes in torch.float32"):
         update(e, {"mode": "tensors", "names": ["model.layers.0.w"], "tensors": [WEIGHTS["model.layers.0.w"].bfloat16()]})
-    with pytest.raises(ValueError, match="broadcast or tensors"):
+    with pytest.raises(ValueError, match="mode 'carrier_pigeon'"):
         update(e, {"mode": "carrier_pigeon"})
+    with pytest.raises(RuntimeError, match="a nccl update, but this engine joined no transport"):
+        update(e, {"mode": "nccl", "inner": {"names": [], "dtype_names": [], "shapes": []}})
 
 
-def test_a_broadcast_round_arrives_bucket_by_bucket():
-    """Rank 0 (the learner's side) sends in 1 KiB buckets; the engine, rank 1 of the group, loads
-    each bucket as it lands: several load_weights calls, together every tensor, bit for bit."""
-    bucket = 1024
-    port = free_port()
-    items = list(WEIGHTS.items())
-    metas = metas_of(items)
-    e = engine()
+class TiedModule(torch.nn.Module):
+    """A Hugging Face-shaped module whose output layer is its embedding."""
 
-    def source():
-        g = RefitGroup("127.0.0.1", port, 0, 2, "gloo")
-        send_state(g, metas, ([items[i][1] for i in idx] for idx in buckets(metas, bucket)), bucket)
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(tie_word_embeddings=True)
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(50, 8)
+        self.model.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8, bias=False)])
+        self.model.norm = torch.nn.LayerNorm(8, bias=False)
 
-    t = threading.Thread(target=source)
-    t.start()
-    e.init_transfer_engine(e.parse_init_info(dict(addr="127.0.0.1", port=port, rank_offset=1, world=2,
-                                                  backend="gloo", metas=metas_to_wire(metas), bucket_bytes=bucket)))
-    update(e, {"mode": "broadcast"})
-    t.join(timeout=60)
-    assert len(e.model.calls) == len(buckets(metas, bucket)) > 1
+
+class EngineClient:
+    """The client protocol over one in-process engine (the Ray fan-out is ActorClient's part;
+    tests/engines/test_weight_sync.py runs that across actors)."""
+
+    def __init__(self, e):
+        self.e, self.log = e, []
+
+    def init_weight_transfer_engine(self, init_info):
+        self.log.append("init")
+        self.e.init_transfer_engine(self.e.parse_init_info({"transport": "group", "inner": init_info}))
+
+    def start_weight_update(self):
+        self.log.append("start")
+
+    def update_weights(self, update_info):
+        self.log.append("update")
+        update(self.e, {"mode": "group", "inner": update_info})
+
+    def finish_weight_update(self, weight_version=None):
+        self.log.append("finish")
+
+
+def test_a_group_round_arrives_bucket_by_bucket_with_the_tied_head():
+    """The trainer engine (rank 0, from vLLM's trainer factory) sends a module's weights in 1 KiB
+    buckets in the engine's dtype; the engine (rank 1) loads each bucket as it lands: several
+    load_weights calls, together every tensor bit for bit, the tied output layer included."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    module = TiedModule()
+    e = engine(dtype=torch.bfloat16)
+    client = EngineClient(e)
+    info = vllm_transfer.trainer_init_info("group", rank=0, address="127.0.0.1", port=free_port(), world_size=2,
+                                           bucket_bytes=1024)
+    vllm_transfer.register()
+    source = LearnerSource(module, zero3=False, dtype=torch.bfloat16, bucket_bytes=1024)
+    # the engine's side blocks in the rendezvous, as a receiver actor would
+    sender = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    sender.send_weights()
+    assert client.log == ["init", "start", "update", "finish"]
+    assert len(e.model.calls) > 1
     got = dict(x for call in e.model.calls for x in call)
-    assert set(got) == set(WEIGHTS) and all(torch.equal(got[k], v) for k, v in WEIGHTS.items())
+    want = {n: p.detach().bfloat16() for n, p in module.named_parameters()}
+    want["lm_head.weight"] = want["model.embed_tokens.weight"]
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_a_source_that_disagrees_with_its_metadata_is_named():
+    from rlspec.engines.weight_sync import RefitGroup, send_state
+
+    source = LearnerSource(TiedModule(), zero3=False, dtype=torch.float32, bucket_bytes=1 << 20)
+    meta = source.metadata()
+    meta[1] = type(meta[1])("model.layers.0.other", meta[1].dtype, meta[1].shape)
+    group = RefitGroup("127.0.0.1", free_port(), 0, 1, "gloo")
+    with pytest.raises(ValueError, match="yields model.layers.0.weight .* declares model.layers.0.other"):
+        send_state(group, meta, source, 1 << 20)
+
+
+class Recording:
+    """A receiver as ActorClient reaches it, in process: what each call brought."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, method):
+        return SimpleNamespace(remote=lambda *a: self.calls.append((method, a)))
+
+
+@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+def test_vllm_payloads_reach_vllm_engines_inside_rlspecs_with_each_receivers_rank(transport, monkeypatch):
+    """vLLM's own trainer-side payloads (its worker init info and update info dataclasses, written
+    as its trainer engines write them) pass through ActorClient to each receiver with its own
+    first rank, and rlspec's engine hands them to vLLM's own engine class, which parses them. The
+    transfer itself (NCCL, CUDA IPC) needs GPUs and has not run here."""
+    import ray
+
+    from vllm.distributed.weight_transfer import ipc_engine, nccl_engine
+    from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
+
+    monkeypatch.setattr(ray, "wait", lambda refs, **kw: (refs, []))
+    monkeypatch.setattr(ray, "get", lambda refs, **kw: refs)
+    receivers = [("generator[0]", Recording(), 1), ("generator[1]", Recording(), 3), ("logprob_worker", Recording(), 5)]
+    client = vllm_transfer.ActorClient(transport, receivers, timeout_s=5)
+    client.version, client.draft = 7, False
+    if transport == "nccl":
+        init = worker_init_payload(nccl_engine.NCCLWeightTransferInitInfo(
+            master_address="10.0.0.1", master_port=29500, rank_offset=1, world_size=6, packed=True))
+        upd = asdict(nccl_engine.NCCLWeightTransferUpdateInfo(names=["model.norm.weight"], dtype_names=["bfloat16"],
+                                                              shapes=[[8]]))
+    else:
+        init = {"packed": True}
+        upd = asdict(ipc_engine.IPCWeightTransferUpdateInfo(names=["model.norm.weight"], dtype_names=["bfloat16"],
+                                                            shapes=[[8]], ipc_handles={"GPU-0": ()},
+                                                            tensor_sizes=[16]))
+    client.init_weight_transfer_engine(init)
+    client.start_weight_update()
+    client.update_weights(upd)
+    client.finish_weight_update()
+    for _, r, first in receivers:
+        (m0, (got_init,)), (m1, (draft,)), (m2, (got_upd,)), (m3, args3) = r.calls
+        assert (m0, m1, m2, m3) == ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                    "finish_weight_update")
+        assert draft is False and args3 == (7, False)
+        assert got_init["transport"] == transport and got_upd["mode"] == transport
+        if transport == "nccl":
+            assert got_init["inner"]["rank_offset"] == first and got_init["inner"]["world_size"] == 6
+        e = engine(dtype=torch.bfloat16)
+        # vLLM's engine class parses what it will get (its init would open NCCL: not on this machine)
+        cls = vllm_transfer._inner_engine_class(transport)
+        inner = cls(None, e.vllm_config, e.device, e.model)
+        parsed = inner.parse_init_info(got_init["inner"])
+        assert type(parsed).__name__ == ("NCCLWeightTransferInitInfo" if transport == "nccl" else
+                                         "IPCWeightTransferInitInfo")
+        assert inner.parse_update_info(got_upd["inner"]).names == ["model.norm.weight"]
+    # a wire dtype other than the engine's is refused before vLLM's engine sees it
+    e = engine(dtype=torch.float32)
+    e.transport, e.inner = transport, object()
+    with pytest.raises(TypeError, match="model.norm.weight arrives as torch.bfloat16"):
+        update(e, {"mode": transport, "inner": upd})
+
+
+def test_a_draft_update_retargets_vllms_inner_engine_too():
+    e = engine()
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    e.inner = NCCLWeightTransferEngine(None, e.vllm_config, e.device, e.model)
+    draft = Recorder()
+    e.set_weight_update_target(draft, SimpleNamespace(dtype=torch.float32))
+    assert e.model is draft and e.inner.model is draft
+    e.reset_weight_update_target()
+    assert e.model is not draft and e.inner.model is e.model

@@ -1,63 +1,70 @@
-"""Refit over a torch.distributed group (gloo here, NCCL on GPUs): bucketing, and a broadcast
-of the target's weights from one Ray actor to several others, bit for bit."""
+"""Refit over rlspec's group transport (gloo here, NCCL on GPUs): bucketing, and a round driven by
+learner-side vLLM trainer engine (WeightSender) through ActorClient from one Ray actor into
+several others, each receiving through the engine backend hosted around its model, bit for bit."""
 import pytest
 import torch
+from vllm.distributed.weight_transfer.base import ParamMeta
 
-from rlspec.engines.weight_sync import RefitGroup, TensorMeta, buckets, metas_of, send_state
+from rlspec.engines.weight_sync import buckets
 
 
 def test_buckets_split_by_size_and_dtype():
-    m = [TensorMeta("a", (256,), torch.float32), TensorMeta("b", (256,), torch.float32),
-         TensorMeta("c", (10,), torch.bfloat16), TensorMeta("d", (2048,), torch.float32),
-         TensorMeta("e", (1,), torch.float32)]
+    m = [ParamMeta("a", torch.float32, (256,)), ParamMeta("b", torch.float32, (256,)),
+         ParamMeta("c", torch.bfloat16, (10,)), ParamMeta("d", torch.float32, (2048,)),
+         ParamMeta("e", torch.float32, (1,))]
     assert buckets(m, bucket_bytes=2048) == [[0, 1], [2], [3], [4]]  # d alone: larger than a bucket
     assert buckets(m, bucket_bytes=1 << 20) == [[0, 1], [2], [3, 4]]
 
 
-def state(seed: int, sizes: dict) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(s, generator=g).to(dt) for k, (s, dt) in sizes.items()}
-
-
-TARGET = {"embed.weight": ((50, 16), torch.float32), "layers.0.w": ((16, 16), torch.float32),
-          "layers.0.norm": ((16,), torch.bfloat16), "head.weight": ((50, 16), torch.float32)}
+def model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16), torch.nn.LayerNorm(16),
+                               torch.nn.Linear(16, 50))
 
 
 class Source:
-    """Stands for learner rank 0 (the Learner's own path is exercised by the CLI tests)."""
+    """Stands for learner rank 0 (the Learner's own path is run by the CLI and fan-out tests)."""
 
-    def __init__(self, addr, port, world):
-        self.group = RefitGroup(addr, port, 0, world, "gloo")
+    def __init__(self, seed, receivers, addr, port, world, bucket_bytes):
+        from rlspec.engines.vllm_transfer import WeightSender
+        from rlspec.engines.weight_sync import LearnerSource
 
-    def send(self, seed: int, bucket_bytes: int) -> None:
-        items = list(state(seed, TARGET).items())
-        metas = metas_of(items)
-        send_state(self.group, metas, ([items[i][1] for i in idx] for idx in buckets(metas, bucket_bytes)),
-                   bucket_bytes)
+        self.sender = WeightSender("group", LearnerSource(model(seed), False, torch.float32, bucket_bytes), receivers,
+                                   0, addr, port, world, bucket_bytes, "gloo", timeout_s=120)
+
+    def send(self, version):
+        return self.sender.send(version)
 
 
 class Sink:
-    """A receiver as Generator and LogprobWorker are: a BroadcastReceiver member hands each
-    round's weights to its push_weights."""
+    """A receiver as a LogprobWorker is: the engine backend hosted around its own model."""
 
-    def join_weight_group(self, *group):
-        from rlspec.engines.weight_sync import BroadcastReceiver
+    def __init__(self, seed):
+        from rlspec.engines.vllm_transfer import HostedReceiver
 
-        self.receiver = BroadcastReceiver(*group)
-        return self.receiver.group.rank
+        self.module = model(seed)
+        self.receiver = HostedReceiver(self.module, torch.device("cpu"), torch.float32)
+        self.version = None
 
-    def receive_weights(self, version):
-        return self.receiver.receive_into(self.push_weights, version)
+    def init_weight_transfer_engine(self, init_info):
+        self.receiver.init(init_info)
+        return self.receiver.engine.group.rank
 
-    def push_weights(self, weights, version):
-        self.got = (weights, version)
+    def start_weight_update(self, draft=False):
+        pass
+
+    def update_weights(self, update_info):
+        self.receiver.update(update_info)
+
+    def finish_weight_update(self, version, draft=False):
+        self.version = version
 
     def received(self):
-        return self.got
+        return self.module.state_dict(), self.version
 
 
-@pytest.mark.parametrize("bucket_bytes", [64, 1 << 20])
-def test_broadcast_reaches_every_actor_exactly(ray_session, bucket_bytes):
+@pytest.mark.parametrize("bucket_bytes", [64])  # every tensor its own bucket, most in one
+def test_a_round_reaches_every_actor_exactly(ray_session, bucket_bytes):
     import sys
 
     import ray
@@ -68,20 +75,33 @@ def test_broadcast_reaches_every_actor_exactly(ray_session, bucket_bytes):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
     addr, port = ray.get(ray.remote(endpoint).options(num_cpus=0).remote())
-    world = 3
-    sinks = [ray.remote(Sink).options(num_cpus=0).remote() for _ in range(world - 1)]
-    src = ray.remote(Source).options(num_cpus=0).remote(addr, port, world)
-    tm = metas_of(state(0, TARGET).items())
-    joined = [s.join_weight_group.remote(addr, port, r + 1, world, "gloo", tm, bucket_bytes)
-              for r, s in enumerate(sinks)]
-    assert ray.get(joined, timeout=120) == [1, 2]
-    calls = [src.send.remote(7, bucket_bytes), *[s.receive_weights.remote(5) for s in sinks]]
-    ray.get(calls, timeout=120)
-    want_t = state(7, TARGET)
+    sinks = [ray.remote(Sink).options(num_cpus=0).remote(seed) for seed in (1, 2)]
+    receivers = [(f"sink[{i}]", s, i + 1) for i, s in enumerate(sinks)]
+    src = ray.remote(Source).options(num_cpus=0).remote(7, receivers, addr, port, 3, bucket_bytes)
+    assert ray.get(src.send.remote(5), timeout=120) > 0
+    want = model(7).state_dict()
     for s in sinks:
-        target, version = ray.get(s.received.remote())
-        assert version == 5 and set(target) == set(want_t)
-        for k in want_t:
-            assert target[k].dtype == want_t[k].dtype and torch.equal(target[k], want_t[k]), k
+        got, version = ray.get(s.received.remote())
+        assert version == 5 and set(got) == set(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
     for a in (*sinks, src):
         ray.kill(a)
+
+
+def test_a_receiver_that_does_not_answer_is_named(ray_session):
+    import ray
+
+    from rlspec.engines.vllm_transfer import ActorClient
+
+    @ray.remote(num_cpus=0)
+    class Stuck:
+        def start_weight_update(self, draft=False):
+            import time
+            time.sleep(30)
+
+    stuck = Stuck.remote()
+    client = ActorClient("group", [("generator[3]", stuck, 1)], timeout_s=1)
+    with pytest.raises(TimeoutError, match=r"generator\[3\] did not answer start_weight_update within 1s"):
+        client.start_weight_update()
+    ray.kill(stuck)

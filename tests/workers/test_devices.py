@@ -111,16 +111,19 @@ def test_draft_trainer_trains_on_its_device_and_pushes_host_tensors():
 
 def test_weight_sender_sends_from_its_device_in_the_engines_dtype():
     """The learner's parameters on its device, the group's buffers on the group's (the host for
-    gloo): each bucket is moved and cast explicitly, in the receivers' dtype."""
+    gloo): the source yields device tensors in the receivers' dtype, and each bucket is moved
+    explicitly onto the group's device."""
     from rlspec.cluster.ray_cluster import free_port
-    from rlspec.engines.weight_sync import BroadcastSender, RefitGroup
+    from rlspec.engines.weight_sync import LearnerSource, RefitGroup, send_state
 
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to("meta")
     group = RefitGroup("127.0.0.1", free_port(), 0, 1, "gloo")
     sent = []
     group.broadcast = lambda flat: sent.append(flat) or flat
+    source = LearnerSource(module, False, torch.bfloat16, 64)
     with OnDevice():
-        BroadcastSender(module, False, 64, group, torch.bfloat16).send()
+        assert all(t.device.type == "meta" and t.dtype == torch.bfloat16 for _, t in source)
+        send_state(group, source.metadata(), source, 64)
     assert sent and all(f.device.type == "cpu" and f.dtype == torch.bfloat16 for f in sent)
     assert sum(f.numel() for f in sent) == sum(p.numel() for p in module.parameters())
 
