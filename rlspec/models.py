@@ -14,6 +14,20 @@ class ModelPaths:
     tokenizer: str              # model.tokenizer, or the policy's own
     draft: str | None = None    # speculation.model (draft model or EAGLE-3 head), when one is used
 
+    def check_visible(self, role: str) -> None:
+        """In an actor, before it loads anything: every checkpoint the driver resolved is a folder
+        this node can read, else a ModelError naming the node, the key and the path."""
+        import socket
+
+        for key, path in (("model.path", self.model), ("model.tokenizer", self.tokenizer),
+                          ("speculation.model", self.draft)):
+            if path is not None and not Path(path).is_dir():
+                raise ModelError(
+                    f"{role} on node {socket.gethostname()} cannot read {key}: {path} (resolved on the driver's "
+                    "node). Put checkpoints where every node reads them: a shared directory as the key's "
+                    "value, or HF_HOME on shared storage for hub IDs (slurm/multi_node.sbatch defaults it "
+                    "to the repository's .cache/huggingface).")
+
 
 class ModelError(ValueError):
     """A model or tokenizer cannot be found or loaded."""
@@ -33,8 +47,13 @@ def resolve_checkpoint(name: str, key: str, revision: str | None = None) -> str:
     try:
         from huggingface_hub import snapshot_download
 
+        from huggingface_hub import list_repo_files
+
+        files = list_repo_files(name, revision=revision)
+        # weights as safetensors where the repository has them, else PyTorch's .bin (never both)
+        weights = ["*.safetensors"] if any(f.endswith(".safetensors") for f in files) else ["*.bin", "*.pt"]
         return snapshot_download(name, revision=revision,
-                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                 allow_patterns=["*.json", *weights, "*.model", "*.txt", "*.tiktoken",
                                                  "*.jinja", "*.py"])
     except Exception as e:  # noqa: BLE001 - offline, missing repo, auth: one clear message
         raise ModelError(

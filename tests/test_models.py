@@ -36,3 +36,18 @@ def test_cli_misspelled_key_fails_naming_it(tmp_path):
     p = subprocess.run([sys.executable, "-m", "rlspec.train", "trainer.max_stepz=3",
                         f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "max_stepz" in p.stderr
+
+
+def test_a_checkpoint_a_node_cannot_read_is_named_with_the_node(tmp_path):
+    """Paths resolve on the driver; an actor on a node that does not mount them stops at once,
+    naming its node, the key and the path."""
+    import socket
+
+    from rlspec.models import ModelError, ModelPaths
+
+    ok = str(tmp_path)
+    ModelPaths(ok, ok).check_visible("Learner")
+    missing = str(tmp_path / "only-on-the-head-node")
+    with pytest.raises(ModelError, match=rf"Generator on node {socket.gethostname()} cannot read "
+                                         rf"speculation.model: {missing} \(resolved on the driver's node\)"):
+        ModelPaths(ok, ok, missing).check_visible("Generator")

@@ -7,10 +7,10 @@ import os
 from dataclasses import dataclass, field
 
 from rlspec.cluster.calls import wait
-from rlspec.cluster.groups import actor_nodes, actor_options, create_placement_groups, slot_ip
+from rlspec.cluster.groups import actor_nodes, actor_options, create_placement_groups, slot_endpoint
 from rlspec.cluster.handles import DraftTrainerHandle, Generators, Learners, LogprobWorkers
 from rlspec.cluster.plan import GEN, LEARNER, LOGPROB, make_plan
-from rlspec.cluster.ray_cluster import ACTOR_ENV_DEFAULTS, free_port
+from rlspec.cluster.ray_cluster import ACTOR_ENV_DEFAULTS
 from rlspec.cluster.refit import WeightSync
 from rlspec.config import RLSpecConfig
 from rlspec.models import ModelPaths
@@ -80,11 +80,11 @@ def launch_actors(cfg: RLSpecConfig, paths: ModelPaths) -> Actors:
     logprobs = LogprobWorkers([start(LogprobWorker, LOGPROB, r, paths=paths, model=cfg.model, algo=cfg.algo,
                                      trainer=t, generation=g, threads=threads, capture=capture)
                                for r in range(c.logprob_world_size if cfg.algo.recompute_logprobs else 0)])
-    # DeepSpeed's rendezvous runs on learner 0's node.
-    rendezvous = (slot_ip(placed, plan.roles[LEARNER].slots[0][0]), free_port())
+    # DeepSpeed's rendezvous runs on learner 0's node: its port is probed there.
+    rendezvous = slot_endpoint(placed, plan.roles[LEARNER].slots[0][0], c.actor_timeout_s)
     learners = Learners([start(Learner, LEARNER, r, paths=paths, model=cfg.model, algo=cfg.algo, trainer=t,
                                generation=g, rank=r, world_size=c.learner_world_size, rendezvous=rendezvous,
-                               threads=threads) for r in range(c.learner_world_size)])
+                               threads=threads, timeout_s=c.actor_timeout_s) for r in range(c.learner_world_size)])
     wait([*generators.ping(), *logprobs.ping(), *learners.ping()], c.actor_timeout_s)
     weights = WeightSync(c.refit, learners, generators, logprobs, c.actor_timeout_s, c.refit_bucket_mb << 20,
                          g.dtype, g.tensor_parallel_size)

@@ -1,6 +1,7 @@
 """DeepSpeed engine set-up for the learner: ZeRO stage from config, gloo on CPU, NCCL on GPU."""
 from __future__ import annotations
 
+import datetime
 import math
 import os
 
@@ -9,7 +10,8 @@ import torch
 from rlspec.config import TrainerConfig
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
+                     timeout_s: float = 1800.0) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK="0" if not torch.cuda.is_available() else os.environ.get("LOCAL_RANK", "0"),
                       WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     import logging
@@ -22,7 +24,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     # The shared-memory comm op JIT-compiles on first use (tens of seconds) and gloo serves CPU runs well.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                               auto_mpi_discovery=False, verbose=False)
+                               auto_mpi_discovery=False, verbose=False,
+                               timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def ds_config(t: TrainerConfig, samples_per_step: int, world_size: int) -> dict:

@@ -67,6 +67,7 @@ class GroupInit:
     world_size: int
     backend: str = "gloo"             # torch.distributed backend: gloo (CPU) or nccl
     bucket_bytes: int = 256 << 20
+    timeout_s: float = 1800.0         # the rendezvous and every collective
 
 
 @dataclass
@@ -100,7 +101,8 @@ class RLSpecTransferEngine(WeightTransferEngine[RLSpecInitInfo, RLSpecUpdateInfo
             g = GroupInit(**init_info.inner)
             p = self.parallel_config
             rank = g.rank_offset + p.data_parallel_index * p.world_size + p.rank
-            self.group = RefitGroup(g.master_address, g.master_port, rank, g.world_size, g.backend, device=self.device)
+            self.group = RefitGroup(g.master_address, g.master_port, rank, g.world_size, g.backend, g.timeout_s,
+                                    device=self.device)
             self.bucket_bytes = g.bucket_bytes
         else:
             cls = _inner_engine_class(init_info.transport)
@@ -209,6 +211,7 @@ class RLSpecTrainerInitInfo(TrainerInitInfo):
     world_size: int = 0
     group_backend: str = "gloo"
     bucket_bytes: int = 256 << 20
+    timeout_s: float = 1800.0
 
 
 class RLSpecTrainerEngine(TrainerWeightTransferEngine[RLSpecTrainerInitInfo]):
@@ -230,11 +233,11 @@ class RLSpecTrainerEngine(TrainerWeightTransferEngine[RLSpecTrainerInitInfo]):
             return engine
         worker = dict(master_address=init_info.master_address, master_port=init_info.master_port, rank_offset=1,
                       world_size=init_info.world_size, backend=init_info.group_backend,
-                      bucket_bytes=init_info.bucket_bytes)
+                      bucket_bytes=init_info.bucket_bytes, timeout_s=init_info.timeout_s)
         with ThreadPoolExecutor(max_workers=1) as exe:  # the receivers block in the rendezvous with rank 0
             joined = exe.submit(client.init_weight_transfer_engine, worker)
             engine.group = RefitGroup(init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                                      init_info.group_backend)
+                                      init_info.group_backend, init_info.timeout_s)
             joined.result()
         return engine
 
@@ -258,7 +261,7 @@ class RLSpecTrainerEngine(TrainerWeightTransferEngine[RLSpecTrainerInitInfo]):
 
 
 def trainer_init_info(transport: str, *, rank: int, address: str, port: int, world_size: int, bucket_bytes: int,
-                      group_backend: str = "gloo") -> TrainerInitInfo:
+                      group_backend: str = "gloo", timeout_s: float = 1800.0) -> TrainerInitInfo:
     """vLLM's trainer init info for `transport`: `nccl`/`ipc` (vLLM's engines, packed into buffers of
     bucket_bytes) or `group` (rlspec's)."""
     if transport == "nccl":
@@ -269,7 +272,7 @@ def trainer_init_info(transport: str, *, rank: int, address: str, port: int, wor
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
         return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=rank)
     return RLSpecTrainerInitInfo(master_address=address, master_port=port, world_size=world_size,
-                                 group_backend=group_backend, bucket_bytes=bucket_bytes, rank=rank)
+                                 group_backend=group_backend, bucket_bytes=bucket_bytes, timeout_s=timeout_s, rank=rank)
 
 
 class ActorClient:
@@ -321,7 +324,7 @@ class WeightSender:
         register()
         self.client = ActorClient(transport, receivers, timeout_s)
         info = trainer_init_info(transport, rank=rank, address=address, port=port, world_size=world_size,
-                                 bucket_bytes=bucket_bytes, group_backend=group_backend)
+                                 bucket_bytes=bucket_bytes, group_backend=group_backend, timeout_s=timeout_s)
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=source)
 
     def send(self, version: int) -> float:

@@ -34,7 +34,9 @@ class RefitGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         if backend == "nccl":
             self.device = device or torch.device("cuda", torch.cuda.current_device())
-            self.pg = torch.distributed.ProcessGroupNCCL(store, rank, world)
+            opts = torch.distributed.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = torch.distributed.ProcessGroupNCCL(store, rank, world, opts)
         else:
             self.pg = torch.distributed.ProcessGroupGloo(store, rank, world, timeout)
             self.device = torch.device("cpu")

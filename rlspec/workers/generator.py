@@ -21,6 +21,7 @@ from rlspec.speculation.vllm_config import vllm_speculative_config
 class Generator:
     def __init__(self, *, paths: ModelPaths, model: ModelConfig, generation: GenerationConfig,
                  speculation: SpeculationConfig, seed: int, threads: int, nice: int = 0):
+        paths.check_visible("Generator")
         torch.set_num_threads(threads)
         if nice:
             os.nice(nice)

@@ -30,14 +30,16 @@ def finite_inputs(batch: TrainBatch) -> bool:
 class Learner:
     def __init__(self, *, paths: ModelPaths, model: ModelConfig, algo: AlgoConfig, trainer: TrainerConfig,
                  generation: GenerationConfig, rank: int, world_size: int, rendezvous: tuple[str, int],
-                 threads: int, device: str | None = None):
+                 threads: int, device: str | None = None, timeout_s: float = 1800.0):
         """algo: resolved (config.resolve_auto). rendezvous: (address, port) of DeepSpeed's group.
-        device: where this rank computes (None: the one its placement gives it)."""
+        device: where this rank computes (None: the one its placement gives it). timeout_s: how
+        long DeepSpeed's collectives (its rendezvous included) may wait."""
         if algo.off_policy_correction == "auto":
             raise ValueError("algo.off_policy_correction is 'auto': resolve_auto(cfg) before building a Learner")
+        paths.check_visible("Learner")
         torch.set_num_threads(threads)
         torch.manual_seed(trainer.seed)
-        init_distributed(rank, world_size, *rendezvous)
+        init_distributed(rank, world_size, *rendezvous, timeout_s=timeout_s)
         self.algo, self.trainer, self.temperature = algo, trainer, generation.temperature
         self.correction = algo.off_policy_correction
         self.rank, self.world_size = rank, world_size

@@ -21,6 +21,7 @@ class LogprobWorker:
     def __init__(self, *, paths: ModelPaths, model: ModelConfig, algo: AlgoConfig, trainer: TrainerConfig,
                  generation: GenerationConfig, threads: int, capture: dict | None = None, device: str | None = None):
         """device: where this worker computes (None: the one its placement gives it)."""
+        paths.check_visible("LogprobWorker")
         torch.set_num_threads(threads)
         self.device = torch.device(device) if device else local_device()
         # the learner's compute dtype, so a recompute sees what the learner's forward sees

@@ -43,6 +43,19 @@ def fake_slurm_env(tmp_path, **extra):
             **extra}
 
 
+def test_sbatch_output_goes_where_slurm_can_open_it():
+    """slurm opens --output/--error before the script runs and creates no folder: every such path
+    must lie in a folder that exists when the job is submitted from the repository."""
+    import re
+
+    for f in (ROOT / "slurm").glob("*.sbatch"):
+        paths = re.findall(r"^#SBATCH --(?:output|error)=(\S+)", f.read_text(), re.M)
+        assert paths, f"{f.name}: no #SBATCH --output"
+        for p in paths:
+            folder = (ROOT / p).parent
+            assert folder.is_dir() and "%" not in str(folder.relative_to(ROOT)), f"{f.name}: {p} needs {folder}"
+
+
 def test_sbatch_without_srun_reaches_local_mode_and_prints_the_plan(tmp_path):
     env = fake_slurm_env(tmp_path, RLSPEC_OVERRIDES=f"hydra.run.dir={tmp_path / 'run'}")
     assert shutil.which("srun", path=env["PATH"]) is None
