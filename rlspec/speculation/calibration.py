@@ -44,6 +44,19 @@ VLLM_SURFACE = {
     **{m: ["vllm:LLM"] for m in ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
                                   "update_weights", "finish_weight_update", "collective_rpc", "get_metrics",
                                   "reset_prefix_cache", "sleep", "wake_up")},
+    # the weight-transfer engines rlspec hosts (engine side) and drives (trainer side)
+    **{m: ["vllm.distributed.weight_transfer.nccl_engine:NCCLWeightTransferEngine",
+           "vllm.distributed.weight_transfer.ipc_engine:IPCWeightTransferEngine"]
+       for m in ("parse_init_info", "parse_update_info", "init_transfer_engine", "receive_weights",
+                 "start_weight_update", "finish_weight_update", "set_weight_update_target",
+                 "reset_weight_update_target", "shutdown")},
+    "send_weights": ["vllm.distributed.weight_transfer.nccl_engine:NCCLTrainerWeightTransferEngine",
+                     "vllm.distributed.weight_transfer.ipc_engine:IPCTrainerWeightTransferEngine"],
+    "trainer_init": ["vllm.distributed.weight_transfer.factory:WeightTransferTrainerFactory",
+                     "vllm.distributed.weight_transfer.nccl_engine:NCCLTrainerWeightTransferEngine",
+                     "vllm.distributed.weight_transfer.ipc_engine:IPCTrainerWeightTransferEngine"],
+    "register_engine": ["vllm.distributed.weight_transfer.factory:WeightTransferTrainerFactory",
+                        "vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory"],
 }
 # Methods the V1-only hooks skip on Model Runner V2, where they do not exist.
 V1_ONLY = ("propose_draft_token_ids", "input_batch")
