@@ -40,20 +40,37 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+def rope_theta(config: dict) -> float:
+    """RoPE base as heads ship it: `rope_parameters.rope_theta` (transformers >= 4.56) or a
+    top-level `rope_theta` (older configs, the public heads)."""
+    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
+    if theta is None:
+        raise ValueError("EAGLE-3 head config has no rope_theta (rope_parameters.rope_theta or rope_theta)")
+    return float(theta)
+
+
 class Eagle3Head(nn.Module):
     """One-layer EAGLE-3 head. `embed` is the target's [V, H] input embedding, shared and frozen
-    (vLLM shares it too: the checkpoint has no embed_tokens)."""
+    (vLLM shares it too: the checkpoint has no embed_tokens). With a draft vocabulary smaller than
+    the target's (`draft_vocab_size` Vd < V, as public heads ship), lm_head has Vd rows and the
+    buffers d2t [Vd] (target id = draft id + d2t) and t2d [V] (membership) map between them."""
 
     def __init__(self, config: dict, embed: torch.Tensor):
         super().__init__()
         if config.get("num_hidden_layers", 1) != 1:
             raise ValueError("training supports one-layer EAGLE-3 heads (num_hidden_layers=1)")
-        if config.get("draft_vocab_size", config["vocab_size"]) != config["vocab_size"]:
-            raise ValueError("training supports heads over the full target vocabulary (draft_vocab_size == vocab_size)")
+        V = config["vocab_size"]
+        Vd = config.get("draft_vocab_size") or V
+        if Vd > V:
+            raise ValueError(f"draft_vocab_size {Vd} exceeds the target vocabulary {V}")
+        if "eagle_aux_hidden_state_layer_ids" not in config:
+            raise ValueError("EAGLE-3 head config has no eagle_aux_hidden_state_layer_ids "
+                             "(from_checkpoint fills EAGLE-3's default from the target's depth)")
         self.config = config
         H, Ht, inter = config["hidden_size"], config.get("target_hidden_size", config["hidden_size"]), config["intermediate_size"]
-        self.n, self.kv, self.d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-        self.theta = float((config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        self.n, self.kv = config["num_attention_heads"], config["num_key_value_heads"]
+        self.d = config.get("head_dim") or H // self.n
+        self.theta = rope_theta(config)
         eps = config.get("rms_norm_eps", 1e-6)
         self.register_buffer("embed", embed.detach().float().clone(), persistent=False)  # [V, H]
         self.fc = nn.Linear(len(config["eagle_aux_hidden_state_layer_ids"]) * Ht, H, bias=False)
@@ -65,7 +82,23 @@ class Eagle3Head(nn.Module):
         self.o_proj = nn.Linear(self.n * self.d, H, bias=False)
         self.gate_proj, self.up_proj = nn.Linear(H, inter, bias=False), nn.Linear(H, inter, bias=False)
         self.down_proj = nn.Linear(inter, H, bias=False)
-        self.lm_head = nn.Linear(H, config["vocab_size"], bias=False)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.reduced = Vd < V
+        if self.reduced:  # identity maps until a checkpoint gives them
+            self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+            t2d = torch.zeros(V, dtype=torch.bool)
+            t2d[:Vd] = True
+            self.register_buffer("t2d", t2d)
+
+    def draft_of_target(self) -> torch.Tensor | None:
+        """[V] draft id of each target token, -1 where the draft vocabulary lacks it (None: the
+        full vocabulary)."""
+        if not self.reduced:
+            return None
+        out = torch.full(self.t2d.shape, -1, dtype=torch.long, device=self.d2t.device)
+        Vd = self.d2t.numel()
+        out[torch.arange(Vd, device=self.d2t.device) + self.d2t] = torch.arange(Vd, device=self.d2t.device)
+        return out
 
     # -- checkpoint format (names as rlspec.draft.heads writes them) --------------------------
     NAMES = {"fc": "fc", "hidden_norm": "midlayer.hidden_norm", "input_layernorm": "midlayer.input_layernorm",
@@ -73,26 +106,55 @@ class Eagle3Head(nn.Module):
              **{p: f"midlayer.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
              **{p: f"midlayer.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}}
 
+    MAPS = ("d2t", "t2d")  # the vocabulary maps: checkpoint names without ".weight", never cast
+
     def vllm_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Weights under vLLM's checkpoint names (the names `push_draft_weights` takes)."""
         dt = dtype or getattr(torch, self.config.get("dtype", "float32"))
-        return {f"{self.NAMES[k.split('.')[0]]}.weight": v.detach().to(dt).contiguous()
-                for k, v in self.state_dict().items()}
+        out = {}
+        for k, v in self.state_dict().items():
+            if k in self.MAPS:
+                out[k] = v.detach().contiguous()
+            else:
+                out[f"{self.NAMES[k.split('.')[0]]}.weight"] = v.detach().to(dt).contiguous()
+        return out
 
     def load_vllm_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         inverse = {f"{v}.weight": f"{k}.weight" for k, v in self.NAMES.items()}
+        inverse |= {m: m for m in self.MAPS if self.reduced}
         unknown = sorted(set(weights) - set(inverse))
         if unknown:
             raise ValueError(f"unexpected EAGLE-3 weights {unknown[:5]}")
-        self.load_state_dict({inverse[k]: v.float() for k, v in weights.items()}, strict=True)
+        self.load_state_dict({inverse[k]: (v if k in self.MAPS else v.float()) for k, v in weights.items()},
+                             strict=True)
 
-    @classmethod
-    def from_checkpoint(cls, head_dir: str | Path, embed: torch.Tensor) -> "Eagle3Head":
-        from safetensors.torch import load_file
+    @staticmethod
+    def read_config(head_dir: str | Path, num_target_layers: int | None = None) -> dict:
+        """The head's config.json, with EAGLE-3's default auxiliary layers for a target of
+        `num_target_layers` where the config names none (public heads often do not)."""
+        from rlspec.draft.heads import eagle3_aux_layer_ids
 
         config = json.loads((Path(head_dir) / "config.json").read_text())
-        head = cls(config, embed)
-        head.load_vllm_state_dict(load_file(str(Path(head_dir) / "model.safetensors")))
+        if "eagle_aux_hidden_state_layer_ids" not in config and num_target_layers is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = list(eagle3_aux_layer_ids(num_target_layers))
+        return config
+
+    @staticmethod
+    def read_weights(head_dir: str | Path) -> dict[str, torch.Tensor]:
+        """model.safetensors, else PyTorch's pytorch_model.bin (as public heads ship)."""
+        d = Path(head_dir)
+        if (d / "model.safetensors").exists():
+            from safetensors.torch import load_file
+            return load_file(str(d / "model.safetensors"))
+        if (d / "pytorch_model.bin").exists():
+            return torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        raise FileNotFoundError(f"{d}: no model.safetensors or pytorch_model.bin")
+
+    @classmethod
+    def from_checkpoint(cls, head_dir: str | Path, embed: torch.Tensor,
+                        num_target_layers: int | None = None) -> "Eagle3Head":
+        head = cls(cls.read_config(head_dir, num_target_layers), embed)
+        head.load_vllm_state_dict(cls.read_weights(head_dir))
         return head
 
     def save(self, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> str:
@@ -153,7 +215,7 @@ class Eagle3Head(nn.Module):
 
 def ttt_loss(step_logits: list[torch.Tensor], target_ids: torch.Tensor, target_logp: torch.Tensor,
              loss_from: torch.Tensor, length: torch.Tensor, decay: float = 0.8,
-             temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
+             temperature: float = 1.0, draft_of_target: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """EAGLE-3's objective: cross-entropy of each draft step against the target's next-token
     distribution (top-k, renormalised), step j weighted by decay**j. The draft's logits are taken
     at `temperature`, as vLLM samples drafts (target_logp must be at that temperature too).
@@ -163,15 +225,26 @@ def ttt_loss(step_logits: list[torch.Tensor], target_ids: torch.Tensor, target_l
     last prompt position: drafts only ever propose response tokens); length [B]: sequence lengths.
     Step j at anchor t uses u = t+1+j, counted when loss_from <= u <= length-2.
     Also returns, per step, the acceptance proxy sum_v min(p(v), q(v)) (the probability a draft
-    sampled from q survives rejection sampling against p) and top-1 agreement, masked means."""
+    sampled from q survives rejection sampling against p) and top-1 agreement, masked means.
+    draft_of_target [V] (a head with a smaller draft vocabulary): the target's top-K restricted to
+    the draft vocabulary and renormalised, as EAGLE-3 trains such heads; positions where none of
+    it is in the draft vocabulary do not count."""
     B, T, K = target_ids.shape
     u = torch.arange(T, device=target_ids.device)[None]                                          # [1, T]
     p_full = target_logp.softmax(-1)                                                             # renormalised top-K
+    in_vocab = torch.ones_like(target_ids, dtype=torch.bool)
+    if draft_of_target is not None:
+        target_ids = draft_of_target[target_ids]                                                 # draft ids, -1 absent
+        in_vocab = target_ids >= 0
+        target_ids = target_ids.clamp(min=0)
+        p_full = p_full * in_vocab
+        p_full = p_full / p_full.sum(-1, keepdim=True).clamp(min=1e-12)
     total, stats = 0.0, {"loss": [], "accept": [], "top1": []}
     for j, logits in enumerate(step_logits):
         shift = 1 + j
         uu = u + shift                                                                           # [1, T] position u for anchor t
         mask = (uu >= loss_from[:, None]) & (uu <= length[:, None] - 2)                          # [B, T]
+        mask = mask & F.pad(in_vocab[:, shift:].any(-1), (0, shift))
         if not mask.any():
             break
         ids = F.pad(target_ids[:, shift:], (0, 0, 0, shift))                                     # [B, T, K] at u=t+1+j
@@ -183,7 +256,7 @@ def ttt_loss(step_logits: list[torch.Tensor], target_ids: torch.Tensor, target_l
         with torch.no_grad():
             q_top = logq.gather(-1, ids).exp()
             acc = torch.minimum(p, q_top).sum(-1)
-            top1 = (logits.argmax(-1) == ids[..., 0]).float()
+            top1 = ((logits.argmax(-1) == ids[..., 0]) & F.pad(in_vocab[:, shift:, 0], (0, shift))).float()
             stats["loss"].append(loss_j.item())
             stats["accept"].append(((acc * mask).sum() / mask.sum()).item())
             stats["top1"].append(((top1 * mask).sum() / mask.sum()).item())

@@ -208,16 +208,41 @@ def init_mtp_target(target_dir: str, out_dir: str, seed: int = 0) -> str:
     return str(out)
 
 
+def to_public_format(head_dir: str, out_dir: str, layer_ids: bool = True) -> str:
+    """The EAGLE-3 head at head_dir rewritten as public heads ship (the Qwen3-8B one rlspec's paper
+    experiments name): weights in pytorch_model.bin, RoPE's base as a top-level `rope_theta`, and
+    with layer_ids=False no `eagle_aux_hidden_state_layer_ids` (EAGLE-3's default layers: which
+    vLLM and rlspec both take only for targets of >= 6 layers). Returns out_dir."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    src, out = Path(head_dir), Path(out_dir)
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("model.safetensors", "*.png", "train_log.json"))
+    cfg = _config(src)
+    cfg["rope_theta"] = (cfg.pop("rope_parameters", None) or {}).get("rope_theta", cfg.get("rope_theta"))
+    if not layer_ids:
+        cfg.pop("eagle_aux_hidden_state_layer_ids", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    torch.save(load_file(str(src / "model.safetensors")), out / "pytorch_model.bin")
+    return str(out)
+
+
 def main() -> None:
-    """python -m rlspec.draft.heads {eagle3,mtp} TARGET_DIR OUT_DIR [--seed N]"""
+    """python -m rlspec.draft.heads {eagle3,mtp} TARGET_DIR OUT_DIR [--seed N]
+    python -m rlspec.draft.heads public HEAD_DIR OUT_DIR [--no-layer-ids]"""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("kind", choices=("eagle3", "mtp"))
-    ap.add_argument("target_dir")
+    ap.add_argument("kind", choices=("eagle3", "mtp", "public"))
+    ap.add_argument("target_dir", help="the target (eagle3, mtp) or the head to rewrite (public)")
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-layer-ids", action="store_true", help="public: leave the layer ids to EAGLE-3's default")
     args = ap.parse_args()
+    if args.kind == "public":
+        print(to_public_format(args.target_dir, args.out_dir, layer_ids=not args.no_layer_ids))
+        return
     build = init_eagle3_head if args.kind == "eagle3" else init_mtp_target
     print(build(args.target_dir, args.out_dir, seed=args.seed))
 

@@ -62,6 +62,9 @@ class DraftConfig:
     samples_per_prompt: int = 1
     # Held-out prompts (data.val) for the acceptance proxy and the vLLM measurement.
     val_prompts: int = 128
+    # A fresh EAGLE-3 head's draft vocabulary: the this-many target tokens most frequent in the
+    # training responses (EAGLE-3's rule; public heads use 32000 of Qwen3's 151936). null: all.
+    draft_vocab_size: Optional[int] = None
     ttt_steps: int = 3          # draft steps unrolled in training (the k the head is trained for)
     #                             (draft_model trains one step; ttt_steps is the k of its proxy)
     topk: int = 20              # target log-probs kept per position as the soft label
@@ -111,6 +114,9 @@ def validate(cfg: DraftTrainConfig) -> None:
             raise ConfigError(f"draft.{key}={getattr(d, key)}: must be >= 1")
     if d.steps < 0:
         raise ConfigError(f"draft.steps={d.steps}: must be >= 0")
+    if d.draft_vocab_size is not None and (d.kind != "eagle3" or d.init or d.draft_vocab_size < 1):
+        raise ConfigError(f"draft.draft_vocab_size={d.draft_vocab_size}: sizes a fresh EAGLE-3 head's vocabulary "
+                          "(draft.kind=eagle3, draft.init=null), >= 1")
     if d.eval_vllm and (d.eval_k < 1 or d.val_prompts < 1):
         raise ConfigError("draft.eval_k and draft.val_prompts must be >= 1 when draft.eval_vllm is on")
 
@@ -119,6 +125,21 @@ def validate(cfg: DraftTrainConfig) -> None:
 class Sequence:
     ids: list[int]
     loss_from: int   # first position u whose next-token prediction the draft is trained on
+
+
+def frequent_tokens(seqs: list[Sequence], n: int, vocab_size: int) -> list[int]:
+    """n target token ids (at most vocab_size): the most frequent where the draft is trained (from
+    each sequence's loss_from on: the responses), ties by token id; where the responses use fewer,
+    then the prompts' most frequent, then the lowest ids left."""
+    from collections import Counter
+
+    out: list[int] = []
+    for part in (lambda s: s.ids[s.loss_from + 1:], lambda s: s.ids[: s.loss_from + 1]):
+        counts = Counter(t for s in seqs for t in part(s))
+        out += [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t not in set(out)]
+    seen = set(out)
+    out += [t for t in range(vocab_size) if t not in seen]
+    return sorted(out[: min(n, vocab_size)])
 
 
 def _prompts(cfg: DraftTrainConfig, tokenizer, split: str, n: int) -> list[list[int]]:
@@ -181,6 +202,7 @@ class HeadTrainer:
         self.device = next(target_model.parameters()).device
         self.temperature, self.pad = temperature, pad
         self.steps = d.ttt_steps
+        self.draft_of_target = head.draft_of_target() if hasattr(head, "draft_of_target") else None
         self.opt = torch.optim.AdamW(head.parameters(), lr=d.lr, weight_decay=d.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.lr_factor)
 
@@ -200,7 +222,7 @@ class HeadTrainer:
         f = target_features(self.target, ids, mask.long(), self.layer_ids, self.d.topk, self.temperature)
         logits = self.head.unrolled(ids, f.aux_hidden, mask, self.d.ttt_steps)
         return ttt_loss(logits, f.topk_ids, f.topk_logp.float(), loss_from, length, self.d.loss_decay,
-                        self.temperature)
+                        self.temperature, self.draft_of_target)
 
     def step(self, seqs: list[Sequence]) -> dict:
         loss, stats = self.loss(seqs)
@@ -307,9 +329,8 @@ def train(cfg: DraftTrainConfig, run_dir: str) -> dict:
     tokenizer = load_tokenizer(resolve_checkpoint(cfg.model.tokenizer, "model.tokenizer") if cfg.model.tokenizer
                                else target, "model.path", cfg.model.trust_remote_code)
     out_dir = Path(d.out_dir or os.path.join(run_dir, "head" if d.kind == "eagle3" else "draft"))
-    if d.init is not None:
-        init = resolve_checkpoint(d.init, "draft.init")
-    else:
+    init = resolve_checkpoint(d.init, "draft.init") if d.init is not None else None
+    if init is None and d.draft_vocab_size is None:
         init = init_eagle3_head(target, str(out_dir), seed=d.seed)
     if d.kind == "draft_model":
         check_draft_vocab(init, target)
@@ -327,6 +348,11 @@ def train(cfg: DraftTrainConfig, run_dir: str) -> dict:
         corpus_s = time.perf_counter() - t0
         print(f"corpus: {len(train_seqs)} training sequences ({d.corpus}), {len(val_seqs)} held-out, "
               f"{corpus_s:.0f} s", flush=True)
+        if init is None:  # a fresh head over the corpus's most frequent tokens
+            vocab = frequent_tokens(train_seqs, d.draft_vocab_size,
+                                    json.loads((Path(target) / "config.json").read_text())["vocab_size"])
+            init = init_eagle3_head(target, str(out_dir), seed=d.seed, draft_vocab=vocab)
+            print(f"draft vocabulary: {len(vocab)} tokens", flush=True)
 
         device = local_device()
         model = load_causal_lm(target, trust_remote_code=cfg.model.trust_remote_code).to(device).eval()
@@ -335,7 +361,8 @@ def train(cfg: DraftTrainConfig, run_dir: str) -> dict:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         if d.kind == "eagle3":
             layer_ids = eagle3_aux_layer_ids(model.config.num_hidden_layers)
-            head = Eagle3Head.from_checkpoint(init, model.get_input_embeddings().weight).to(device)
+            head = Eagle3Head.from_checkpoint(init, model.get_input_embeddings().weight,
+                                              model.config.num_hidden_layers).to(device)
             if head.config["eagle_aux_hidden_state_layer_ids"] != list(layer_ids):
                 raise ConfigError(f"draft.init={d.init!r}: head reads layers "
                                   f"{head.config['eagle_aux_hidden_state_layer_ids']}, the target's EAGLE-3 layers "

@@ -29,6 +29,21 @@ def check_draft(spec: SpeculationConfig, target_dir: str, draft_dir: str | None)
         if want != target.get("hidden_size"):
             raise ConfigError(f"speculation.model: the EAGLE-3 head {draft_dir} expects target hidden size "
                               f"{want}, but the target has hidden_size={target.get('hidden_size')}")
+        V, Vd = draft.get("vocab_size"), draft.get("draft_vocab_size")
+        if V is not None and V != target.get("vocab_size"):
+            raise ConfigError(f"speculation.model: the EAGLE-3 head {draft_dir} maps into a vocabulary of {V} "
+                              f"tokens, the target's has vocab_size={target.get('vocab_size')}")
+        if Vd is not None and V is not None and not 0 < Vd <= V:
+            raise ConfigError(f"speculation.model: the EAGLE-3 head {draft_dir} has draft_vocab_size={Vd}, "
+                              f"outside 1..{V}")
+        layers = target.get("num_hidden_layers", 0)
+        aux = draft.get("eagle_aux_hidden_state_layer_ids")
+        if aux is not None and not all(0 < i < layers for i in aux):
+            raise ConfigError(f"speculation.model: the EAGLE-3 head {draft_dir} reads target layers {aux}, the "
+                              f"target has {layers}")
+        if aux is None and layers < 4:  # EAGLE-3's default layers need at least 4
+            raise ConfigError(f"speculation.model: the EAGLE-3 head {draft_dir} names no "
+                              f"eagle_aux_hidden_state_layer_ids and the target's {layers} layers have no default")
     if spec.method == "draft_model" and draft.get("vocab_size") != target.get("vocab_size"):
         raise ConfigError(f"speculation.model: draft vocab_size={draft.get('vocab_size')} differs from the "
                           f"target's {target.get('vocab_size')}: draft and target must share a tokenizer")

@@ -52,7 +52,9 @@ class DraftTrainer:
         self.o, self.ttt_steps = speculation.online, speculation.k_max
         self.temperature = generation.temperature
         self.engine_dtype = getattr(torch, generation.dtype)  # vLLM's draft computes in the target's dtype
-        self.head = Eagle3Head.from_checkpoint(paths.draft, load_embedding(paths.model)).to(self.device)
+        layers = json.loads((Path(paths.model) / "config.json").read_text())["num_hidden_layers"]
+        self.head = Eagle3Head.from_checkpoint(paths.draft, load_embedding(paths.model), layers).to(self.device)
+        self.draft_of_target = self.head.draft_of_target()  # a smaller draft vocabulary's map (or None)
         self.layer_ids = list(self.head.config["eagle_aux_hidden_state_layer_ids"])
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=self.o.lr)
         self.cache = FeatureCache(self.o.cache_mb << 20)
@@ -86,7 +88,8 @@ class DraftTrainer:
             items = self.cache.sample(self.o.batch_size, self.rng)
             ids, mask, length, loss_from, aux, tid, tlp = (t.to(self.device) for t in pad_batch(items))
             logits = self.head.unrolled(ids, aux, mask, self.ttt_steps)
-            loss, stats = ttt_loss(logits, tid, tlp, loss_from, length, self.o.loss_decay, self.temperature)
+            loss, stats = ttt_loss(logits, tid, tlp, loss_from, length, self.o.loss_decay, self.temperature,
+                                   self.draft_of_target)
             head_step(self.opt, loss, grad_clip=1.0)
             self.steps += 1
             losses.append(loss.item())

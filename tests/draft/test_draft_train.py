@@ -198,3 +198,114 @@ def test_cli_refuses_a_bad_key_and_a_missing_model(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rlspec.draft.train", "draft.stepz=3", f"hydra.run.dir={tmp_path}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "stepz" in r.stderr
+
+
+def test_ttt_loss_over_a_smaller_draft_vocabulary_restricts_and_renormalises():
+    """A head over 5 of 11 target tokens: the target's top-K is restricted to them and
+    renormalised; a position whose top-K has none of them does not count."""
+    from rlspec.draft.eagle3 import ttt_loss
+
+    V, Vd = 11, 5
+    keep = torch.tensor([1, 3, 4, 7, 9])
+    draft_of_target = torch.full((V,), -1)
+    draft_of_target[keep] = torch.arange(Vd)
+    ids = torch.tensor([[[3, 2, 9], [5, 6, 8], [7, 1, 0], [0, 0, 0]]])     # [1, T=4, K=3]
+    logp = torch.tensor([[[-0.5, -1.0, -2.0], [-0.2, -1.5, -3.0], [-0.1, -2.5, -4.0], [0.0, 0.0, 0.0]]])
+    logits = [torch.zeros(1, 4, Vd)]                                         # uniform draft over 5 tokens
+    loss, stats = ttt_loss(logits, ids, logp, torch.tensor([0]), torch.tensor([4]),
+                           draft_of_target=draft_of_target)
+    # step 0 counts u = 1..2: u=1 ([5, 6, 8]) has no draft token, so only u=2 ([7, 1, 0]) counts;
+    # its in-vocabulary mass (7 and 1) is renormalised; against a uniform draft the loss is log 5
+    assert stats["loss"][0] == pytest.approx(torch.log(torch.tensor(5.0)).item(), rel=1e-6)
+    p = logp[0, 2, :2].softmax(-1)
+    assert stats["accept"][0] == pytest.approx(torch.minimum(p, torch.full((2,), 0.2)).sum().item(), rel=1e-6)
+
+
+def test_a_head_in_the_public_format_loads_as_written(target, tmp_path):
+    """A 4x smaller draft vocabulary with d2t/t2d, .bin weights, a top-level rope_theta and no
+    layer ids: read back into the same weights and maps, EAGLE-3's default layers, the same
+    rope base, and saved again with the maps as integers."""
+    from rlspec.draft.eagle3 import Eagle3Head
+    from rlspec.draft.heads import eagle3_aux_layer_ids, init_eagle3_head, to_public_format
+
+    V = target.config.vocab_size
+    vocab = list(range(0, V, 4))
+    src = init_eagle3_head(POLICY, str(tmp_path / "h"), seed=1, draft_vocab=vocab)
+    pub = to_public_format(src, str(tmp_path / "public"), layer_ids=False)
+    assert not (tmp_path / "public" / "model.safetensors").exists()
+    assert "rope_parameters" not in json.loads((tmp_path / "public" / "config.json").read_text())
+    embed = target.get_input_embeddings().weight
+    a = Eagle3Head.from_checkpoint(src, embed)
+    b = Eagle3Head.from_checkpoint(pub, embed, target.config.num_hidden_layers)
+    assert b.config["eagle_aux_hidden_state_layer_ids"] == list(eagle3_aux_layer_ids(4)) == \
+        a.config["eagle_aux_hidden_state_layer_ids"]
+    assert b.theta == a.theta and b.lm_head.weight.shape == (len(vocab), embed.shape[1])
+    sa, sb = a.vllm_state_dict(), b.vllm_state_dict()
+    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert sb["d2t"].dtype == torch.long and sb["t2d"].dtype == torch.bool and int(sb["t2d"].sum()) == len(vocab)
+    m = b.draft_of_target()
+    assert m[vocab].tolist() == list(range(len(vocab))) and int((m >= 0).sum()) == len(vocab)
+    with pytest.raises(ValueError, match="no eagle_aux_hidden_state_layer_ids"):
+        Eagle3Head.from_checkpoint(pub, embed)
+
+
+def test_check_draft_takes_a_public_head_config_against_qwen3_8b(tmp_path):
+    """config.json as the public Qwen3-8B EAGLE-3 head ships it (32,000-token draft vocabulary,
+    top-level rope_theta, no layer ids) passes check_draft against Qwen3-8B's config; a head for
+    another vocabulary or reading layers the target lacks is refused naming the key."""
+    from rlspec.config import ConfigError, SpeculationConfig
+    from rlspec.speculation.checks import check_draft
+
+    head = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 1, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "vocab_size": 151936, "draft_vocab_size": 32000, "torch_dtype": "bfloat16",
+            "max_position_embeddings": 40960, "tie_word_embeddings": False}
+    qwen3_8b = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 36,
+                "vocab_size": 151936, "num_attention_heads": 32, "num_key_value_heads": 8}
+    for name, cfg in (("head", head), ("target", qwen3_8b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    spec = SpeculationConfig(method="eagle3", num_speculative_tokens=3)
+    check_draft(spec, str(tmp_path / "target"), str(tmp_path / "head"))
+    for bad, match in (({"vocab_size": 152064}, "vocabulary of 152064 tokens"),
+                       ({"eagle_aux_hidden_state_layer_ids": [2, 18, 36]}, r"reads target layers \[2, 18, 36\]")):
+        (tmp_path / "head" / "config.json").write_text(json.dumps({**head, **bad}))
+        with pytest.raises(ConfigError, match=f"^speculation.model: .*{match}"):
+            check_draft(spec, str(tmp_path / "target"), str(tmp_path / "head"))
+
+
+def test_the_draft_vocabulary_is_the_responses_most_frequent_tokens():
+    from rlspec.draft.train import Sequence, frequent_tokens
+
+    seqs = [Sequence([9, 9, 5, 2, 2, 2, 7], 2), Sequence([9, 5, 2, 7, 7], 1)]   # responses: ids[loss_from+1:]
+    assert frequent_tokens(seqs, 2, 12) == [2, 7]                                 # 2 x4, 7 x3
+    assert frequent_tokens(seqs, 4, 12) == [2, 5, 7, 9]                           # then the prompts' 9 (x3) and 5 (x2)
+    assert frequent_tokens(seqs, 6, 12) == [0, 1, 2, 5, 7, 9]                     # then the lowest ids left
+    assert frequent_tokens(seqs, 99, 12) == list(range(12))
+
+
+@pytest.mark.slow
+def test_a_public_format_head_with_a_smaller_vocabulary_trains_serves_and_adapts(tmp_path):
+    """Offline training builds a 70-token draft vocabulary (about a quarter of the tiny target's
+    282) from the target's responses; the head, rewritten as public heads ship, serves in vLLM
+    and adapts online through two RL steps (its maps pushed with it). About 4 minutes."""
+    from rlspec.draft.heads import to_public_format
+
+    out = tmp_path / "head"
+    r = subprocess.run([sys.executable, "-m", "rlspec.draft.train", "draft.draft_vocab_size=70", "draft.steps=60",
+                        "draft.num_prompts=128", "draft.val_prompts=16", "draft.eval_every=60",
+                        "logging.wandb_mode=disabled", "logging.progress_bar=false", f"draft.out_dir={out}",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 70
+    assert json.loads((out / "train_log.json").read_text())["vllm"]["acceptance_length"] > 1.5
+    pub = to_public_format(str(out), str(tmp_path / "public"))
+    run = tmp_path / "rl"
+    r = subprocess.run([sys.executable, "-m", "rlspec.train", "speculation=eagle3", f"speculation.model={pub}",
+                        "speculation.online.enabled=true", "trainer.max_steps=2", f"hydra.run.dir={run}",
+                        "logging.progress_bar=false"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["acceptance_length"] > 1.5
+    assert [x["extra"]["draft/pushed"] for x in s["records"]] == [1.0, 1.0]

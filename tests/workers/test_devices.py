@@ -80,7 +80,7 @@ def test_learner_step_moves_its_batch_onto_its_device(monkeypatch):
         engine = EagerEngine(module)
         return engine, torch.optim.lr_scheduler.LambdaLR(engine.opt, lambda s: 1.0)
 
-    monkeypatch.setattr(learner_mod, "init_distributed", lambda *a: None)
+    monkeypatch.setattr(learner_mod, "init_distributed", lambda *a, **kw: None)
     monkeypatch.setattr(learner_mod, "make_engine", eager)
     learner = learner_mod.Learner(paths=tiny_paths(), model=ModelConfig(), algo=AlgoConfig(off_policy_correction="none"),
                                   trainer=TrainerConfig(micro_batch_size=4, dtype="float32"), generation=GenerationConfig(
