@@ -176,6 +176,9 @@ class OnlineDraftConfig:
     topk: int = 20
     # Bound on the feature cache (oldest sequences evicted first).
     cache_mb: int = 256
+    # A longer rollout keeps a window of this many consecutive positions reaching into its
+    # response (also cut to a quarter of cache_mb): the head trains on it at its own positions.
+    max_positions: int = 4096
     loss_decay: float = 0.8
 
 
@@ -591,7 +594,7 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
     if o.enabled:
         _check(sp.method == "eagle3", "speculation.online.enabled",
                f"online draft adaptation trains EAGLE-3 heads; speculation.method is {sp.method!r}")
-        for key in ("push_every", "steps_per_rl_step", "batch_size", "topk", "cache_mb"):
+        for key in ("push_every", "steps_per_rl_step", "batch_size", "topk", "cache_mb", "max_positions"):
             _check(getattr(o, key) >= 1, f"speculation.online.{key}", "must be >= 1")
         _check(o.lr > 0, "speculation.online.lr", "must be > 0")
         _check(not cfg.async_grpo.enabled, "speculation.online.enabled",

@@ -185,14 +185,17 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(pre)), pre
 
     def unrolled(self, tokens: torch.Tensor, aux_hidden: torch.Tensor, valid: torch.Tensor,
-                 steps: int) -> list[torch.Tensor]:
+                 steps: int, start: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training-time test over every anchor. tokens [B, T] (the full sequence), aux_hidden
-        [B, T, 3*Ht] (the target's low/mid/high hidden states), valid [B, T] bool (not padding).
+        [B, T, 3*Ht] (the target's low/mid/high hidden states), valid [B, T] bool (not padding),
+        start [B]: each row's first position (a window of a longer rollout; default 0).
         Returns `steps` logits tensors [B, T, V]: entry j at anchor t predicts x_{t+2+j} (only
         anchors with t+1+j < T are meaningful; the caller masks the rest)."""
         B, T = tokens.shape
         rep = self.n // self.kv
         pos0 = torch.arange(T, device=tokens.device).expand(B, T)
+        if start is not None:
+            pos0 = pos0 + start[:, None]
         causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()[None, None] & valid[:, None, None, :]
         scale = self.d ** -0.5
         hidden = self.fc(aux_hidden.float())                                                   # [B, T, H]

@@ -27,7 +27,8 @@ def load_embedding(target_dir: str) -> torch.Tensor:
 
 
 def pad_batch(items: list[CachedSequence]):
-    """Cached sequences -> right-padded (ids, mask, length, loss_from, aux, topk_ids, topk_logp)."""
+    """Cached sequences -> right-padded (ids, mask, length, loss_from, aux, topk_ids, topk_logp,
+    start: each row's first position in its rollout)."""
     T, B = max(len(s.ids) for s in items), len(items)
     A, K = items[0].aux_hidden.shape[-1], items[0].topk_ids.shape[-1]
     ids, aux = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, A)
@@ -37,7 +38,8 @@ def pad_batch(items: list[CachedSequence]):
         ids[i, :n], aux[i, :n], tid[i, :n], tlp[i, :n] = s.ids, s.aux_hidden.float(), s.topk_ids, s.topk_logp.float()
     length = torch.tensor([len(s.ids) for s in items])
     mask = torch.arange(T)[None] < length[:, None]
-    return ids, mask, length, torch.tensor([s.loss_from for s in items]), aux, tid, tlp
+    return ids, mask, length, torch.tensor([s.loss_from for s in items]), aux, tid, tlp, \
+        torch.tensor([s.start for s in items])
 
 
 class DraftTrainer:
@@ -57,7 +59,7 @@ class DraftTrainer:
         self.draft_of_target = self.head.draft_of_target()  # a smaller draft vocabulary's map (or None)
         self.layer_ids = list(self.head.config["eagle_aux_hidden_state_layer_ids"])
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=self.o.lr)
-        self.cache = FeatureCache(self.o.cache_mb << 20)
+        self.cache = FeatureCache(self.o.cache_mb << 20, self.o.max_positions, seed)
         self.rng = random.Random(seed)
         self.steps = 0
         self.newest_version: int | None = None  # newest policy version among the data trained on
@@ -86,8 +88,8 @@ class DraftTrainer:
         self.head.train()
         for _ in range(n_steps):
             items = self.cache.sample(self.o.batch_size, self.rng)
-            ids, mask, length, loss_from, aux, tid, tlp = (t.to(self.device) for t in pad_batch(items))
-            logits = self.head.unrolled(ids, aux, mask, self.ttt_steps)
+            ids, mask, length, loss_from, aux, tid, tlp, start = (t.to(self.device) for t in pad_batch(items))
+            logits = self.head.unrolled(ids, aux, mask, self.ttt_steps, start)
             loss, stats = ttt_loss(logits, tid, tlp, loss_from, length, self.o.loss_decay, self.temperature,
                                    self.draft_of_target)
             head_step(self.opt, loss, grad_clip=1.0)
@@ -100,7 +102,8 @@ class DraftTrainer:
         mean_accept = [sum(a[j] for a in accepts) / len(accepts) for j in range(min(map(len, accepts)))]
         return {"loss": sum(losses) / len(losses), "accept_proxy": acceptance_length_proxy(mean_accept),
                 "cache_sequences": len(self.cache), "cache_mb": self.cache.bytes / 2**20,
-                "cache_evicted": self.cache.evicted, "optimizer_steps": self.steps,
+                "cache_evicted": self.cache.evicted, "cache_cropped": self.cache.cropped,
+                "optimizer_steps": self.steps,
                 "newest_version": self.newest_version}
 
     def weights(self) -> dict[str, torch.Tensor]:

@@ -41,6 +41,55 @@ def test_feature_cache_bound_holds_and_evicts_oldest_first():
                                     torch.zeros(1, 50, 8), [1], 0)
 
 
+def test_a_long_rollout_keeps_a_window_that_reaches_its_response():
+    """A 1,000-position rollout (response from 900) in a cache of 100 positions keeps 100
+    consecutive positions, the same values at the same places, covering response positions."""
+    from rlspec.draft.cache import FeatureCache
+
+    T, A, K = 1000, 16, 4
+    ids = torch.arange(T)[None] % 250
+    aux, tid, tlp = torch.randn(1, T, A), torch.randint(0, 250, (1, T, K)), torch.randn(1, T, K)
+    for seed in range(5):
+        cache = FeatureCache(1 << 30, max_positions=100, seed=seed)
+        cache.add_batch(ids, torch.ones(1, T, dtype=torch.bool), aux, tid, tlp, [900], 0)
+        (s,) = cache.items
+        assert len(s.ids) == 100 and cache.cropped == 1 and s.start + 100 > 901 and s.start + 100 <= T
+        assert torch.equal(s.ids, ids[0, s.start: s.start + 100].int())
+        assert torch.equal(s.aux_hidden, aux[0, s.start: s.start + 100].bfloat16())
+        assert s.loss_from == max(900 - s.start, 0)
+    # the byte bound cuts too: a quarter of the cache
+    cache = FeatureCache(100 * (4 + 2 * A + 6 * K))
+    cache.add_batch(ids, torch.ones(1, T, dtype=torch.bool), aux, tid, tlp, [900], 0)
+    assert len(cache.items[0].ids) == 25 and cache.bytes <= cache.max_bytes
+
+
+def test_a_window_trains_at_its_own_positions():
+    """The head over a window [s, T) at positions s.. computes what it computes over the whole
+    rollout with the keys before s masked: the same rotary positions, the same context."""
+    import tempfile
+
+    from rlspec.draft.eagle3 import Eagle3Head
+    from rlspec.draft.heads import init_eagle3_head
+
+    with tempfile.TemporaryDirectory() as d:
+        head_dir = init_eagle3_head(str(ROOT / "rlspec" / "assets" / "tiny" / "policy"), d, seed=5)
+        cfg = json.loads((ROOT / "rlspec" / "assets" / "tiny" / "policy" / "config.json").read_text())
+        embed = torch.randn(cfg["vocab_size"], cfg["hidden_size"])
+        head = Eagle3Head.from_checkpoint(head_dir, embed).eval()
+    T, s = 24, 9
+    tokens = torch.randint(0, cfg["vocab_size"], (1, T))
+    aux = torch.randn(1, T, 3 * cfg["hidden_size"])
+    valid = torch.ones(1, T, dtype=torch.bool)
+    with torch.no_grad():
+        masked = valid.clone()
+        masked[:, :s] = False
+        full = head.unrolled(tokens, aux, masked, 3)
+        window = head.unrolled(tokens[:, s:], aux[:, s:], valid[:, s:], 3, torch.tensor([s]))
+    for j, (f, w) in enumerate(zip(full, window)):
+        n = T - s - 1 - j  # anchors whose step-j input is still inside the sequence
+        torch.testing.assert_close(w[:, :n], f[:, s: s + n], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("overrides,key", [
     (["speculation=draft_model", "speculation.online.enabled=true"], "speculation.online.enabled"),
     (["speculation=eagle3", "speculation.online.enabled=true", "algo.recompute_logprobs=false"],
