@@ -53,6 +53,7 @@ def test_killed_generator_ends_run_naming_it(tmp_path):
     assert time.time() - t0 < 120
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_dapo_with_kl_on_two_zero3_learner_ranks(tmp_path):
     """DAPO (dynamic sampling, overlong filter) + k3 KL + two DeepSpeed ranks under ZeRO-3."""
     p = subprocess.run([sys.executable, "-m", "rlspec.train", *SMALL, "trainer.max_steps=3", "trainer.val_every=0",

@@ -139,6 +139,7 @@ def test_sigusr2_checkpoints_and_the_run_goes_on(tmp_path):
 
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_sigkill_of_the_driver_mid_checkpoint_leaves_the_last_one_loadable(tmp_path):
     """kill -9 of the whole driver (its process group) while it writes checkpoint k: the half-written
     directory stays hidden, `latest` still names k-1, and trainer.resume=auto continues from it."""

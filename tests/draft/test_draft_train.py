@@ -164,6 +164,7 @@ def test_cli_trains_a_head_that_vllm_serves(tmp_path):
     assert (out / "curves.png").exists() and (out / "config.json").exists()
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_cli_trains_a_draft_model_that_vllm_serves(tmp_path):
     """The second kind: a small draft model (the tiny draft's architecture, freshly initialised so
     there is something to learn) trained on the target's regenerated responses, written in its

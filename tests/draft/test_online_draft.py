@@ -121,6 +121,7 @@ def _run(tmp_path, name, extra):
     return json.loads((out / "summary.json").read_text())["records"], load_file(str(out / "final" / "model.safetensors"))
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_online_adaptation_leaves_the_policy_updates_bit_identical(tmp_path):
     """Same seeds, same config (the log-prob recompute on in both), online adaptation off vs on:
     the learner's losses, gradient norms and final weights match to the last bit, while the draft

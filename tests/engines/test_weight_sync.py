@@ -63,6 +63,7 @@ class Sink:
         return self.module.state_dict(), self.version
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 @pytest.mark.parametrize("bucket_bytes", [64])  # every tensor its own bucket, most in one
 def test_a_round_reaches_every_actor_exactly(ray_session, bucket_bytes):
     import sys

@@ -2,6 +2,8 @@
 when generation runs further ahead than it allows, and a dead Generator ends the run cleanly."""
 import json
 
+import pytest
+
 from test_resilience_cli import interrupted, kill_actor_of, left_behind, ray_processes, records, train
 
 ASYNC = "async_grpo.enabled=true"
@@ -73,6 +75,7 @@ def test_dead_generator_ends_an_async_run_with_its_name(tmp_path):
     assert not left_behind(before)
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_checkpoint_rewinds_prefetched_prompts_and_resume_finishes(tmp_path):
     """The step-2 checkpoint of a lag-1 run is written while step 3's rollouts are in flight: it
     stores the sampler before step 3's prompts, so the resumed run draws them again."""
