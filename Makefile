@@ -5,7 +5,7 @@ EXTRA ?= cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlspec-$(EXTRA)-installed
 
-.PHONY: setup demo test test-all assets gpu-check clean-venv
+.PHONY: setup demo test test-all assets gpu-check slurm-check clean-venv
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ test-all: setup
 # A first run on one GPU (CPU too): pass/fail table, figures in gpu_check.json.
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py --out gpu_check.json
+
+# slurm/multi_node.sbatch against a real slurmctld shaped like the paper's GB200 clusters
+# (sbatch --test-only; needs: apt-get install slurmctld slurm-client munge).
+slurm-check: setup
+	$(BIN)/python -m pytest -q tests/scripts/test_ray_bootstrap.py -k sbatch_test_only -rs
 
 assets: setup
 	$(BIN)/python scripts/make_tiny_assets.py

@@ -197,7 +197,7 @@ def requeue(logf) -> None:
     job = os.environ.get("SLURM_JOB_ID")
     if job and shutil.which("scontrol"):
         log(f"driver preempted (exit {EXIT_PREEMPTED}): checkpoint written, requeueing slurm job {job}", logf)
-        subprocess.run(["scontrol", "requeue", job], check=False)
+        subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
     else:
         log(f"driver preempted (exit {EXIT_PREEMPTED}): checkpoint written; no slurm job to requeue, "
             "rerun the same command to resume", logf)

@@ -33,11 +33,15 @@ def test_shell_files_parse_and_pass_shellcheck(path):
 
 
 def fake_slurm_env(tmp_path, **extra):
-    """A batch job's environment on its first node, with no srun on PATH."""
+    """A batch job's environment on its first node, with no srun on PATH (the system's programs
+    linked into a folder of its own, less slurm's, which a machine may have installed)."""
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
-    assert not (bindir / "srun").exists()
-    return {"PATH": f"{bindir}:/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
+    for folder in (Path("/bin"), Path("/usr/bin")):
+        for prog in folder.iterdir():
+            if prog.name not in ("srun", "sbatch", "scontrol") and not (bindir / prog.name).exists():
+                (bindir / prog.name).symlink_to(prog)
+    return {"PATH": str(bindir), "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
             "SLURM_JOB_ID": "4242", "SLURM_NNODES": "8", "SLURM_JOB_NODELIST": "gb[001-008]",
             "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_CPUS_ON_NODE": "72", "RLSPEC_PYTHON": sys.executable,
             **extra}
@@ -152,3 +156,48 @@ def test_join_timeout_fails_clearly_and_stops_ray(tmp_path):
     assert any(n.startswith("node0-") for n in logs) and any(n.startswith("bootstrap-node0-") for n in logs)
     left = subprocess.run(["pgrep", "-f", "gcs_server_port=6397"], capture_output=True, text=True).stdout
     assert not left.strip(), f"Ray processes left running: {left}"
+
+
+def slurm_controller_module():
+    spec = importlib.util.spec_from_file_location("slurm_controller", ROOT / "scripts" / "slurm_controller.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SLURM = slurm_controller_module()
+CLUSTER_EXPERIMENTS = {"rl_zero_qwen3_8b": 8, "rl_think_qwen3_8b": 8, "rl_think_qwen3_8b_async": 16,
+                       "qwen3_235b_a22b": 128}
+
+
+@pytest.fixture(scope="module")
+def gb200_controller():
+    """A real slurmctld with 128 GB200-shaped nodes (4 GPUs, 72 cores), no slurmd."""
+    if SLURM.missing():
+        pytest.skip(f"{', '.join(SLURM.missing())} not installed ({SLURM.INSTALL})")
+    with SLURM.controller(nodes=128, gpus_per_node=4) as env:
+        yield env
+
+
+def sbatch_test_only(env, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["sbatch", "--test-only", *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("name", CLUSTER_EXPERIMENTS)
+def test_sbatch_test_only_accepts_the_script_for_every_cluster_experiment(gb200_controller, name):
+    from conftest import compose
+
+    nodes = CLUSTER_EXPERIMENTS[name]
+    cfg = compose([f"+experiment={name}"], plain=False)
+    assert cfg.cluster.nodes == nodes and cfg.cluster.gpus_per_node == 4  # the shape the fake cluster has
+    r = sbatch_test_only(gb200_controller, f"--nodes={nodes}", "slurm/multi_node.sbatch", f"+experiment={name}")
+    assert r.returncode == 0, r.stderr
+    # --exclusive: every core of each node it asks for
+    assert f"using {72 * nodes} processors on nodes gb200-" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args", [["--nodes=129"], ["--gpus-per-node=8"]])
+def test_sbatch_test_only_refuses_what_the_cluster_does_not_have(gb200_controller, args):
+    r = sbatch_test_only(gb200_controller, *args, "slurm/multi_node.sbatch")
+    assert r.returncode != 0 and "Requested node configuration is not available" in r.stderr, r.stderr
