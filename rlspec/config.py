@@ -421,7 +421,7 @@ def plan_of(cfg: RLSpecConfig):
     """The run's placement plan (rlspec/cluster/plan.py); ConfigError names the key that does not fit."""
     g = cfg.generation
     try:
-        return make_plan(cfg.cluster, g.tensor_parallel_size, g.expert_parallel)
+        return make_plan(cfg.cluster, g.tensor_parallel_size, g.expert_parallel, cfg.speculation.online.enabled)
     except PlanError as e:
         raise ConfigError(str(e)) from None
 

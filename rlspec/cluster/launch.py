@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from rlspec.cluster.calls import wait
 from rlspec.cluster.groups import actor_nodes, actor_options, create_placement_groups, slot_endpoint
 from rlspec.cluster.handles import DraftTrainerHandle, Generators, Learners, LogprobWorkers
-from rlspec.cluster.plan import GEN, LEARNER, LOGPROB, make_plan
+from rlspec.cluster.plan import DRAFT, GEN, LEARNER, LOGPROB
 from rlspec.cluster.ray_cluster import ACTOR_ENV_DEFAULTS
 from rlspec.cluster.refit import WeightSync
-from rlspec.config import RLSpecConfig
+from rlspec.config import RLSpecConfig, plan_of
 from rlspec.models import ModelPaths
 from rlspec.workers.draft_trainer import DraftTrainer
 from rlspec.workers.generator import Generator
@@ -41,7 +41,7 @@ def launch_actors(cfg: RLSpecConfig, paths: ModelPaths) -> Actors:
     c, g, t = cfg.cluster, cfg.generation, cfg.trainer
     if cfg.algo.recompute_logprobs is None:
         raise ValueError("algo.recompute_logprobs is unresolved: resolve_auto(cfg) before launch_actors")
-    plan = make_plan(c, g.tensor_parallel_size, g.expert_parallel)
+    plan = plan_of(cfg)
     placed = create_placement_groups(plan, c.actor_timeout_s)
     # Actors on a cluster started elsewhere get the driver's settings passed; those of the local
     # Ray that RayCluster started have them already. A runtime_env costs a fresh worker process,
@@ -70,10 +70,9 @@ def launch_actors(cfg: RLSpecConfig, paths: ModelPaths) -> Actors:
         wait(generators.ping(), c.actor_timeout_s)
     draft_trainer, capture = None, None
     if cfg.speculation.online.enabled:
-        # beside the driver, outside the placement plan: it needs no accelerator on this scale
-        draft_trainer = DraftTrainerHandle([ray.remote(DraftTrainer).options(
-            name="draft_trainer", num_cpus=0, max_restarts=0, **runtime_env({})).remote(
-            paths=paths, speculation=cfg.speculation, generation=g, seed=t.seed, threads=threads)])
+        # in its slot of the plan (the last learner rank's): its head trains on that GPU
+        draft_trainer = DraftTrainerHandle([start(DraftTrainer, DRAFT, 0, paths=paths, speculation=cfg.speculation,
+                                                  generation=g, seed=t.seed, threads=threads)])
         capture = wait(draft_trainer.one(0, DraftTrainer.capture_spec), c.actor_timeout_s)
     # Without a recompute (algo.recompute_logprobs) nothing calls the log-prob workers: their slots
     # stay in the plan, their processes are not started.

@@ -8,6 +8,8 @@ several nodes) share one placement group (PACK over exactly those nodes' GPUs). 
   stage at a time, so each actor gets an equal share of its slot's resources;
 - disaggregated: generation engines get slots of their own and log-prob workers share the rest
   with the learner ranks (what asynchronous GRPO needs: generation never waits for training).
+With online draft adaptation a DraftTrainer shares the last learner rank's slot (rank 0 sends the
+refit): it trains the head on that GPU while the learners train the policy.
 Pure Python (no Ray, nothing else from rlspec): config.validate() and `--dry-run` use it before
 anything starts; `c` is a ClusterConfig.
 """
@@ -22,7 +24,7 @@ class PlanError(ValueError):
     (config.validate raises it as a ConfigError)."""
 
 PLACEMENTS = ("colocated", "disaggregated")
-GEN, LOGPROB, LEARNER = "generator", "logprob_worker", "learner"
+GEN, LOGPROB, LEARNER, DRAFT = "generator", "logprob_worker", "learner", "draft_trainer"
 
 
 @dataclass(frozen=True)
@@ -151,8 +153,10 @@ def _check(ok: bool, key: str, msg: str) -> None:
         raise PlanError(f"{key}: {msg}")
 
 
-def make_plan(c, tensor_parallel_size: int = 1, expert_parallel: bool = False) -> PlacementPlan:
-    """The placement of every actor; raises PlanError naming the key that does not fit."""
+def make_plan(c, tensor_parallel_size: int = 1, expert_parallel: bool = False,
+              draft_trainer: bool = False) -> PlacementPlan:
+    """The placement of every actor (a DraftTrainer too when draft_trainer: online draft
+    adaptation); raises PlanError naming the key that does not fit."""
     tp, E, W, L = tensor_parallel_size, c.num_generators, c.learner_world_size, c.logprob_world_size
     _check(c.placement in PLACEMENTS, "cluster.placement", f"{c.placement!r} not in {list(PLACEMENTS)}")
     _check(c.nodes >= 1, "cluster.nodes", "must be >= 1")
@@ -197,13 +201,14 @@ def make_plan(c, tensor_parallel_size: int = 1, expert_parallel: bool = False) -
         base = max(base, gen_slots)
     learners = [[order[base + r]] for r in range(W)]
     logprob = [[order[base + r]] for r in range(L)]
+    roles = {GEN: RolePlan(GEN, gen), LOGPROB: RolePlan(LOGPROB, logprob), LEARNER: RolePlan(LEARNER, learners)}
+    if draft_trainer:
+        roles[DRAFT] = RolePlan(DRAFT, [learners[-1]])
     slots_per_node = [per_node] * c.nodes
     if gpn == 0:  # CPU: only the slots the plan uses
-        used = {s for r in (gen, learners, logprob) for slots in r for s in slots}
+        used = {s for r in roles.values() for slots in r.slots for s in slots}
         slots_per_node = [1 + max([s.index for s in used if s.node == n], default=-1) for n in range(c.nodes)]
-    return PlacementPlan(c.placement, c.nodes, gpn, c.cpus_per_slot, slots_per_node,
-                         {GEN: RolePlan(GEN, gen), LOGPROB: RolePlan(LOGPROB, logprob),
-                          LEARNER: RolePlan(LEARNER, learners)}, tp, expert_parallel)
+    return PlacementPlan(c.placement, c.nodes, gpn, c.cpus_per_slot, slots_per_node, roles, tp, expert_parallel)
 
 
 def weight_group_gpus(plan: PlacementPlan, logprob_workers: bool) -> dict[Slot, list[str]]:

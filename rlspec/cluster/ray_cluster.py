@@ -7,8 +7,7 @@ import shutil
 import socket
 import tempfile
 
-from rlspec.cluster.plan import make_plan
-from rlspec.config import RLSpecConfig
+from rlspec.config import RLSpecConfig, plan_of
 
 
 def free_port() -> int:
@@ -78,7 +77,7 @@ class RayCluster:
         os.environ.update({k: env[k] for k in self.env_set})
         # Ray's socket paths must stay short: keep its session directory out of the run dir.
         self.tmp = tempfile.mkdtemp(prefix="rlspec-ray-", dir="/tmp")
-        plan = make_plan(c, self.cfg.generation.tensor_parallel_size, self.cfg.generation.expert_parallel)
+        plan = plan_of(self.cfg)
         needed = sum(plan.slots_per_node) * c.cpus_per_slot
         ray.init(num_cpus=max(c.num_cpus or os.cpu_count() or 1, needed), include_dashboard=False,
                  _temp_dir=self.tmp, object_store_memory=1 << 30, log_to_driver=True,

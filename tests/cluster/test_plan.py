@@ -5,8 +5,8 @@ import sys
 import pytest
 
 from conftest import ROOT, compose
-from rlspec.config import ClusterConfig, ConfigError, validate
-from rlspec.cluster.plan import GEN, LEARNER, LOGPROB, Slot, make_plan
+from rlspec.config import ClusterConfig, ConfigError, plan_of, validate
+from rlspec.cluster.plan import DRAFT, GEN, LEARNER, LOGPROB, Slot, make_plan
 
 PAPER = ["rl_zero_qwen3_8b", "rl_think_qwen3_8b", "qwen3_235b_a22b"]
 
@@ -76,6 +76,19 @@ def test_cpu_two_nodes_put_generation_and_training_on_different_nodes():
     assert plan.bundles(0) == plan.bundles(1) == [{"CPU": 1.0}]
     assert plan.share(Slot(1, 0)) == {"num_cpus": 0.5, "num_gpus": 0.0}
     assert plan.share(Slot(0, 0)) == {"num_cpus": 1.0, "num_gpus": 0.0}
+
+
+def test_online_draft_adaptation_trains_on_the_last_learner_ranks_gpu():
+    """The DraftTrainer has a slot in the plan (on a GPU: a share of it, so its head trains there),
+    the last learner rank's: rank 0 also sends the refit."""
+    cfg = compose(["+experiment=rl_zero_qwen3_8b", "speculation.online.enabled=true"], plain=False)
+    plan = plan_of(cfg)
+    assert plan.roles[DRAFT].slots == [plan.roles[LEARNER].slots[-1]] == [[Slot(7, 3)]]
+    assert plan.share(Slot(7, 3)) == {"num_cpus": 4.0, "num_gpus": 0.25}  # engine, log-prob, learner, draft
+    assert "draft_trainer        1  1 GPU, shared                    1  7" in plan.describe()
+    assert DRAFT not in plan_of(compose(["+experiment=rl_zero_qwen3_8b"], plain=False)).roles
+    cpu = plan_of(compose(["speculation=eagle3", "speculation.online.enabled=true"]))
+    assert cpu.roles[DRAFT].slots == cpu.roles[LEARNER].slots and cpu.slots_per_node == [2]
 
 
 def test_default_cpu_plan_is_one_node_two_slots():
