@@ -171,6 +171,9 @@ class OnlineDraftConfig:
     # Head optimizer steps per RL step (run while the learner trains).
     steps_per_rl_step: int = 4
     batch_size: int = 32
+    # Rows per forward/backward of a head step (gradients accumulated; 0: the whole batch). The
+    # head's attention keeps [heads, T, T] per row and draft step: on a GPU, --dry-run shows what fits.
+    micro_batch_size: int = 0
     lr: float = 3e-4
     # Target log-probs kept per position (the soft label).
     topk: int = 20
@@ -597,6 +600,7 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
         for key in ("push_every", "steps_per_rl_step", "batch_size", "topk", "cache_mb", "max_positions"):
             _check(getattr(o, key) >= 1, f"speculation.online.{key}", "must be >= 1")
         _check(o.lr > 0, "speculation.online.lr", "must be > 0")
+        _check(o.micro_batch_size >= 0, "speculation.online.micro_batch_size", "must be >= 0 (0: the whole batch)")
         _check(not cfg.async_grpo.enabled, "speculation.online.enabled",
                "runs with the synchronous loop for now (async_grpo.enabled=false)")
 

@@ -17,7 +17,14 @@ one layer's full set lives while it is recomputed.
 Engine: the fraction of the GPU vLLM is given (generation.gpu_memory_utilization), which holds its
 weights, KV cache and activations; under sleep mode an engine holds ENGINE_ASLEEP_GIB while
 others work. Log-prob worker: its weights (and the reference's), plus a forward's output-layer
-chunk. Colocated roles share a GPU one stage at a time, so a GPU's peak is its largest stage."""
+chunk. Colocated roles share a GPU one stage at a time, so a GPU's peak is its largest stage.
+
+DraftTrainer (online draft adaptation, on the last learner rank's GPU): the head in float32 with
+its gradients and Adam's moments, the target's frozen embedding, and while it trains (beside the
+learners) what one micro-batch keeps for backward, per row of T positions over S draft steps, in
+bytes: T x (S x DRAFT_STEP_BYTES + 16 H + 2 n S (S - 1)) + (4 n S + 1) T^2, the T^2 term being the
+head's attention probabilities. Fitted on the real head with saved-tensor hooks
+(measure_draft_head; tests/cluster/test_memory.py checks it at another width)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,6 +35,9 @@ ENGINE_ASLEEP_GIB = 1.0      # allocator reserve an engine keeps while asleep
 CONTEXT_GIB = 0.5            # a CUDA context: every process on a GPU holds one
 ACT_ELEMENTS = (8, 4, 5, 5)  # per token and layer: x hidden, MLP width, query width, key/value width
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# EAGLE-3 head training, bytes per position and draft step: x hidden, MLP width, draft vocabulary,
+# query width (heads x head_dim), top-K soft labels
+DRAFT_STEP_BYTES = (40, 16, 4, 16, 65)
 SIM_MODELS = Path(__file__).resolve().parents[2] / "conf" / "sim" / "model"
 # Hub IDs whose shapes ship with the simulator (conf/sim/model), so a dry run needs no download.
 KNOWN_MODELS = {"Qwen/Qwen3-8B-Base": "qwen3_8b", "Qwen/Qwen3-8B": "qwen3_8b",
@@ -58,6 +68,43 @@ def activation_elements(m, checkpointing: bool) -> float:
     if checkpointing:  # each layer's input, and one layer's full set while it is recomputed
         return m.num_layers * m.hidden_size + layer
     return m.num_layers * layer
+
+
+def draft_head_shape(cfg, m) -> dict:
+    """The EAGLE-3 head's widths: its config.json when speculation.model is a local folder, else
+    EAGLE-3's usual head for the target (its widths and vocabulary)."""
+    import json
+
+    d = Path(cfg.speculation.model or "").expanduser() / "config.json"
+    h = json.loads(d.read_text()) if cfg.speculation.model and d.is_file() else {}
+    return {"H": h.get("hidden_size", m.hidden_size), "Ht": h.get("target_hidden_size", m.hidden_size),
+            "I": h.get("intermediate_size", m.intermediate_size or m.moe_intermediate_size),
+            "n": h.get("num_attention_heads", m.num_heads), "kv": h.get("num_key_value_heads", m.num_kv_heads),
+            "d": h.get("head_dim") or (h["hidden_size"] // h["num_attention_heads"] if h else m.head_dim),
+            "Vd": h.get("draft_vocab_size") or h.get("vocab_size", m.vocab_size), "V": m.vocab_size,
+            "aux": len(h.get("eagle_aux_hidden_state_layer_ids", [0, 0, 0]))}
+
+
+def draft_activation_bytes(s: dict, tokens: int, steps: int, topk: int) -> float:
+    """What one row of `tokens` positions keeps for backward in EAGLE-3 head training over `steps`
+    draft steps (float32)."""
+    a, b, c, e, f = DRAFT_STEP_BYTES
+    H, n = s["H"], s["n"]
+    per_step = a * H + b * s["I"] + c * s["Vd"] + e * n * s["d"] + f * topk
+    return tokens * (steps * per_step + 16 * H + 2 * n * steps * (steps - 1)) + (4 * n * steps + 1) * tokens ** 2
+
+
+def draft_trainer_memory(cfg, m) -> RoleMemory:
+    s = draft_head_shape(cfg, m)
+    H, n, kv, d = s["H"], s["n"], s["kv"], s["d"]
+    params = s["aux"] * s["Ht"] * H + 2 * H * (n + 2 * kv) * d + n * d * H + 3 * H * s["I"] + s["Vd"] * H
+    o, g = cfg.speculation.online, cfg.generation
+    tokens = min(o.max_positions, cfg.data.max_prompt_tokens + g.max_new_tokens)
+    rows = o.micro_batch_size or o.batch_size
+    steps = cfg.speculation.k_max
+    return RoleMemory("draft_trainer", weights=(4 * params + 4 * s["V"] * H) / GIB, gradients=4 * params / GIB,
+                      optimizer=8 * params / GIB,
+                      activations=rows * draft_activation_bytes(s, tokens, steps, o.topk) / GIB)
 
 
 @dataclass
@@ -132,18 +179,22 @@ def gpu_memory(cfg, plan) -> GPUMemory | None:
     engine_weights = DTYPE_BYTES[g.dtype] * P / g.tensor_parallel_size / GIB
     engine = RoleMemory(f"generator (TP {g.tensor_parallel_size})", weights=engine_weights,
                         engine=engine_gib - engine_weights)
-    roles = [r for r in (engine, learner, logprob) if r is not None]
+    draft = draft_trainer_memory(cfg, m) if cfg.speculation.online.enabled else None
+    roles = [r for r in (engine, learner, logprob, draft) if r is not None]
     asleep = ENGINE_ASLEEP_GIB if g.sleep_mode else engine_gib
-    lp_res = logprob.resident if logprob else 0.0
+    # the DraftTrainer's GPU (a learner's) holds its state throughout and trains beside the learner
+    lp_res = (logprob.resident if logprob else 0.0) + (draft.resident + CONTEXT_GIB if draft else 0.0)
+    head_act = draft.activations if draft else 0.0
     if c.placement == "colocated":
         ctx = CONTEXT_GIB * (2 + bool(logprob))
         stages = {"generation": learner.resident + lp_res + engine_gib + ctx,
-                  "train": learner.resident + lp_res + asleep + learner.activations + ctx}
+                  "train": learner.resident + lp_res + asleep + learner.activations + head_act + ctx}
         if logprob:
             stages["logprob"] = learner.resident + lp_res + asleep + logprob.activations + ctx
     else:  # engines on GPUs of their own; log-prob workers share the learners'
         ctx = CONTEXT_GIB * (1 + bool(logprob))
-        stages = {"generation": engine_gib + CONTEXT_GIB, "train": learner.resident + lp_res + learner.activations + ctx}
+        stages = {"generation": engine_gib + CONTEXT_GIB,
+                  "train": learner.resident + lp_res + learner.activations + head_act + ctx}
         if logprob:
             stages["logprob"] = learner.resident + lp_res + logprob.activations + ctx
     return GPUMemory(roles, stages, cap, f"{m.name}, {P / 1e9:.2f}B parameters")
@@ -162,11 +213,49 @@ def check_fits(mem: GPUMemory) -> tuple[str, str] | None:
     stage, peak = mem.peak
     if peak <= mem.capacity:
         return None
+    draft = next((r for r in mem.roles if r.role == "draft_trainer"), None)
     key = "generation.gpu_memory_utilization" if stage == "generation" else \
         "trainer.micro_batch_size" if stage == "train" else "cluster.logprob_world_size"
+    if stage == "train" and draft and peak - draft.activations <= mem.capacity:
+        return "speculation.online.micro_batch_size", (
+            f"the train stage needs {peak:.0f} GiB on the DraftTrainer's GPU, {draft.activations:.0f} of them "
+            f"the head's activations; cluster.gpu_memory_gib is {mem.capacity:.0f} (fewer rows per head "
+            f"micro-batch, or speculation.online.max_positions, cut them)")
     return key, (f"the {stage} stage needs {peak:.0f} GiB on its busiest GPU, cluster.gpu_memory_gib is "
                  f"{mem.capacity:.0f}" + (" (trainer.gradient_checkpointing would cut the activations)"
                                           if stage == "train" else ""))
+
+
+def measure_draft_head(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                       draft_vocab: int, tokens: int, steps: int, topk: int = 20) -> float:
+    """Bytes one row of `tokens` positions keeps for backward in EAGLE-3 head training (the real
+    Eagle3Head.unrolled and ttt_loss over `steps` draft steps, float32), counted with saved-tensor
+    hooks: what DRAFT_STEP_BYTES is fitted to. Parameters and buffers are not counted."""
+    import torch
+
+    from rlspec.draft.eagle3 import Eagle3Head, ttt_loss
+
+    vocab = 2 * draft_vocab
+    cfg = dict(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+               num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab, draft_vocab_size=draft_vocab,
+               eagle_aux_hidden_state_layer_ids=[1, 2, 3], num_hidden_layers=1, rope_theta=1e6)
+    g = torch.Generator().manual_seed(0)
+    head = Eagle3Head(cfg, torch.randn(vocab, hidden, generator=g))
+    ids = torch.randint(0, vocab, (1, tokens), generator=g)
+    aux = torch.randn(1, tokens, 3 * hidden, generator=g)
+    top_ids, top_logp = torch.randint(0, vocab, (1, tokens, topk), generator=g), torch.randn(1, tokens, topk, generator=g)
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = head.unrolled(ids, aux, torch.ones(1, tokens, dtype=torch.bool), steps)
+        ttt_loss(logits, top_ids, top_logp, torch.zeros(1, dtype=torch.long), torch.tensor([tokens]), 0.8, 1.0,
+                 head.draft_of_target())
+    skip = {t.untyped_storage().data_ptr() for t in [*head.parameters(), *head.buffers()]}
+    return sum(n for ptr, n in kept.items() if ptr not in skip)
 
 
 def measure_layer(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, tokens: int = 64,

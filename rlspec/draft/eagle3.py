@@ -216,9 +216,34 @@ class Eagle3Head(nn.Module):
         return out
 
 
+def _in_draft_vocab(target_ids: torch.Tensor, draft_of_target: torch.Tensor | None):
+    """(the target's top-K ids as draft ids, 0 where absent; [B, T, K] bool: in the draft vocabulary)."""
+    if draft_of_target is None:
+        return target_ids, torch.ones_like(target_ids, dtype=torch.bool)
+    ids = draft_of_target[target_ids]                                                           # -1: absent
+    return ids.clamp(min=0), ids >= 0
+
+
+def _step_mask(shift: int, loss_from: torch.Tensor, length: torch.Tensor, in_vocab: torch.Tensor) -> torch.Tensor:
+    """[B, T]: the anchors whose draft step (shift - 1) counts: loss_from <= t + shift <= length - 2,
+    with some of the target's top-K in the draft vocabulary there."""
+    u = torch.arange(in_vocab.shape[1], device=in_vocab.device)[None] + shift
+    mask = (u >= loss_from[:, None]) & (u <= length[:, None] - 2)
+    return mask & F.pad(in_vocab[:, shift:].any(-1), (0, shift))
+
+
+def ttt_counts(target_ids: torch.Tensor, loss_from: torch.Tensor, length: torch.Tensor, steps: int,
+               draft_of_target: torch.Tensor | None = None) -> list[float]:
+    """Positions counted at each draft step over a whole batch: ttt_loss's denominators when the
+    batch is split into micro-batches (their losses then add up to the whole batch's)."""
+    _, in_vocab = _in_draft_vocab(target_ids, draft_of_target)
+    return [float(_step_mask(1 + j, loss_from, length, in_vocab).sum()) for j in range(steps)]
+
+
 def ttt_loss(step_logits: list[torch.Tensor], target_ids: torch.Tensor, target_logp: torch.Tensor,
              loss_from: torch.Tensor, length: torch.Tensor, decay: float = 0.8,
-             temperature: float = 1.0, draft_of_target: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+             temperature: float = 1.0, draft_of_target: torch.Tensor | None = None,
+             denominators: list[float] | None = None) -> tuple[torch.Tensor, dict]:
     """EAGLE-3's objective: cross-entropy of each draft step against the target's next-token
     distribution (top-k, renormalised), step j weighted by decay**j. The draft's logits are taken
     at `temperature`, as vLLM samples drafts (target_logp must be at that temperature too).
@@ -231,38 +256,34 @@ def ttt_loss(step_logits: list[torch.Tensor], target_ids: torch.Tensor, target_l
     sampled from q survives rejection sampling against p) and top-1 agreement, masked means.
     draft_of_target [V] (a head with a smaller draft vocabulary): the target's top-K restricted to
     the draft vocabulary and renormalised, as EAGLE-3 trains such heads; positions where none of
-    it is in the draft vocabulary do not count."""
-    B, T, K = target_ids.shape
-    u = torch.arange(T, device=target_ids.device)[None]                                          # [1, T]
+    it is in the draft vocabulary do not count.
+    denominators (ttt_counts of the whole batch): this is one micro-batch of it; each step's sums
+    (loss and statistics) are divided by the whole batch's count, so micro-batches add up."""
     p_full = target_logp.softmax(-1)                                                             # renormalised top-K
-    in_vocab = torch.ones_like(target_ids, dtype=torch.bool)
+    target_ids, in_vocab = _in_draft_vocab(target_ids, draft_of_target)
     if draft_of_target is not None:
-        target_ids = draft_of_target[target_ids]                                                 # draft ids, -1 absent
-        in_vocab = target_ids >= 0
-        target_ids = target_ids.clamp(min=0)
         p_full = p_full * in_vocab
         p_full = p_full / p_full.sum(-1, keepdim=True).clamp(min=1e-12)
     total, stats = 0.0, {"loss": [], "accept": [], "top1": []}
     for j, logits in enumerate(step_logits):
         shift = 1 + j
-        uu = u + shift                                                                           # [1, T] position u for anchor t
-        mask = (uu >= loss_from[:, None]) & (uu <= length[:, None] - 2)                          # [B, T]
-        mask = mask & F.pad(in_vocab[:, shift:].any(-1), (0, shift))
-        if not mask.any():
+        mask = _step_mask(shift, loss_from, length, in_vocab)                                    # [B, T]
+        denom = mask.sum() if denominators is None else denominators[j]
+        if not denom:
             break
         ids = F.pad(target_ids[:, shift:], (0, 0, 0, shift))                                     # [B, T, K] at u=t+1+j
         p = F.pad(p_full[:, shift:], (0, 0, 0, shift))
         logq = (logits.float() / max(temperature, 1e-6)).log_softmax(-1)
         ce = -(p * logq.gather(-1, ids)).sum(-1)                                                 # [B, T]
-        loss_j = (ce * mask).sum() / mask.sum()
+        loss_j = (ce * mask).sum() / denom
         total = total + decay ** j * loss_j
         with torch.no_grad():
             q_top = logq.gather(-1, ids).exp()
             acc = torch.minimum(p, q_top).sum(-1)
             top1 = ((logits.argmax(-1) == ids[..., 0]) & F.pad(in_vocab[:, shift:, 0], (0, shift))).float()
             stats["loss"].append(loss_j.item())
-            stats["accept"].append(((acc * mask).sum() / mask.sum()).item())
-            stats["top1"].append(((top1 * mask).sum() / mask.sum()).item())
+            stats["accept"].append(((acc * mask).sum() / denom).item())
+            stats["top1"].append(((top1 * mask).sum() / denom).item())
     return total, stats
 
 
@@ -280,6 +301,12 @@ def head_step(opt: torch.optim.Optimizer, loss: torch.Tensor, grad_clip: float) 
     the gradient norm before clipping. Offline and online draft training share it."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    return apply_grads(opt, grad_clip)
+
+
+def apply_grads(opt: torch.optim.Optimizer, grad_clip: float) -> float:
+    """The optimizer step on the gradients accumulated so far, clipped to `grad_clip`; their norm
+    before clipping."""
     params = [p for g in opt.param_groups for p in g["params"]]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     opt.step()

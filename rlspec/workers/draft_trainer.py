@@ -11,7 +11,7 @@ import torch
 
 from rlspec.config import GenerationConfig, SpeculationConfig
 from rlspec.draft.cache import CachedSequence, FeatureCache
-from rlspec.draft.eagle3 import Eagle3Head, acceptance_length_proxy, head_step, ttt_loss
+from rlspec.draft.eagle3 import Eagle3Head, acceptance_length_proxy, apply_grads, ttt_counts, ttt_loss
 from rlspec.models import ModelPaths, local_device, release_cached_memory
 
 
@@ -88,14 +88,11 @@ class DraftTrainer:
         self.head.train()
         for _ in range(n_steps):
             items = self.cache.sample(self.o.batch_size, self.rng)
-            ids, mask, length, loss_from, aux, tid, tlp, start = (t.to(self.device) for t in pad_batch(items))
-            logits = self.head.unrolled(ids, aux, mask, self.ttt_steps, start)
-            loss, stats = ttt_loss(logits, tid, tlp, loss_from, length, self.o.loss_decay, self.temperature,
-                                   self.draft_of_target)
-            head_step(self.opt, loss, grad_clip=1.0)
+            loss, accept = self._accumulate(items)
+            apply_grads(self.opt, grad_clip=1.0)
             self.steps += 1
-            losses.append(loss.item())
-            accepts.append(stats["accept"])
+            losses.append(loss)
+            accepts.append(accept)
             v = max(s.policy_version for s in items)
             self.newest_version = v if self.newest_version is None else max(self.newest_version, v)
         release_cached_memory(self.device)
@@ -105,6 +102,28 @@ class DraftTrainer:
                 "cache_evicted": self.cache.evicted, "cache_cropped": self.cache.cropped,
                 "optimizer_steps": self.steps,
                 "newest_version": self.newest_version}
+
+    def _accumulate(self, items: list[CachedSequence]) -> tuple[float, list[float]]:
+        """The batch's gradient, accumulated over micro-batches of speculation.online.micro_batch_size
+        rows (0: the whole batch) sorted by length, so each pads to its own longest row; each step's
+        loss is divided by the whole batch's count, so the sum is the whole batch's loss. Returns
+        the loss and the per-step acceptance proxy."""
+        self.opt.zero_grad(set_to_none=True)
+        items = sorted(items, key=lambda s: len(s.ids))
+        dot = None if self.draft_of_target is None else self.draft_of_target.cpu()
+        _, _, length, loss_from, _, tid, _, _ = pad_batch(items)
+        counts = ttt_counts(tid, loss_from, length, self.ttt_steps, dot)
+        mb = self.o.micro_batch_size or len(items)
+        loss, accept = 0.0, []
+        for i in range(0, len(items), mb):
+            ids, mask, length, loss_from, aux, tid, tlp, start = (t.to(self.device) for t in pad_batch(items[i:i + mb]))
+            logits = self.head.unrolled(ids, aux, mask, self.ttt_steps, start)
+            part, stats = ttt_loss(logits, tid, tlp, loss_from, length, self.o.loss_decay, self.temperature,
+                                   self.draft_of_target, denominators=counts)
+            part.backward()
+            loss += part.item()
+            accept = [a + b for a, b in zip(accept, stats["accept"])] if accept else stats["accept"]
+        return loss, accept
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The head under vLLM's checkpoint names in the engines' dtype, for Generator.push_draft_weights."""

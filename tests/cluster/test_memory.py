@@ -3,7 +3,8 @@ experiment's table on a GB200, and validation refusing what does not fit, naming
 import pytest
 
 from conftest import compose
-from rlspec.cluster.memory import ACT_ELEMENTS, check_fits, gpu_memory, measure_layer
+from rlspec.cluster.memory import (ACT_ELEMENTS, check_fits, draft_activation_bytes, gpu_memory, measure_draft_head,
+                                   measure_layer)
 from rlspec.config import ConfigError, plan_of, resolve_auto, validate
 
 QWEN3_8B_LAYER = dict(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128)
@@ -41,10 +42,37 @@ def test_rl_zero_on_gb200_fits_and_its_terms_are_the_sharded_state():
     (["trainer.gradient_checkpointing=false"], "trainer.micro_batch_size"),
     (["generation.gpu_memory_utilization=0.98"], "generation.gpu_memory_utilization"),
     (["generation.gpu_memory_utilization=0.05"], "generation.gpu_memory_utilization"),
+    # a head step over 32 rows of 4096 positions: the attention alone is 385 x 4096^2 bytes a row
+    (["speculation.online.enabled=true"], "speculation.online.micro_batch_size"),
 ])
 def test_a_run_that_does_not_fit_is_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match="^" + key.replace(".", r"\.") + ":"):
         validate(compose(["+experiment=rl_zero_qwen3_8b", *overrides], plain=False))
+
+
+@pytest.mark.parametrize("width", [
+    dict(hidden=384, intermediate=1024, heads=6, kv_heads=2, head_dim=64, draft_vocab=1500, tokens=96, steps=3),
+    dict(hidden=512, intermediate=1536, heads=8, kv_heads=4, head_dim=32, draft_vocab=3000, tokens=80, steps=2),
+])
+def test_draft_head_activation_model_matches_the_real_head(width):
+    """EAGLE-3 head training (Eagle3Head.unrolled + ttt_loss) measured with saved-tensor hooks at
+    widths other than the ones DRAFT_STEP_BYTES was fitted on: within 2%."""
+    measured = measure_draft_head(**width)
+    w = width
+    shape = dict(H=w["hidden"], I=w["intermediate"], n=w["heads"], kv=w["kv_heads"], d=w["head_dim"],
+                 Vd=w["draft_vocab"])
+    predicted = draft_activation_bytes(shape, w["tokens"], w["steps"], 20)
+    assert abs(predicted / measured - 1) < 0.02, (predicted, measured)
+
+
+def test_online_draft_adaptation_fits_a_gb200_in_micro_batches_of_one_row():
+    cfg = resolve_auto(compose(["+experiment=rl_zero_qwen3_8b", "speculation.online.enabled=true",
+                                "speculation.online.micro_batch_size=1"], plain=False))
+    validate(cfg)
+    mem = gpu_memory(cfg, plan_of(cfg))
+    draft = next(r for r in mem.roles if r.role == "draft_trainer")
+    assert 10 < draft.activations < 30 and check_fits(mem) is None  # one row of 4096 positions, k=3
+    print(mem.describe())
 
 
 def test_cpu_runs_and_unknown_models_are_not_checked():

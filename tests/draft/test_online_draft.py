@@ -180,3 +180,28 @@ def test_capture_keeps_logprobs_and_the_draft_state_round_trips(tmp_path):
     assert all(torch.equal(a.weights()[k], v) for k, v in b.weights().items())
     b.add(feats)  # the same cache content and RNG: the next steps are the same steps
     assert a.train(2)["loss"] == b.train(2)["loss"]
+
+
+def test_micro_batched_head_steps_equal_the_whole_batch_step():
+    """speculation.online.micro_batch_size: gradients accumulated over micro-batches (each padded to
+    its own longest row, each step's loss over the whole batch's count) give the whole batch's
+    loss, acceptance proxy and optimizer step."""
+    from rlspec.config import GenerationConfig, OnlineDraftConfig, SpeculationConfig
+    from rlspec.workers.draft_trainer import DraftTrainer
+
+    feats = _captured_batch(0)[2]
+    out = {}
+    for mb in (0, 3):
+        spec = SpeculationConfig(method="eagle3", num_speculative_tokens=3,
+                                 online=OnlineDraftConfig(enabled=True, batch_size=8, micro_batch_size=mb))
+        t = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(dtype="float32"),
+                         seed=0, threads=1)
+        before = {k: v.clone() for k, v in t.weights().items()}  # (on the CPU these are the live tensors)
+        out[mb] = t.update(1, feats), t.weights()
+    (whole, w0), (micro, w3) = out[0], out[3]
+    assert any(not torch.equal(before[k], v) for k, v in w3.items())  # the step moved the head
+    assert whole["loss"] == pytest.approx(micro["loss"], rel=1e-6)
+    assert whole["accept_proxy"] == pytest.approx(micro["accept_proxy"], rel=1e-6)
+    for k, v in w0.items():
+        torch.testing.assert_close(w3[k], v, rtol=1e-5, atol=1e-6)
+    assert whole["optimizer_steps"] == micro["optimizer_steps"] == 1
