@@ -43,7 +43,8 @@ class ModelConfig:
 
 @dataclass
 class DatasetConfig:
-    # 'synthetic' (rlspec's addition generator), 'synthetic_code' (small stdin/stdout programming
+    # 'synthetic' (rlspec's addition generator), 'synthetic_chain' (chains of additions with every
+    # partial sum written out: reasoning-length answers), 'synthetic_code' (small stdin/stdout programming
     # tasks for the code reward), a .jsonl/.json/.parquet/.csv file, a directory written by
     # datasets' save_to_disk, or a hub dataset ID (e.g. BytedTsinghua-SIA/DAPO-Math-17k).
     source: str = "synthetic"
@@ -59,8 +60,12 @@ class DatasetConfig:
 
 @dataclass
 class SyntheticConfig:
+    # Digits of each number (addition; chain: of each term).
     min_digits: int = 2
     max_digits: int = 3
+    # synthetic_chain: terms per problem, 2 .. max_terms, P(k) proportional to k ** -term_tail.
+    max_terms: int = 8
+    term_tail: float = 1.5
 
 
 @dataclass
@@ -386,6 +391,9 @@ class LoggingConfig:
 
 @dataclass
 class RLSpecConfig:
+    # The shipped family of tiny models (rlspec/assets/<assets>: policy, draft, eagle3) that the
+    # default model and speculation groups name: tiny (addition) or chain (reasoning-length answers).
+    assets: str = "tiny"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -516,6 +524,8 @@ def _validate_data(cfg: RLSpecConfig) -> None:
         _check(ds.limit is None or ds.limit > 0, f"data.{split}.limit", "must be > 0 or null")
     s = cfg.data.synthetic
     _check(1 <= s.min_digits <= s.max_digits, "data.synthetic.min_digits", "must be in [1, max_digits]")
+    _check(s.max_terms >= 2, "data.synthetic.max_terms", "must be >= 2")
+    _check(s.term_tail >= 0, "data.synthetic.term_tail", "must be >= 0")
 
 
 def _validate_algo(cfg: RLSpecConfig) -> None:
@@ -609,6 +619,8 @@ def _validate_run(cfg: RLSpecConfig) -> None:
     """Placement, cluster, trainer and logging."""
     g, t, c = cfg.generation, cfg.trainer, cfg.cluster
     plan_of(cfg)  # raises naming the key that does not fit
+    shipped = sorted(d.name for d in ASSETS.iterdir() if (d / "policy").is_dir())
+    _check(cfg.assets in shipped, "assets", f"{cfg.assets!r} is not a shipped model family {shipped}")
     _check(c.refit in (None, "nccl", "ipc", "group", "object_store"), "cluster.refit",
            "must be nccl, ipc, group, object_store or null (auto)")
     plan = plan_of(cfg)

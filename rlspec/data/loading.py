@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 from rlspec.config import DataConfig, DatasetConfig, SyntheticConfig
 from rlspec.data.synthetic import make_rows
+from rlspec.data.synthetic_chain import make_chain_rows
 from rlspec.data.synthetic_code import make_code_rows
 from rlspec.data.templates import apply_template
 
@@ -57,6 +58,11 @@ def _read_rows(ds: DatasetConfig, synth: SyntheticConfig, key: str) -> Iterator[
     if ds.source == "synthetic":
         rows = make_rows(ds.seed, ds.num_rows, synth.min_digits, synth.max_digits,
                          heldout=ds.split != "train")
+        yield from enumerate(rows, start=1)
+        return
+    if ds.source == "synthetic_chain":
+        rows = make_chain_rows(ds.seed, ds.num_rows, synth.min_digits, synth.max_digits, synth.max_terms,
+                               synth.term_tail, heldout=ds.split != "train")
         yield from enumerate(rows, start=1)
         return
     if ds.source == "synthetic_code":

@@ -33,13 +33,13 @@ def sample_problem(rng: random.Random, min_digits: int, max_digits: int) -> Prob
     return Problem(number(), number())
 
 
-def solution(p: Problem, slip_prob: float = 0.0, rng: random.Random | None = None) -> str:
-    """Column-by-column solution, right to left, ending in 'Answer: N'.
+def column_addition(a: int, b: int, slip_prob: float = 0.0, rng: random.Random | None = None) -> tuple[list[str], int]:
+    """a + b written column by column, right to left: (the columns' equations, the sum they state).
 
-    With probability `slip_prob` per column that has a carry in, the carry is forgotten; the rest
-    of the solution stays consistent with the slip, so the stated answer is then wrong.
+    With probability `slip_prob` per column that has a carry in, the carry is forgotten; the later
+    columns stay consistent with the slip, so the stated sum is then wrong.
     """
-    xs, ys = str(p.a)[::-1], str(p.b)[::-1]
+    xs, ys = str(a)[::-1], str(b)[::-1]
     width = max(len(xs), len(ys))
     carry, parts, digits = 0, [], []
     for i in range(width):
@@ -53,7 +53,12 @@ def solution(p: Problem, slip_prob: float = 0.0, rng: random.Random | None = Non
         carry = s // 10
     if carry:
         digits.append(1)
-    stated = "".join(str(d) for d in reversed(digits))
+    return parts, int("".join(str(d) for d in reversed(digits)))
+
+
+def solution(p: Problem, slip_prob: float = 0.0, rng: random.Random | None = None) -> str:
+    """Column-by-column solution ending in 'Answer: N' (column_addition's slips included)."""
+    parts, stated = column_addition(p.a, p.b, slip_prob, rng)
     return ", ".join(parts) + f". Answer: {stated}"
 
 

@@ -86,6 +86,8 @@ class DraftConfig:
 
 @dataclass
 class DraftTrainConfig:
+    # The shipped family of tiny models the model group names (rlspec.config.RLSpecConfig.assets).
+    assets: str = "tiny"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
