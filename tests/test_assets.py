@@ -27,3 +27,12 @@ def test_shipped_assets_share_a_tokenizer_and_start_partly_right():
     assert 0.2 <= report["policy"]["greedy_accuracy"] <= 0.5
     total = sum(f.stat().st_size for f in tiny.rglob("*") if f.is_file())
     assert total < 20 * 2**20
+
+
+def test_shipped_chain_assets_share_a_tokenizer_and_start_with_room_for_rl():
+    """The reasoning-length family (issue #27): greedy held-out accuracy in 15-40%."""
+    chain = ROOT / "rlspec" / "assets" / "chain"
+    assert (chain / "policy" / "tokenizer.json").read_bytes() == (chain / "draft" / "tokenizer.json").read_bytes()
+    report = json.loads((chain / "README.json").read_text())
+    assert report["task"] == "chain" and 0.15 <= report["policy"]["greedy_accuracy"] <= 0.4
+    assert sum(f.stat().st_size for f in chain.rglob("*") if f.is_file()) < 20 * 2**20

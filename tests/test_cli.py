@@ -23,6 +23,9 @@ def test_two_step_run_writes_summary_plot_and_final_policy(tmp_path):
     assert s["tokens_per_second"] > 0 and s["wall_seconds"] > 0
     for r in s["records"]:
         assert {"step", "loss", "reward_mean", "policy_version", "generation_seconds"} <= set(r)
+        e = r["extra"]
+        assert 1 <= e["response_length_p50"] <= e["response_length_p90"] <= e["response_length_max"]
+        assert e["response_length_max"] <= 40 and e["response_length_max"] >= e["response_length"]
     assert [r["policy_version"] for r in s["records"]] == [1, 2]
     assert (tmp_path / "reward_and_stages.png").stat().st_size > 0
     assert "held-out accuracy" in p.stdout and "generation" in p.stdout

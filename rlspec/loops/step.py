@@ -142,9 +142,17 @@ def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
                                            {"draft_schedule": totals.draft_schedule})},
         extra={**{f"train/{k}": v for k, v in metrics.items()}, **stats, **draft, "refit_seconds": refit_s,
                "response_length": ro.num_tokens / len(ro.response_ids),
+               **length_quantiles([len(r) for r in ro.response_ids]),
                "truncated_frac": sum(ro.truncated) / len(ro.truncated),
                "behaviour_version": float(ro.policy_version)},
         decode_step_moments=totals.decode_moments)
+
+
+def length_quantiles(lengths: list[int]) -> dict[str, float]:
+    """The step's response lengths in tokens: median, 90th percentile and longest (nearest rank)."""
+    xs = sorted(lengths)
+    at = lambda q: float(xs[min(len(xs) - 1, int(q * len(xs)))])  # noqa: E731
+    return {"response_length_p50": at(0.5), "response_length_p90": at(0.9), "response_length_max": float(xs[-1])}
 
 
 def online_draft(run: Run, counters: Counters, call: Call, step: int, version: int, rollout_version: int,
