@@ -73,6 +73,7 @@ def test_dapo_with_kl_on_two_zero3_learner_ranks(tmp_path):
     assert recs[-1]["extra"]["train/kl"] > 0.0
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_speculative_run_records_acceptance_per_step(tmp_path):
     p = subprocess.run([sys.executable, "-m", "rlspec.train", *SMALL, "trainer.val_every=0", "speculation=draft_model",
                         "logging.wandb_mode=disabled", f"hydra.run.dir={tmp_path}"],
@@ -87,6 +88,7 @@ def test_speculative_run_records_acceptance_per_step(tmp_path):
     assert 1 < s["acceptance_length"] <= 4 and "tokens per verification" in p.stdout
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_skipped_recompute_trains_like_the_recompute(tmp_path):
     """Every batch gets exactly one optimizer step, so by default the learner's own detached forward
     pass stands in for the LogprobWorker's recompute as the proximal policy: same loss and gradient.

@@ -129,6 +129,7 @@ def test_killed_actor_restarts_from_checkpoint_and_finishes(tmp_path):
     assert not left_behind(before)
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_sigusr2_checkpoints_and_the_run_goes_on(tmp_path):
     run = tmp_path / "run"
     proc, _, err, _ = interrupted(run, "trainer.max_steps=5", after_steps=1, act=lambda p: p.send_signal(signal.SIGUSR2))

@@ -145,6 +145,7 @@ def test_draft_model_vocab_must_match_the_target(tmp_path):
         check_draft_vocab(str(tmp_path), POLICY)
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_cli_trains_a_head_that_vllm_serves(tmp_path):
     """A short real run: the target regenerates the corpus in a vLLM actor, the head trains, and
     vLLM loads the written head and drafts with it (acceptance measured there)."""

@@ -9,6 +9,7 @@ from test_resilience_cli import interrupted, kill_actor_of, left_behind, ray_pro
 ASYNC = "async_grpo.enabled=true"
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_lag_zero_trains_exactly_like_the_synchronous_loop(tmp_path):
     runs = {}
     for name, extra in (("sync", []), ("async", [ASYNC, "async_grpo.max_policy_lag=0"])):
@@ -25,6 +26,7 @@ def test_lag_zero_trains_exactly_like_the_synchronous_loop(tmp_path):
         assert r["logprob_mismatch"] < 1e-3 and w["capped_frac"] == 0 and abs(w["mean"] - 1) < 1e-3, w
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_no_trained_batch_exceeds_the_lag_bound(tmp_path):
     """Capacity 3 with lag 1 and a slow learner (micro-batches of 2): the Generator runs two steps
     ahead, so from step 3 on every queued batch is 2 versions old when reached. Each is counted,
