@@ -103,3 +103,26 @@ def start_generator(overrides=(), draft_dir=None, seed=0, model_path=None):
     return ray.remote(Generator).options(num_cpus=0).remote(
         paths=paths_of(cfg, draft_dir, model_path), model=cfg.model, generation=cfg.generation,
         speculation=cfg.speculation, seed=seed, threads=2)
+
+
+def host_batch(seed: int = 0, n: int = 8, group: int = 2):
+    """A batch as the driver builds it: host tensors, groups sharing their prompt."""
+    import torch
+
+    from rlspec.algo.batching import build_train_batch
+    from rlspec.messages import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 282, (int(k),), generator=g).tolist() for k in torch.randint(5, 12, (n // group,), generator=g)]
+    prompts = [p for p in prompts for _ in range(group)]
+    responses = [torch.randint(1, 282, (int(k),), generator=g).tolist() for k in torch.randint(3, 20, (n,), generator=g)]
+    ro = RolloutBatch(prompts, responses, [[-1.0] * len(r) for r in responses], [False] * n, policy_version=0)
+    adv = torch.linspace(-1, 1, n)
+    return build_train_batch(ro, adv, torch.ones(n), 0)
+
+
+def child_env(*paths) -> dict:
+    """The environment for a test's child process: the repo, tests/ and `paths` importable, ahead of
+    whatever PYTHONPATH this process already has (packages installed outside the venv stay seen)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), *map(str, paths),
+                                                         os.environ.get("PYTHONPATH", "")])}

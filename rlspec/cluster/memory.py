@@ -259,11 +259,15 @@ def measure_draft_head(hidden: int, intermediate: int, heads: int, kv_heads: int
 
 
 def measure_layer(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, tokens: int = 64,
-                  checkpointing: bool = False) -> float:
+                  checkpointing: bool = False, device: str = "cpu", peak: bool = False) -> float:
     """Bytes one token keeps for backward in one real Qwen3 decoder layer (Hugging Face, bfloat16,
     SDPA attention), counted with saved-tensor hooks: what ACT_ELEMENTS is fitted to. Parameters
     and the layer's input are not counted (the input is the previous layer's output, counted
-    there); under checkpointing the layer runs inside torch.utils.checkpoint."""
+    there); under checkpointing the layer runs inside torch.utils.checkpoint. On a CUDA `device`
+    with `peak`: instead, the allocator's peak over a forward and backward, per token, above the
+    parameters, their gradients (held from a first pass, as a learner holds them across micro-
+    batches), the input and the output's gradient: the saved tensors and backward's transients, one
+    weight gradient being accumulated among them."""
     import torch
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
@@ -271,10 +275,10 @@ def measure_layer(hidden: int, intermediate: int, heads: int, kv_heads: int, hea
     cfg = Qwen3Config(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, head_dim=head_dim, num_hidden_layers=1, vocab_size=16)
     cfg._attn_implementation = "sdpa"
-    layer = Qwen3DecoderLayer(cfg, 0).to(torch.bfloat16)
-    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
-    pos = torch.arange(tokens)[None]
-    rope = Qwen3RotaryEmbedding(cfg)(x, pos)
+    layer = Qwen3DecoderLayer(cfg, 0).to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
+    pos = torch.arange(tokens, device=device)[None]
+    rope = Qwen3RotaryEmbedding(cfg).to(device)(x, pos)
     kept = {}
 
     def pack(t):
@@ -284,6 +288,21 @@ def measure_layer(hidden: int, intermediate: int, heads: int, kv_heads: int, hea
     def run(h):
         return layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope)
 
+    if peak:
+        grad = torch.randn_like(x)
+
+        def step():
+            out = torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False) if checkpointing else run(x)
+            (out[0] if isinstance(out, tuple) else out).backward(grad)
+
+        step()  # the parameters' gradients exist from here on
+        x.grad = None
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) + x.numel() * x.element_size()  # + the input's gradient
+        step()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / tokens
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if checkpointing:
             torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)

@@ -48,9 +48,10 @@ def test_trimmed_micro_batches_give_the_full_width_logprobs():
     w = logprob_worker(4)
     widths = [width for _, width in micro_batches(b.attention_mask, 4)]
     assert widths[-1] < b.input_ids.shape[1]  # some micro-batch really is cut
-    got = w._run(w.policy, b)
+    got = w._run(w.policy, b).cpu()
+    on = b.to(w.device)  # the policy's device (a GPU where one is visible)
     with torch.no_grad():
-        full = sequence_logprobs(w.policy, b.input_ids, b.attention_mask, 1.0) * (b.loss_mask != 0)
+        full = sequence_logprobs(w.policy, on.input_ids, on.attention_mask, 1.0).cpu() * (b.loss_mask != 0)
     assert got.shape == full.shape
     assert torch.allclose(got, full, atol=1e-5, rtol=0)
     assert bool((got[b.loss_mask == 0] == 0).all()) and bool((got[b.loss_mask != 0] != 0).all())

@@ -203,5 +203,5 @@ def test_micro_batched_head_steps_equal_the_whole_batch_step():
     assert whole["loss"] == pytest.approx(micro["loss"], rel=1e-6)
     assert whole["accept_proxy"] == pytest.approx(micro["accept_proxy"], rel=1e-6)
     for k, v in w0.items():
-        torch.testing.assert_close(w3[k], v, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w3[k], v, rtol=1e-5, atol=1e-5)  # a GPU sums the micro-batches in another order
     assert whole["optimizer_steps"] == micro["optimizer_steps"] == 1

@@ -1,6 +1,5 @@
 """Checkpoint files: atomic commit, `latest` pointer, keep-last-N, and a driver killed with SIGKILL
 mid-checkpoint leaving the previous checkpoint loadable."""
-import os
 import signal
 import subprocess
 import sys
@@ -9,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, child_env
 from rlspec.loops import checkpoint as ck
 from rlspec.messages import StepRecord
 from rlspec.loops.preemption import NumericalDivergence
@@ -78,7 +77,7 @@ else:  # die between the directory rename and the pointer update
 def test_sigkill_mid_checkpoint_leaves_previous_loadable(tmp_path, where):
     script = tmp_path / "killer.py"
     script.write_text(KILLER.format(root=str(ROOT)))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}:{ROOT / 'tests' / 'loops'}"}
+    env = child_env(ROOT / "tests" / "loops")
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck"), where], stdout=subprocess.PIPE,
                             text=True, env=env)
     if where == "writing":

@@ -5,21 +5,9 @@ mixing devices raises as CUDA does, results read back as zeros). Each test build
 import pytest
 import torch
 
-from conftest import logprob_worker, tiny_paths
+from conftest import host_batch, logprob_worker, tiny_paths
 from device_check import OnDevice
-from rlspec.algo.batching import build_train_batch
-from rlspec.messages import MiniBatch, RolloutBatch
-
-
-def host_batch(seed: int = 0, n: int = 8, group: int = 2):
-    """A batch as the driver builds it: host tensors, groups sharing their prompt."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, 282, (int(k),), generator=g).tolist() for k in torch.randint(5, 12, (n // group,), generator=g)]
-    prompts = [p for p in prompts for _ in range(group)]
-    responses = [torch.randint(1, 282, (int(k),), generator=g).tolist() for k in torch.randint(3, 20, (n,), generator=g)]
-    ro = RolloutBatch(prompts, responses, [[-1.0] * len(r) for r in responses], [False] * n, policy_version=0)
-    adv = torch.linspace(-1, 1, n)
-    return build_train_batch(ro, adv, torch.ones(n), 0)
+from rlspec.messages import MiniBatch
 
 
 def test_logprob_worker_computes_on_its_device_and_returns_host_tensors():

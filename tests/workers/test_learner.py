@@ -1,7 +1,6 @@
 """Numerical faults in the Learner (a real DeepSpeed engine, no Ray): a non-finite loss or
 gradient leaves weights, optimizer and scheduler untouched and is reported as skipped."""
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, tiny_paths
+from conftest import child_env, tiny_paths
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
 from rlspec.messages import MiniBatch, TrainBatch
 
@@ -82,7 +81,7 @@ def gradient_fault(zero_stage: int, dtype: str = "float32") -> None:
 def test_nonfinite_gradient_is_skipped_by_the_engine(zero_stage, dtype):
     """In a fresh process per stage (DeepSpeed keeps its process groups)."""
     r = subprocess.run([sys.executable, "-c", f"from test_learner import gradient_fault; gradient_fault({zero_stage}, {dtype!r})"],
-                       cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"},
+                       cwd=Path(__file__).parent, env=child_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "gradient fault skipped" in r.stdout, r.stderr[-3000:]
 
@@ -97,15 +96,18 @@ def rows(n: int = 8, seed: int = 1) -> TrainBatch:
     return TrainBatch(ids, torch.ones_like(ids), mask, adv, -3 * torch.rand(n, 11, generator=g) * mask)
 
 
-def reference_update(batch: TrainBatch, size: int, epochs: int, lr: float, clip: float) -> dict[str, torch.Tensor]:
+def reference_update(batch: TrainBatch, size: int, epochs: int, lr: float, clip: float,
+                     device: str = "cpu") -> dict[str, torch.Tensor]:
     """The update by hand in plain torch: AdamW steps over consecutive mini-batches of `size`
     rows, each with the PPO ratio against the initial weights' log-probs, clip-higher [0.8, 1.28]
-    and dual clip 3, token mean over the mini-batch, gradients clipped to `clip`."""
+    and dual clip 3, token mean over the mini-batch, gradients clipped to `clip`. Weights back on
+    the host."""
     from rlspec.algo.logprobs import sequence_logprobs
     from rlspec.algo.losses import LossInputs, ppo_clip_loss
     from rlspec.models import load_causal_lm
 
-    model = load_causal_lm(tiny_paths().model)
+    batch = batch.to(device)
+    model = load_causal_lm(tiny_paths().model).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
     with torch.no_grad():
@@ -121,7 +123,7 @@ def reference_update(batch: TrainBatch, size: int, epochs: int, lr: float, clip:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, clip)
             opt.step()
-    return {k: v.detach() for k, v in model.named_parameters()}
+    return {k: v.detach().cpu() for k, v in model.named_parameters()}
 
 
 def mini_batch_run(size: int, epochs: int, port: int) -> tuple[dict, dict, dict]:
@@ -141,22 +143,34 @@ def mini_batch_run(size: int, epochs: int, port: int) -> tuple[dict, dict, dict]
 
 
 def mini_batches_match_the_reference() -> None:
-    """Run in a fresh process (DeepSpeed keeps its process groups)."""
+    """Run in a fresh process (DeepSpeed keeps its process groups). The reference runs on the
+    Learner's device. On the CPU the weights agree to float32 rounding. On a GPU the Learner's
+    trimmed micro-batches and the reference's full-width rows take other kernels, and Adam turns
+    the last-bit differences of near-zero gradients into steps of up to lr: there the update itself
+    (weights after minus before) must agree to 1%, where a wrong loss, scale or clip is off by far
+    more."""
+    from rlspec.models import load_causal_lm, local_device
+
+    device = local_device()
     got, sums, stats = mini_batch_run(2, 1, 29640)
-    want = reference_update(rows(), 2, 1, 1e-3, 1.0)
+    want = reference_update(rows(), 2, 1, 1e-3, 1.0, str(device))
+    init = dict(load_causal_lm(tiny_paths().model).named_parameters())
     worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    moved = torch.cat([(want[k] - init[k].detach()).reshape(-1) for k in want])
+    off = torch.cat([(got[k] - want[k]).reshape(-1) for k in want])
+    relative = float(off.norm() / moved.norm())
     assert stats["optimizer_steps"] == 4 and stats["skipped"] == 0.0
-    assert worst < 1e-6, worst
+    assert (worst < 1e-6) if device.type == "cpu" else (relative < 1e-2), (worst, relative)
     assert sums["clip_frac"] > 0  # later mini-batches move the ratio past the clip
-    print(f"4 mini-batches: largest weight difference from the hand-computed reference {worst:.2e}, "
-          f"clip_frac {sums['clip_frac']:.3f}", flush=True)
+    print(f"4 mini-batches on {device.type}: largest weight difference from the hand-computed reference {worst:.2e}, "
+          f"update off by {relative:.2e} of its norm, clip_frac {sums['clip_frac']:.3f}", flush=True)
 
 
 def test_four_mini_batches_match_a_hand_computed_reference():
     """8 rows, mini-batches of 2 (4 AdamW steps, ZeRO 0): the Learner's weights equal a plain-torch
     loop taking the same four steps by hand; the ratio moves off 1, so clipping binds."""
     r = subprocess.run([sys.executable, "-c", "from test_learner import mini_batches_match_the_reference as f; f()"],
-                       cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"},
+                       cwd=Path(__file__).parent, env=child_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "4 mini-batches" in r.stdout, (r.stdout + r.stderr)[-3000:]
     print(r.stdout.strip().splitlines()[-1])
