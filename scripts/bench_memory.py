@@ -24,15 +24,15 @@ LAYERS = {"Qwen3 at hidden 1024": (1024, 3072, 16, 8, 64), "Qwen3-4B": (2560, 97
           "Qwen3-8B": (4096, 12288, 32, 8, 128)}
 
 
-def head_bytes(tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
+def head_bytes(tokens: int, hidden: int, vocab: int, chunk: int, device: str = "cpu") -> dict:
     """Bytes per token kept for backward by the model's own logits path and by the chunked head."""
     import torch
 
     from rlspec.algo.logprobs import head_logprobs, token_logprobs
 
-    head = torch.nn.Linear(hidden, vocab, bias=False).to(torch.bfloat16)
-    h = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
-    t = torch.randint(0, vocab, (1, tokens))
+    head = torch.nn.Linear(hidden, vocab, bias=False).to(device=device, dtype=torch.bfloat16)
+    h = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
+    t = torch.randint(0, vocab, (1, tokens), device=device)
 
     def kept(fn) -> int:
         seen = {}
@@ -46,9 +46,27 @@ def head_bytes(tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
         skip = {head.weight.untyped_storage().data_ptr(), h.untyped_storage().data_ptr()}
         return sum(n for p, n in seen.items() if p not in skip)
 
-    return {"tokens": tokens, "hidden": hidden, "vocab": vocab, "chunk_tokens": chunk,
-            "model_logits_bytes_per_token": kept(lambda: token_logprobs(head(h), t)) / tokens,
-            "chunked_head_bytes_per_token": kept(lambda: head_logprobs(h, head, t, 1.0, chunk)) / tokens}
+    def peak(fn) -> float:
+        """CUDA only: the allocator's peak over forward and backward above weights, the weight's
+        gradient (held from a first pass) and the input's gradient."""
+        fn().sum().backward()
+        h.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn().sum().backward()
+        torch.cuda.synchronize()
+        extra = h.numel() * 2  # the input's gradient
+        h.grad = head.weight.grad = None
+        return (torch.cuda.max_memory_allocated() - base - extra) / tokens
+
+    out = {"tokens": tokens, "hidden": hidden, "vocab": vocab, "chunk_tokens": chunk, "device": device,
+           "model_logits_bytes_per_token": kept(lambda: token_logprobs(head(h), t)) / tokens,
+           "chunked_head_bytes_per_token": kept(lambda: head_logprobs(h, head, t, 1.0, chunk)) / tokens}
+    if device == "cuda":
+        out["model_logits_peak_bytes_per_token"] = peak(lambda: token_logprobs(head(h), t))
+        out["chunked_head_peak_bytes_per_token"] = peak(lambda: head_logprobs(h, head, t, 1.0, chunk))
+    return out
 
 
 def tables() -> dict:
@@ -69,34 +87,55 @@ def tables() -> dict:
     return out
 
 
+def torch_device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "memory.json")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per measured layer")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: measured there, with the allocator's peaks too")
     a = ap.parse_args()
     from rlspec.cluster.memory import ACT_ELEMENTS, measure_layer
 
     t0 = time.time()
     layers = []
     for name, (h, i, heads, kv, hd) in LAYERS.items():
-        plain = measure_layer(h, i, heads, kv, hd, tokens=a.tokens)
-        ckpt = measure_layer(h, i, heads, kv, hd, tokens=a.tokens, checkpointing=True)
+        plain = measure_layer(h, i, heads, kv, hd, tokens=a.tokens, device=a.device)
+        ckpt = measure_layer(h, i, heads, kv, hd, tokens=a.tokens, checkpointing=True, device=a.device)
         e = ACT_ELEMENTS
         model = 2 * (e[0] * h + e[1] * i + e[2] * heads * hd + e[3] * kv * hd)
-        layers.append({"layer": name, "hidden": h, "intermediate": i, "heads": heads, "kv_heads": kv, "head_dim": hd,
-                       "measured_bytes_per_token": plain, "checkpointed_bytes_per_token": ckpt,
-                       "model_bytes_per_token": model, "model_error": model / plain - 1})
-        print(f"{name:>22}: {plain / 1024:7.1f} KiB/token kept (model {model / 1024:7.1f}, {100 * (model / plain - 1):+.1f}%), "
-              f"checkpointed {ckpt / 1024:.2f} KiB", flush=True)
-    head = head_bytes(1024, 4096, 151936, 256)
+        row = {"layer": name, "hidden": h, "intermediate": i, "heads": heads, "kv_heads": kv, "head_dim": hd,
+               "measured_bytes_per_token": plain, "checkpointed_bytes_per_token": ckpt,
+               "model_bytes_per_token": model, "model_error": model / plain - 1}
+        line = (f"{name:>22}: {plain / 1024:7.1f} KiB/token kept (model {model / 1024:7.1f}, "
+                f"{100 * (model / plain - 1):+.1f}%), checkpointed {ckpt / 1024:.2f} KiB")
+        if a.device == "cuda":
+            row["peak_bytes_per_token"] = measure_layer(h, i, heads, kv, hd, tokens=a.tokens, device=a.device, peak=True)
+            row["checkpointed_peak_bytes_per_token"] = measure_layer(h, i, heads, kv, hd, tokens=a.tokens,
+                                                                     checkpointing=True, device=a.device, peak=True)
+            line += (f"; allocator peak {row['peak_bytes_per_token'] / 1024:.1f} KiB/token, "
+                     f"checkpointed {row['checkpointed_peak_bytes_per_token'] / 1024:.1f}")
+        layers.append(row)
+        print(line, flush=True)
+    head = head_bytes(1024, 4096, 151936, 256, a.device)
     print(f"output layer, vocab 151936: model's logits {head['model_logits_bytes_per_token'] / 2**20:.2f} MiB/token kept, "
           f"chunked head {head['chunked_head_bytes_per_token'] / 1024:.2f} KiB/token", flush=True)
+    if a.device == "cuda":
+        print(f"  allocator peak: model's logits {head['model_logits_peak_bytes_per_token'] / 2**20:.2f} MiB/token, "
+              f"chunked head {head['chunked_head_peak_bytes_per_token'] / 1024:.2f} KiB/token", flush=True)
     t = tables()
     for name, r in t.items():
         print(f"\n{name}\n{r['table']}", flush=True)
     git = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
     commit = git("rev-parse", "--short", "HEAD") + (" with uncommitted changes" if git("status", "--porcelain", "rlspec") else "")
-    a.out.write_text(json.dumps({"version": commit, "tokens_per_layer_measurement": a.tokens, "layers": layers,
+    device = torch_device_name(a.device)
+    a.out.write_text(json.dumps({"version": commit, "device": device, "tokens_per_layer_measurement": a.tokens, "layers": layers,
                                  "output_layer": head, "experiments": t, "wall_seconds": time.time() - t0},
                                 indent=1) + "\n")
     print(f"wrote {a.out}")

@@ -194,9 +194,69 @@ def memory_section(path: Path) -> list[str]:
             f"rlspec's chunked head ({h['chunk_tokens']} tokens at a time) "
             f"{h['chunked_head_bytes_per_token']:.0f} bytes.", "",
             "The memory model's per-GPU tables of the paper's experiments on GB200s (`--dry-run` prints the same; "
-            "nothing here ran on a GPU):", ""]
+            "the next section holds the model against a GPU):", ""]
     for name, e in r["experiments"].items():
         out += [f"`+experiment={name}`:", "", "```", e["table"], "```", ""]
+    return out
+
+
+def gpu_memory_section(layers: Path | None, learners: list[Path]) -> list[str]:
+    """The memory model against an H100: layers and output layer (bench_memory.py --device cuda),
+    whole learner steps (bench_learner_memory.py)."""
+    out = ["## Memory on a GPU: the model against the CUDA allocator", ""]
+    if layers is not None:
+        r = json.loads(layers.read_text())
+        h = r["output_layer"]
+        out += [f"`{layers.relative_to(ROOT)}` (at {r['version']}, {r['device']}), produced by:", "", "```bash",
+                f"python scripts/bench_memory.py --device cuda --tokens {r['tokens_per_layer_measurement']} "
+                f"--out {layers.relative_to(ROOT)}", "```", "",
+                f"Per token of a {r['tokens_per_layer_measurement']}-token pass through one decoder layer in bfloat16: "
+                "what autograd keeps (saved-tensor hooks, on the GPU's SDPA kernels), the model's figure, and the "
+                "allocator's peak over forward and backward above the weights, their held gradients, the input and "
+                "the output's gradient (what is kept plus backward's transients, one weight gradient among them):", "",
+                "| layer | kept KiB/token | model | peak KiB/token | checkpointed: kept | checkpointed: peak |",
+                "|---|---|---|---|---|---|"]
+        for x in r["layers"]:
+            out.append(f"| {x['layer']} | {x['measured_bytes_per_token'] / 1024:.1f} | {x['model_bytes_per_token'] / 1024:.1f} | "
+                       f"{x['peak_bytes_per_token'] / 1024:.1f} | {x['checkpointed_bytes_per_token'] / 1024:.2f} | "
+                       f"{x['checkpointed_peak_bytes_per_token'] / 1024:.1f} |")
+        n = h["tokens"]
+        out += ["", f"Output layer at hidden {h['hidden']}, vocabulary {h['vocab']:,}, {n} tokens: kept for backward, "
+                f"the model's logits path {h['model_logits_bytes_per_token'] * n / 2**30:.2f} GiB, the chunked head "
+                f"{h['chunked_head_bytes_per_token'] * n / 2**10:.0f} KiB; the allocator's peak over forward and "
+                f"backward, {h['model_logits_peak_bytes_per_token'] * n / 2**30:.2f} GiB against "
+                f"{h['chunked_head_peak_bytes_per_token'] * n / 2**30:.2f} GiB. At this size the chunked head loses on "
+                "peak: each chunk's backward recomputes its logits and makes a vocabulary x hidden weight gradient "
+                "before adding it in, a cost fixed in the number of tokens, where the logits path grows with them "
+                "(the learner steps below run 73,728 tokens a micro-batch).", ""]
+    if learners:
+        rows = [json.loads(p.read_text()) for p in learners]
+        r0 = rows[0]
+        m = r0["model"]
+        out += [f"Whole learner steps on one {r0['device']}: rl_zero_qwen3_8b's trainer settings on a model at "
+                f"Qwen3-8B's widths (hidden {m['hidden_size']}, MLP {m['intermediate_size']}, vocabulary "
+                f"{m['vocab_size']:,}, untied) cut to a few layers, random weights, one rank, two optimizer steps; "
+                "predicted: rlspec/cluster/memory.py's learner for that config (what `--dry-run` prints), "
+                "measured: the allocator's peak and what stays allocated after the steps. Produced by:", "", "```bash"]
+        out += [r["command"] for r in rows] + ["```", "",
+                "| run | layers | micro-batch x tokens | ZeRO | predicted resident GiB | measured | "
+                "predicted peak GiB | measured | measured / predicted | step s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for p, r in zip(learners, rows):
+            t, pr, me = r["trainer"], r["predicted_gib"], r["measured_gib"]
+            out.append(f"| `{p.name}` | {r['layers']} | {t['micro_batch_size']} x {t['tokens_per_row']:,} | {t['zero_stage']} | "
+                       f"{pr['resident']:.2f} | {me['resident_after_steps']:.2f} | {pr['total']:.2f} | {me['peak']:.2f} | "
+                       f"{r['peak_over_predicted_total']:.3f} | {r['steps'][-1]['seconds']:.2f} |")
+        ratios = [r["peak_over_predicted_total"] for r in rows]
+        gaps = {}
+        for r in rows:
+            gaps.setdefault(r["trainer"]["zero_stage"], []).append(r["measured_gib"]["resident_after_steps"]
+                                                                     - r["predicted_gib"]["resident"])
+        side = "never below what was allocated" if max(ratios) <= 1 else "below what was allocated in some runs"
+        out += ["", f"Measured peaks are {min(ratios):.3f} to {max(ratios):.3f} of the predicted: the prediction is "
+                f"{side}. Resident after the steps, measured minus predicted: "
+                + ", ".join(f"ZeRO-{z} {min(g):+.2f} to {max(g):+.2f} GiB" if f"{min(g):.2f}" != f"{max(g):.2f}"
+                            else f"ZeRO-{z} {g[0]:+.2f} GiB"
+                            for z, g in sorted(gaps.items())) + ".", ""]
     return out
 
 
@@ -223,6 +283,10 @@ def page(bench: Path) -> str:
         out += minibatch_section(bench / "minibatch.json")
     if (bench / "memory.json").exists():
         out += memory_section(bench / "memory.json")
+    gpu_layers = bench / "memory_gpu.json"
+    learners = sorted(bench.glob("learner_memory_gpu_*.json"))
+    if gpu_layers.exists() or learners:
+        out += gpu_memory_section(gpu_layers if gpu_layers.exists() else None, learners)
     return "\n".join(out).rstrip() + "\n"
 
 
