@@ -1,9 +1,10 @@
-"""The memory model against a real learner step on one GPU: rl_zero_qwen3_8b's trainer settings
+"""The memory model against a real learner step (or log-prob pass, --role logprob_worker) on one
+GPU: rl_zero_qwen3_8b's trainer settings
 (bfloat16, ZeRO-3, gradient checkpointing, chunked log-probs, micro-batches of 4 rollouts of
 2048 + 16384 tokens) on a model at Qwen3-8B's widths and vocabulary cut to a few layers (random
 weights: memory does not depend on them), one rank. Predicted: rlspec/cluster/memory.py's learner
 (weights, gradients, optimizer, activations) for that config; measured: the CUDA allocator's peak
-over two optimizer steps, and what stays allocated after them.
+over two optimizer steps (two passes), and what stays allocated after them.
 
     python scripts/bench_learner_memory.py --layers 4 --out docs/bench/learner_memory_gpu.json
 
@@ -63,6 +64,7 @@ def rollout_batch(rows: int, prompt: int, response: int, vocab: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--role", choices=["learner", "logprob_worker"], default="learner")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "learner_memory_gpu.json")
     ap.add_argument("overrides", nargs="*", help="more config overrides (trainer.micro_batch_size=2, ...)")
     a = ap.parse_args()
@@ -73,19 +75,30 @@ def main() -> None:
     from rlspec.messages import MiniBatch
     from rlspec.models import ModelPaths
     from rlspec.workers.learner import Learner
+    from rlspec.workers.logprob import LogprobWorker
 
     t0 = time.time()
     gib = 1 << 30
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         make_model(folder, a.layers)
-        cfg, plan = config_for(folder, a.overrides)
-        learner_role = next(r for r in gpu_memory(cfg, plan).roles if r.role == "learner")
+        # rl_zero trains on the sampler's log-probs; the log-prob worker's pass is its recompute
+        cfg, plan = config_for(folder, a.overrides + ["algo.recompute_logprobs=true"] * (a.role == "logprob_worker"))
+        learner_role = next(r for r in gpu_memory(cfg, plan).roles if r.role == a.role)
         t = cfg.trainer
+        paths = ModelPaths(str(folder), str(ROOT / "rlspec" / "assets" / "tiny" / "policy"), None)
         torch.cuda.reset_peak_memory_stats()
-        learner = Learner(paths=ModelPaths(str(folder), str(ROOT / "rlspec" / "assets" / "tiny" / "policy"), None),
-                          model=cfg.model, algo=cfg.algo, trainer=t, generation=cfg.generation, rank=0, world_size=1,
-                          rendezvous=("127.0.0.1", free_port()), threads=8)
+        if a.role == "learner":
+            learner = Learner(paths=paths, model=cfg.model, algo=cfg.algo, trainer=t, generation=cfg.generation, rank=0,
+                              world_size=1, rendezvous=("127.0.0.1", free_port()), threads=8)
+            run = lambda part: learner.train_step([part])[1]  # noqa: E731
+        else:
+            worker = LogprobWorker(paths=paths, model=cfg.model, algo=cfg.algo, trainer=t, generation=cfg.generation,
+                                   threads=8)
+
+            def run(part):
+                worker.compute_logprobs(part.batch)
+                return {"skipped": 0.0}
         built = torch.cuda.memory_allocated() / gib
         batch = rollout_batch(t.micro_batch_size, cfg.data.max_prompt_tokens, cfg.generation.max_new_tokens,
                               QWEN3_8B["vocab_size"])
@@ -94,7 +107,7 @@ def main() -> None:
         for _ in range(2):
             torch.cuda.synchronize()
             s0 = time.perf_counter()
-            _, stats = learner.train_step([part])
+            stats = run(part)
             torch.cuda.synchronize()
             steps.append({"seconds": time.perf_counter() - s0, "skipped": stats["skipped"],
                           "allocated_after_gib": torch.cuda.memory_allocated() / gib})
@@ -102,8 +115,9 @@ def main() -> None:
     predicted = {"weights": learner_role.weights, "gradients": learner_role.gradients,
                  "optimizer": learner_role.optimizer, "activations": learner_role.activations,
                  "resident": learner_role.resident, "total": learner_role.total}
-    command = " ".join(["python scripts/bench_learner_memory.py", f"--layers {a.layers}", f"--out {a.out}", *a.overrides])
-    out = {"command": command, "overrides": a.overrides, "device": torch.cuda.get_device_name(), "layers": a.layers, "model": {**QWEN3_8B, "num_hidden_layers": a.layers},
+    command = " ".join(["python scripts/bench_learner_memory.py", f"--layers {a.layers}", f"--role {a.role}",
+                        f"--out {a.out}", *a.overrides])
+    out = {"command": command, "role": a.role, "overrides": a.overrides, "device": torch.cuda.get_device_name(), "layers": a.layers, "model": {**QWEN3_8B, "num_hidden_layers": a.layers},
            "trainer": {"dtype": t.dtype, "zero_stage": t.zero_stage, "gradient_checkpointing": t.gradient_checkpointing,
                        "micro_batch_size": t.micro_batch_size, "logit_chunk_tokens": t.logit_chunk_tokens,
                        "tokens_per_row": cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens},
@@ -112,7 +126,7 @@ def main() -> None:
            "peak_over_predicted_total": peak / learner_role.total,
            "resident_over_predicted": steps[-1]["allocated_after_gib"] / learner_role.resident,
            "steps": steps, "wall_seconds": time.time() - t0}
-    print(f"learner, {a.layers} layers at Qwen3-8B width, {out['trainer']}")
+    print(f"{a.role}, {a.layers} layers at Qwen3-8B width, {out['trainer']}")
     print("predicted GiB: " + ", ".join(f"{k} {v:.2f}" for k, v in predicted.items()))
     print(f"measured GiB: after build {built:.2f}, resident after steps {steps[-1]['allocated_after_gib']:.2f}, "
           f"peak {peak:.2f} ({out['peak_over_predicted_total']:.3f} of predicted total)")

@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per measured layer")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: measured there, with the allocator's peaks too")
     a = ap.parse_args()
-    from rlspec.cluster.memory import ACT_ELEMENTS, measure_layer
+    from rlspec.cluster.memory import ACT_ELEMENTS, FORWARD_ELEMENTS, measure_layer
 
     t0 = time.time()
     layers = []
@@ -119,8 +119,14 @@ def main() -> None:
             row["peak_bytes_per_token"] = measure_layer(h, i, heads, kv, hd, tokens=a.tokens, device=a.device, peak=True)
             row["checkpointed_peak_bytes_per_token"] = measure_layer(h, i, heads, kv, hd, tokens=a.tokens,
                                                                      checkpointing=True, device=a.device, peak=True)
+            row["forward_peak_bytes_per_token"] = measure_layer(h, i, heads, kv, hd, tokens=a.tokens, device=a.device,
+                                                                peak=True, backward=False)
+            f = FORWARD_ELEMENTS
+            row["forward_model_bytes_per_token"] = 2 * (f[0] * h + f[1] * i)
             line += (f"; allocator peak {row['peak_bytes_per_token'] / 1024:.1f} KiB/token, "
-                     f"checkpointed {row['checkpointed_peak_bytes_per_token'] / 1024:.1f}")
+                     f"checkpointed {row['checkpointed_peak_bytes_per_token'] / 1024:.1f}, "
+                     f"no-grad forward {row['forward_peak_bytes_per_token'] / 1024:.1f} "
+                     f"(model {row['forward_model_bytes_per_token'] / 1024:.1f})")
         layers.append(row)
         print(line, flush=True)
     head = head_bytes(1024, 4096, 151936, 256, a.device)

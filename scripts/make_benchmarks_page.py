@@ -214,12 +214,15 @@ def gpu_memory_section(layers: Path | None, learners: list[Path]) -> list[str]:
                 "what autograd keeps (saved-tensor hooks, on the GPU's SDPA kernels), the model's figure, and the "
                 "allocator's peak over forward and backward above the weights, their held gradients, the input and "
                 "the output's gradient (what is kept plus backward's transients, one weight gradient among them):", "",
-                "| layer | kept KiB/token | model | peak KiB/token | checkpointed: kept | checkpointed: peak |",
-                "|---|---|---|---|---|---|"]
+                "| layer | kept KiB/token | model | peak KiB/token | checkpointed: kept | checkpointed: peak | "
+                "no-grad forward: peak | model |", "|---|---|---|---|---|---|---|---|"]
         for x in r["layers"]:
             out.append(f"| {x['layer']} | {x['measured_bytes_per_token'] / 1024:.1f} | {x['model_bytes_per_token'] / 1024:.1f} | "
                        f"{x['peak_bytes_per_token'] / 1024:.1f} | {x['checkpointed_bytes_per_token'] / 1024:.2f} | "
-                       f"{x['checkpointed_peak_bytes_per_token'] / 1024:.1f} |")
+                       f"{x['checkpointed_peak_bytes_per_token'] / 1024:.1f} | {x['forward_peak_bytes_per_token'] / 1024:.1f} | "
+                       f"{x['forward_model_bytes_per_token'] / 1024:.1f} |")
+        out += ["", "The no-grad forward (a log-prob recompute) is one layer's own peak above its input; the memory "
+                "model's 2h + 3i (FORWARD_ELEMENTS) adds the two hidden-sized tensors the model's loop holds beside it."]
         n = h["tokens"]
         out += ["", f"Output layer at hidden {h['hidden']}, vocabulary {h['vocab']:,}, {n} tokens: kept for backward, "
                 f"the model's logits path {h['model_logits_bytes_per_token'] * n / 2**30:.2f} GiB, the chunked head "
@@ -233,27 +236,34 @@ def gpu_memory_section(layers: Path | None, learners: list[Path]) -> list[str]:
         rows = [json.loads(p.read_text()) for p in learners]
         r0 = rows[0]
         m = r0["model"]
-        out += [f"Whole learner steps on one {r0['device']}: rl_zero_qwen3_8b's trainer settings on a model at "
-                f"Qwen3-8B's widths (hidden {m['hidden_size']}, MLP {m['intermediate_size']}, vocabulary "
-                f"{m['vocab_size']:,}, untied) cut to a few layers, random weights, one rank, two optimizer steps; "
-                "predicted: rlspec/cluster/memory.py's learner for that config (what `--dry-run` prints), "
-                "measured: the allocator's peak and what stays allocated after the steps. Produced by:", "", "```bash"]
+        out += [f"Whole learner steps and log-prob passes on one {r0['device']}: rl_zero_qwen3_8b's trainer settings "
+                f"on a model at Qwen3-8B's widths (hidden {m['hidden_size']}, MLP {m['intermediate_size']}, vocabulary "
+                f"{m['vocab_size']:,}, untied) cut to a few layers, random weights, one rank, two optimizer steps (or "
+                "two passes); predicted: rlspec/cluster/memory.py's role for that config (what `--dry-run` prints), "
+                "measured: the allocator's peak and what stays allocated after. Produced by:", "", "```bash"]
         out += [r["command"] for r in rows] + ["```", "",
-                "| run | layers | micro-batch x tokens | ZeRO | predicted resident GiB | measured | "
-                "predicted peak GiB | measured | measured / predicted | step s |", "|---|---|---|---|---|---|---|---|---|---|"]
+                "| run | role | layers | micro-batch x tokens | ZeRO | predicted resident GiB | measured | "
+                "predicted peak GiB | measured | measured / predicted | step s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for p, r in zip(learners, rows):
             t, pr, me = r["trainer"], r["predicted_gib"], r["measured_gib"]
-            out.append(f"| `{p.name}` | {r['layers']} | {t['micro_batch_size']} x {t['tokens_per_row']:,} | {t['zero_stage']} | "
+            out.append(f"| `{p.name}` | {r.get('role', 'learner')} | {r['layers']} | {t['micro_batch_size']} x "
+                       f"{t['tokens_per_row']:,} | {t['zero_stage']} | "
                        f"{pr['resident']:.2f} | {me['resident_after_steps']:.2f} | {pr['total']:.2f} | {me['peak']:.2f} | "
                        f"{r['peak_over_predicted_total']:.3f} | {r['steps'][-1]['seconds']:.2f} |")
         ratios = [r["peak_over_predicted_total"] for r in rows]
         gaps = {}
         for r in rows:
+            if r.get("role", "learner") != "learner":
+                continue
             gaps.setdefault(r["trainer"]["zero_stage"], []).append(r["measured_gib"]["resident_after_steps"]
                                                                      - r["predicted_gib"]["resident"])
-        side = "never below what was allocated" if max(ratios) <= 1 else "below what was allocated in some runs"
+        short = [(r.get("role", "learner"), r["measured_gib"]["peak"] - r["predicted_gib"]["total"]) for r in rows
+                 if r["peak_over_predicted_total"] > 1]
+        side = ("never below what was allocated" if not short else "below what was allocated in "
+                + ", ".join(f"a {role} run by {gap:.2f} GiB" for role, gap in short))
         out += ["", f"Measured peaks are {min(ratios):.3f} to {max(ratios):.3f} of the predicted: the prediction is "
-                f"{side}. Resident after the steps, measured minus predicted: "
+                f"{side}. Learner resident after the steps, measured minus predicted: "
                 + ", ".join(f"ZeRO-{z} {min(g):+.2f} to {max(g):+.2f} GiB" if f"{min(g):.2f}" != f"{max(g):.2f}"
                             else f"ZeRO-{z} {g[0]:+.2f} GiB"
                             for z, g in sorted(gaps.items())) + ".", ""]
@@ -284,7 +294,7 @@ def page(bench: Path) -> str:
     if (bench / "memory.json").exists():
         out += memory_section(bench / "memory.json")
     gpu_layers = bench / "memory_gpu.json"
-    learners = sorted(bench.glob("learner_memory_gpu_*.json"))
+    learners = sorted(bench.glob("learner_memory_gpu_*.json")) + sorted(bench.glob("logprob_memory_gpu_*.json"))
     if gpu_layers.exists() or learners:
         out += gpu_memory_section(gpu_layers if gpu_layers.exists() else None, learners)
     return "\n".join(out).rstrip() + "\n"

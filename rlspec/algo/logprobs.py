@@ -46,7 +46,7 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
     step = max(1, chunk_tokens // max(B, 1))
 
     def chunk(h: torch.Tensor, t: torch.Tensor):
-        logits = head(h).float() / temperature                        # [B, c, V]
+        logits = head(h).float().div_(temperature)                     # [B, c, V]; in place: one fp32 copy
         lse = torch.logsumexp(logits, dim=-1)                         # [B, c]
         lp = logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse
         if not with_entropy:

@@ -34,6 +34,12 @@ GIB = 1 << 30
 ENGINE_ASLEEP_GIB = 1.0      # allocator reserve an engine keeps while asleep
 CONTEXT_GIB = 0.5            # a CUDA context: every process on a GPU holds one
 ACT_ELEMENTS = (8, 4, 5, 5)  # per token and layer: x hidden, MLP width, query width, key/value width
+# A forward pass without autograd (log-prob recompute): one layer's own peak per token, in the
+# compute dtype, x hidden, x MLP width (measured on an H100: the MLP's gate and up outputs and their
+# product); beside it the model's loop holds FORWARD_HELD hidden-sized tensors (the layer's input,
+# the embeddings).
+FORWARD_ELEMENTS = (2, 3)
+FORWARD_HELD = 2
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # EAGLE-3 head training, bytes per position and draft step: x hidden, MLP width, draft vocabulary,
 # query width (heads x head_dim), top-K soft labels
@@ -107,6 +113,17 @@ def draft_trainer_memory(cfg, m) -> RoleMemory:
                       activations=rows * draft_activation_bytes(s, tokens, steps, o.topk) / GIB)
 
 
+def forward_bytes(m, tokens: int, chunk_tokens: int, dtype_bytes: int) -> float:
+    """Peak bytes of a log-prob pass without autograd over `tokens`: the larger of a decoder
+    layer's (FORWARD_ELEMENTS) and the output layer's (the final hidden states held twice, and per
+    chunk its float32 logits with logsumexp's float32 temporary beside them)."""
+    mlp = m.intermediate_size or m.experts_per_token * m.moe_intermediate_size
+    h, i = FORWARD_ELEMENTS
+    layer = tokens * dtype_bytes * ((h + FORWARD_HELD) * m.hidden_size + i * mlp)
+    head = 2 * tokens * m.hidden_size * dtype_bytes + min(chunk_tokens, tokens) * m.vocab_size * 2 * 4
+    return max(layer, head)
+
+
 @dataclass
 class RoleMemory:
     """GiB per GPU, by part."""
@@ -171,7 +188,7 @@ def gpu_memory(cfg, plan) -> GPUMemory | None:
                          activations=(tokens * tb * activation_elements(m, t.gradient_checkpointing) + chunk) / GIB)
     copies = 1 + (cfg.algo.kl_coef > 0)  # the policy, and the KL reference
     logprob = RoleMemory("logprob_worker", weights=copies * tb * P / GIB,
-                         activations=min(t.logit_chunk_tokens, tokens) * m.vocab_size * (4 + tb) / GIB) \
+                         activations=forward_bytes(m, tokens, t.logit_chunk_tokens, tb) / GIB) \
         if cfg.algo.recompute_logprobs else None
     cap = c.gpu_memory_gib
     engine_gib = g.gpu_memory_utilization * cap if cap else 0.0
@@ -259,7 +276,8 @@ def measure_draft_head(hidden: int, intermediate: int, heads: int, kv_heads: int
 
 
 def measure_layer(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, tokens: int = 64,
-                  checkpointing: bool = False, device: str = "cpu", peak: bool = False) -> float:
+                  checkpointing: bool = False, device: str = "cpu", peak: bool = False,
+                  backward: bool = True) -> float:
     """Bytes one token keeps for backward in one real Qwen3 decoder layer (Hugging Face, bfloat16,
     SDPA attention), counted with saved-tensor hooks: what ACT_ELEMENTS is fitted to. Parameters
     and the layer's input are not counted (the input is the previous layer's output, counted
@@ -267,7 +285,8 @@ def measure_layer(hidden: int, intermediate: int, heads: int, kv_heads: int, hea
     with `peak`: instead, the allocator's peak over a forward and backward, per token, above the
     parameters, their gradients (held from a first pass, as a learner holds them across micro-
     batches), the input and the output's gradient: the saved tensors and backward's transients, one
-    weight gradient being accumulated among them."""
+    weight gradient being accumulated among them. With `peak` and not `backward`: the peak of a
+    forward pass without autograd (a log-prob recompute) above the parameters and the input."""
     import torch
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
@@ -288,6 +307,14 @@ def measure_layer(hidden: int, intermediate: int, heads: int, kv_heads: int, hea
     def run(h):
         return layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope)
 
+    if peak and not backward:
+        with torch.no_grad():
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            run(x.detach())
+            torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / tokens
     if peak:
         grad = torch.randn_like(x)
 

@@ -91,3 +91,14 @@ def test_the_memory_model_holds_on_the_gpu_at_qwen3_8b_width(checkpointing):
     else:
         assert abs(kept / model - 1) < 0.10
         assert 0.9 * model <= peak < 2 * model
+
+
+def test_a_log_prob_pass_peaks_where_the_memory_model_says():
+    """Without autograd (a log-prob recompute), one Qwen3-8B layer over 8192 tokens peaks at
+    FORWARD_ELEMENTS (2h + 3i) above its input, within 2%."""
+    from rlspec.cluster.memory import FORWARD_ELEMENTS, measure_layer
+
+    h, i = 4096, 12288
+    peak = measure_layer(h, i, 32, 8, 128, tokens=8192, device="cuda", peak=True, backward=False)
+    model = 2 * (FORWARD_ELEMENTS[0] * h + FORWARD_ELEMENTS[1] * i)
+    assert abs(peak / model - 1) < 0.02, (peak, model)
