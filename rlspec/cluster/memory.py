@@ -200,20 +200,20 @@ def gpu_memory(cfg, plan) -> GPUMemory | None:
     roles = [r for r in (engine, learner, logprob, draft) if r is not None]
     asleep = ENGINE_ASLEEP_GIB if g.sleep_mode else engine_gib
     # the DraftTrainer's GPU (a learner's) holds its state throughout and trains beside the learner
-    lp_res = (logprob.resident if logprob else 0.0) + (draft.resident + CONTEXT_GIB if draft else 0.0)
+    shared_resident = (logprob.resident if logprob else 0.0) + (draft.resident + CONTEXT_GIB if draft else 0.0)
     head_act = draft.activations if draft else 0.0
     if c.placement == "colocated":
         ctx = CONTEXT_GIB * (2 + bool(logprob))
-        stages = {"generation": learner.resident + lp_res + engine_gib + ctx,
-                  "train": learner.resident + lp_res + asleep + learner.activations + head_act + ctx}
+        stages = {"generation": learner.resident + shared_resident + engine_gib + ctx,
+                  "train": learner.resident + shared_resident + asleep + learner.activations + head_act + ctx}
         if logprob:
-            stages["logprob"] = learner.resident + lp_res + asleep + logprob.activations + ctx
+            stages["logprob"] = learner.resident + shared_resident + asleep + logprob.activations + ctx
     else:  # engines on GPUs of their own; log-prob workers share the learners'
         ctx = CONTEXT_GIB * (1 + bool(logprob))
         stages = {"generation": engine_gib + CONTEXT_GIB,
-                  "train": learner.resident + lp_res + learner.activations + head_act + ctx}
+                  "train": learner.resident + shared_resident + learner.activations + head_act + ctx}
         if logprob:
-            stages["logprob"] = learner.resident + lp_res + logprob.activations + ctx
+            stages["logprob"] = learner.resident + shared_resident + logprob.activations + ctx
     return GPUMemory(roles, stages, cap, f"{m.name}, {P / 1e9:.2f}B parameters")
 
 

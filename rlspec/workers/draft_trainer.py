@@ -26,20 +26,26 @@ def load_embedding(target_dir: str) -> torch.Tensor:
         return f.get_tensor(key).float()
 
 
+def pad_labels(items: list[CachedSequence]):
+    """What the loss counts by, of cached sequences: (length, loss_from, topk_ids right-padded)."""
+    T, B, K = max(len(s.ids) for s in items), len(items), items[0].topk_ids.shape[-1]
+    tid = torch.zeros(B, T, K, dtype=torch.long)
+    for i, s in enumerate(items):
+        tid[i, :len(s.ids)] = s.topk_ids
+    return torch.tensor([len(s.ids) for s in items]), torch.tensor([s.loss_from for s in items]), tid
+
+
 def pad_batch(items: list[CachedSequence]):
     """Cached sequences -> right-padded (ids, mask, length, loss_from, aux, topk_ids, topk_logp,
     start: each row's first position in its rollout)."""
-    T, B = max(len(s.ids) for s in items), len(items)
-    A, K = items[0].aux_hidden.shape[-1], items[0].topk_ids.shape[-1]
-    ids, aux = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, A)
-    tid, tlp = torch.zeros(B, T, K, dtype=torch.long), torch.zeros(B, T, K)
+    length, loss_from, tid = pad_labels(items)
+    T, B, A = int(length.max()), len(items), items[0].aux_hidden.shape[-1]
+    ids, aux, tlp = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, A), torch.zeros(B, T, tid.shape[-1])
     for i, s in enumerate(items):
         n = len(s.ids)
-        ids[i, :n], aux[i, :n], tid[i, :n], tlp[i, :n] = s.ids, s.aux_hidden.float(), s.topk_ids, s.topk_logp.float()
-    length = torch.tensor([len(s.ids) for s in items])
+        ids[i, :n], aux[i, :n], tlp[i, :n] = s.ids, s.aux_hidden.float(), s.topk_logp.float()
     mask = torch.arange(T)[None] < length[:, None]
-    return ids, mask, length, torch.tensor([s.loss_from for s in items]), aux, tid, tlp, \
-        torch.tensor([s.start for s in items])
+    return ids, mask, length, loss_from, aux, tid, tlp, torch.tensor([s.start for s in items])
 
 
 class DraftTrainer:
@@ -111,7 +117,7 @@ class DraftTrainer:
         self.opt.zero_grad(set_to_none=True)
         items = sorted(items, key=lambda s: len(s.ids))
         dot = None if self.draft_of_target is None else self.draft_of_target.cpu()
-        _, _, length, loss_from, _, tid, _, _ = pad_batch(items)
+        length, loss_from, tid = pad_labels(items)  # the whole batch's counts, without its features
         counts = ttt_counts(tid, loss_from, length, self.ttt_steps, dot)
         mb = self.o.micro_batch_size or len(items)
         loss, accept = 0.0, []
