@@ -55,5 +55,7 @@ def test_splits_are_disjoint_reproducible_and_loaded_by_the_experiment():
     assert compose(["+experiment=chain_cpu", "speculation=draft_model"]).speculation.model.endswith("chain/draft")
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     prompts = load_split(cfg.data, "train", tok)
-    assert len(prompts) == cfg.data.train.num_rows == 2000 and not prompts.skipped
+    # the experiment's 240 problems are the first of the same seeded sequence (3 epochs in 60 steps)
+    assert len(prompts) == cfg.data.train.num_rows == 240 and not prompts.skipped
+    assert cfg.generation.num_prompts_per_step * cfg.trainer.max_steps == 3 * cfg.data.train.num_rows
     assert prompts.prompts[0].text == train[0].question and prompts.prompts[0].answer == train[0].answer
