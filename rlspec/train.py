@@ -1,6 +1,6 @@
 """rlspec entry point (Hydra).
 
-    python -m rlspec.train                                   # embedded CPU default (tiny_cpu)
+    python -m rlspec.train                                   # embedded CPU default (chain_cpu)
     python -m rlspec.train +experiment=rl_zero_qwen3_8b      # a paper experiment
     python -m rlspec.train trainer.max_steps=5 generation.temperature=0.8
     python -m rlspec.train +experiment=rl_zero_qwen3_8b --dry-run   # print the placement plan only
@@ -29,7 +29,7 @@ from rlspec.models import ModelError, ModelPaths, load_tokenizer, resolve_checkp
 from rlspec.rewards import preload as preload_reward
 from rlspec.speculation.checks import check_draft
 
-DEFAULT_EXPERIMENT = "tiny_cpu"
+DEFAULT_EXPERIMENT = "chain_cpu"
 EXIT_ACTOR_FAILURE, EXIT_BAD_INPUT = 1, 2
 log = logging.getLogger("rlspec")
 
@@ -37,7 +37,7 @@ register_configs()
 
 
 def with_default_experiment(argv: list[str]) -> list[str]:
-    """Select +experiment=tiny_cpu when the command line names no experiment; `--dry-run` is
+    """Select +experiment=chain_cpu when the command line names no experiment; `--dry-run` is
     `cluster.dry_run=true`."""
     if "--dry-run" in argv:
         argv = [a for a in argv if a != "--dry-run"] + ["cluster.dry_run=true"]

@@ -1,6 +1,6 @@
 """Draft initialisation x online adaptation, the paper's table on this machine: acceptance length
 and rollout speedup for {generic init, domain-aligned init} x {online adaptation off, on} over an
-RL run in which the policy drifts, seeds interleaved, plus a no-speculation run per seed for the
+RL run (+experiment=tiny_cpu) in which the policy drifts, seeds interleaved, plus a no-speculation run per seed for the
 speedup's denominator.
 
     python scripts/bench_draft.py --out docs/bench/draft_2x2.json          # defaults below
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENT = "+experiment=tiny_cpu"  # the addition task: the heads are its tiny policy's
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
@@ -66,7 +67,7 @@ def run_arm(arm: str, head: Path | None, seed: int, steps: int, work: Path, time
     spec = ["speculation=none"] if head is None else [
         "speculation=eagle3", f"speculation.model={head}",
         f"speculation.online.enabled={'true' if arm.endswith('/ on') else 'false'}"]
-    cmd = [sys.executable, "-m", "rlspec.train", *spec, f"trainer.max_steps={steps}", f"trainer.seed={seed}",
+    cmd = [sys.executable, "-m", "rlspec.train", EXPERIMENT, *spec, f"trainer.max_steps={steps}", f"trainer.seed={seed}",
            f"trainer.val_every={steps}", "trainer.checkpoint_every=0", f"trainer.save_final={arm == 'none'}",
            "logging.plot=false", "logging.wandb_mode=disabled", "logging.progress_bar=false",
            f"hydra.run.dir={run_dir}"]

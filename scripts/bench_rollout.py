@@ -240,7 +240,8 @@ def run(args) -> list[dict]:
             model=ModelConfig(max_model_len=exp.model.max_model_len if exp else 256), generation=gen,
             speculation=spec, seed=args.seed, threads=args.threads)
     records = []
-    version = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    version = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.strip()  # "-dirty": it ran with uncommitted changes
     for b in args.batch_sizes:
         n = min(b, args.group)
         runs = {name: [] for name in actors}

@@ -11,14 +11,20 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+TEST_EXPERIMENT = "+experiment=tiny_cpu"  # the tests' baseline: the fast addition task
+
+
 def compose(overrides=(), plain=True):
-    """The config `python -m rlspec.train OVERRIDES` composes, as an RLSpecConfig (its 'auto'
-    settings not yet resolved: config.resolve_auto does that). The default experiment drafts with
-    the tiny draft model; with plain=True (the tests' baseline) rollouts are not speculative
-    unless an override selects a `speculation=` method."""
+    """The config `python -m rlspec.train +experiment=tiny_cpu OVERRIDES` composes (another
+    experiment when the overrides name one), as an RLSpecConfig (its 'auto' settings not yet
+    resolved: config.resolve_auto does that). tiny_cpu drafts with the tiny draft model; with
+    plain=True (the tests' baseline) rollouts are not speculative unless an override selects a
+    `speculation=` method."""
     from rlspec.train import compose_config
 
     overrides = list(overrides)
+    if not any(o.lstrip("+~").startswith("experiment=") for o in overrides):
+        overrides.insert(0, TEST_EXPERIMENT)
     if plain and not any(o.startswith("speculation=") for o in overrides):
         overrides.append("speculation=none")
     return compose_config(overrides)

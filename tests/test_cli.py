@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, TEST_EXPERIMENT
 
-SMALL = ["trainer.max_steps=2", "trainer.val_every=1", "generation.num_prompts_per_step=4",
+SMALL = [TEST_EXPERIMENT, "trainer.max_steps=2", "trainer.val_every=1", "generation.num_prompts_per_step=4",
          "generation.num_generations_per_prompt=4", "trainer.micro_batch_size=8", "data.train.num_rows=64",
          "data.val.num_rows=16", "generation.max_new_tokens=40", "logging.wandb_mode=offline"]
 
@@ -137,7 +137,7 @@ def test_nonfinite_updates_in_a_row_stop_with_exit_4_and_a_checkpoint(tmp_path):
     w["model.layers.3.mlp.down_proj.weight"][0, 0] = float("nan")
     save_file(w, policy / "model.safetensors", metadata={"format": "pt"})
     run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "rlspec.train", f"model.path={policy}", "trainer.max_steps=6",
+    p = subprocess.run([sys.executable, "-m", "rlspec.train", TEST_EXPERIMENT, f"model.path={policy}", "trainer.max_steps=6",
                         "trainer.max_nonfinite_steps=1", "trainer.val_every=0", "trainer.checkpoint_every=0",
                         "generation.num_prompts_per_step=4", "generation.num_generations_per_prompt=4",
                         "trainer.micro_batch_size=8", "data.val.num_rows=16", "generation.max_new_tokens=16",

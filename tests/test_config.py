@@ -9,11 +9,24 @@ from rlspec.config import ConfigError, validate
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 
 
-def test_default_is_tiny_cpu():
+def test_default_is_chain_cpu():
+    """`python -m rlspec.train` with no experiment runs chain_cpu: the reasoning-length task on its
+    shipped policy, 240 problems revisited for 3 epochs, rollouts drafted from their own history."""
+    from rlspec.train import compose_config
+
+    cfg = compose_config([])
+    assert Path(cfg.model.path) == ROOT / "rlspec" / "assets" / "chain" / "policy"
+    assert cfg.data.train.source == "synthetic_chain" and cfg.data.train.num_rows == 240
+    assert cfg.trainer.max_steps * cfg.generation.num_prompts_per_step == 3 * cfg.data.train.num_rows
+    assert cfg.speculation.method == "history" and cfg.speculation.model is None
+    validate(cfg)
+
+
+def test_tiny_cpu_is_the_tests_baseline():
     cfg = compose(plain=False)
     assert Path(cfg.model.path) == ROOT / "rlspec" / "assets" / "tiny" / "policy"
     assert cfg.data.train.source == "synthetic"
-    # speculative rollouts by default: the tiny draft, k=3 (the k sweep's fastest fixed k)
+    # speculative rollouts: the tiny draft, k=3 (the k sweep's fastest fixed k)
     assert cfg.speculation.method == "draft_model" and cfg.speculation.num_speculative_tokens == 3
     assert Path(cfg.speculation.model) == ROOT / "rlspec" / "assets" / "tiny" / "draft"
     validate(cfg)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, TEST_EXPERIMENT
 
 POLICY = str(ROOT / "rlspec" / "assets" / "tiny" / "policy")
 EAGLE3 = str(ROOT / "rlspec" / "assets" / "tiny" / "eagle3")
@@ -304,7 +304,7 @@ def test_a_public_format_head_with_a_smaller_vocabulary_trains_serves_and_adapts
     assert json.loads((out / "train_log.json").read_text())["vllm"]["acceptance_length"] > 1.5
     pub = to_public_format(str(out), str(tmp_path / "public"))
     run = tmp_path / "rl"
-    r = subprocess.run([sys.executable, "-m", "rlspec.train", "speculation=eagle3", f"speculation.model={pub}",
+    r = subprocess.run([sys.executable, "-m", "rlspec.train", TEST_EXPERIMENT, "speculation=eagle3", f"speculation.model={pub}",
                         "speculation.online.enabled=true", "trainer.max_steps=2", f"hydra.run.dir={run}",
                         "logging.progress_bar=false"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, compose, logprob_worker, tiny_paths
+from conftest import ROOT, TEST_EXPERIMENT, compose, logprob_worker, tiny_paths
 
-SMALL = ["speculation=eagle3", "trainer.max_steps=3", "trainer.val_every=0", "generation.num_prompts_per_step=4",
+SMALL = [TEST_EXPERIMENT, "speculation=eagle3", "trainer.max_steps=3", "trainer.val_every=0", "generation.num_prompts_per_step=4",
          "generation.num_generations_per_prompt=4", "trainer.micro_batch_size=8", "data.train.num_rows=64",
          "data.val.num_rows=16", "generation.max_new_tokens=40", "logging.wandb_mode=disabled",
          "logging.plot=false", "logging.progress_bar=false"]

@@ -1,0 +1,188 @@
+"""The default run, `python -m rlspec.train`, once per speculation setting and seed, side by side.
+
+Each run is the default experiment exactly as `make demo` runs it, with only the speculation
+group (and its k), the seed and logging switched; settings interleave per seed, so machine drift
+hits all of them alike. From every run's summary.json it reports, mean ± std over seeds: wall
+time, the stage shares, held-out accuracy at each validation, the response-length distribution,
+and per epoch (one pass over data.train) the generation stage's seconds per step, its speedup
+over no speculation and the tokens per verification.
+
+    python scripts/bench_default_run.py --settings none history draft_model:3 --seeds 0 1 2 \\
+        --out docs/bench/default_run.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def overrides(setting: str) -> list[str]:
+    """'none', 'history', 'draft_model:3' -> the Hydra overrides that select it."""
+    method, _, k = setting.partition(":")
+    return [f"speculation={method}", *([f"speculation.num_speculative_tokens={k}"] if k else [])]
+
+
+def epoch_steps(extra: list[str]) -> int:
+    """Steps per pass over the training set in the default experiment (with `extra` applied)."""
+    from rlspec.train import compose_config
+
+    cfg = compose_config(extra)
+    return max(1, cfg.data.train.num_rows // cfg.generation.num_prompts_per_step)
+
+
+def read_run(setting: str, seed: int, run_dir: Path, per_epoch: int) -> dict:
+    s = json.loads((run_dir / "summary.json").read_text())
+    recs = s["records"]
+    epochs = []
+    for e in range(0, len(recs), per_epoch):
+        part = recs[e: e + per_epoch]
+        drafts = sum((r["spec"] or {}).get("drafts", 0) for r in part)
+        accepted = sum((r["spec"] or {}).get("accepted_tokens", 0) for r in part)
+        epochs.append({"steps": [part[0]["step"], part[-1]["step"]],
+                       "generation_seconds": statistics.mean(r["stage_seconds"]["generation"] for r in part),
+                       "step_seconds": statistics.mean(r["step_seconds"] for r in part),
+                       "acceptance_length": 1 + accepted / drafts if drafts else None,
+                       "history_matches": sum((r["spec"] or {}).get("history_matches", 0) for r in part) or None})
+    ex = [r["extra"] for r in recs]
+    return {"setting": setting, "seed": seed, "run_dir": str(run_dir), "wall_seconds": s["wall_seconds"],
+            "steps": s["steps"], "step_seconds": s["step_seconds"], "stage_share": s["stage_share"],
+            "generation_seconds": s["stage_seconds"]["generation"], "val_steps": s["val_steps"],
+            "val_accuracy": s["val_accuracy"], "acceptance_length": s["acceptance_length"],
+            "tokens_per_second": s["tokens_per_second"], "epochs": epochs,
+            # the lengths of the first step's rollouts (the shipped policy's) and over the whole run:
+            # the mean of the steps' medians and 90th percentiles, the longest answer of any step
+            "response_length_first": {q: ex[0][f"response_length_{q}"] for q in ("p50", "p90", "max")},
+            "response_length_run": {"p50": statistics.mean(x["response_length_p50"] for x in ex),
+                                    "p90": statistics.mean(x["response_length_p90"] for x in ex),
+                                    "max": max(x["response_length_max"] for x in ex)}}
+
+
+def run_one(setting: str, seed: int, extra: list[str], work: Path, per_epoch: int, timeout: int) -> dict:
+    run_dir = work / f"{setting.replace(':', '_k')}_seed{seed}"
+    cmd = [sys.executable, "-m", "rlspec.train", *extra, *overrides(setting), f"trainer.seed={seed}",
+           "trainer.checkpoint_every=0", "trainer.save_final=false", "logging.plot=false",
+           "logging.wandb_mode=disabled", "logging.progress_bar=false", f"hydra.run.dir={run_dir}"]
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise SystemExit(f"{setting} seed {seed} failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
+    out = {**read_run(setting, seed, run_dir, per_epoch), "process_seconds": time.time() - t0}
+    print(f"  {setting:<14} seed {seed}: {out['wall_seconds'] / 60:.1f} min, generation "
+          f"{out['stage_share']['generation']:.1%} of the step, held-out "
+          f"{' -> '.join(f'{v:.3f}' for v in out['val_accuracy'])}, generation s/step by epoch "
+          f"{', '.join(format(e['generation_seconds'], '.2f') for e in out['epochs'])}", flush=True)
+    return out
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """One row per setting: means and stds over its seeds; speedups against 'none' of the same seeds."""
+    settings = list(dict.fromkeys(r["setting"] for r in runs))
+    base = {r["seed"]: r for r in runs if r["setting"] == "none"}
+    rows = []
+    for name in settings:
+        mine = [r for r in runs if r["setting"] == name]
+        n_ep = min(len(r["epochs"]) for r in mine)
+        row = {"setting": name, "seeds": [r["seed"] for r in mine], "val_steps": mine[0]["val_steps"]}
+        for key, get in {"wall_minutes": lambda r: r["wall_seconds"] / 60,
+                         "step_seconds": lambda r: r["step_seconds"],
+                         "generation_share": lambda r: r["stage_share"]["generation"],
+                         "generation_seconds": lambda r: r["generation_seconds"],
+                         "val_first": lambda r: r["val_accuracy"][0],
+                         "val_last": lambda r: r["val_accuracy"][-1]}.items():
+            row[key], row[f"{key}_std"] = mean_std([get(r) for r in mine])
+        row["val_accuracy"] = [statistics.mean(r["val_accuracy"][i] for r in mine)
+                               for i in range(len(row["val_steps"]))]
+        row["val_accuracy_std"] = [mean_std([r["val_accuracy"][i] for r in mine])[1] for i in range(len(row["val_steps"]))]
+        row["epochs"] = []
+        for e in range(n_ep):
+            gen = [r["epochs"][e]["generation_seconds"] for r in mine]
+            speed = [base[r["seed"]]["epochs"][e]["generation_seconds"] / r["epochs"][e]["generation_seconds"]
+                     for r in mine if r["seed"] in base]
+            acc = [r["epochs"][e]["acceptance_length"] for r in mine if r["epochs"][e]["acceptance_length"]]
+            row["epochs"].append({"steps": mine[0]["epochs"][e]["steps"], "generation_seconds": mean_std(gen),
+                                  "speedup_vs_none": mean_std(speed) if speed else None,
+                                  "acceptance_length": statistics.mean(acc) if acc else None})
+        for which in ("first", "run"):
+            row[f"response_length_{which}"] = {q: statistics.mean(r[f"response_length_{which}"][q] for r in mine)
+                                               for q in ("p50", "p90", "max")}
+        rows.append(row)
+    return rows
+
+
+def pm(v: tuple[float, float] | None, p: int = 2, unit: str = "") -> str:
+    return "-" if v is None else f"{v[0]:.{p}f}{unit} ± {v[1]:.{p}f}"
+
+
+def table(rows: list[dict]) -> str:
+    """Two markdown tables: the runs' totals, and generation per epoch."""
+    vals = " | ".join(f"held-out @{s}" for s in rows[0]["val_steps"])
+    out = [f"| setting | wall min | step s | generation share | {vals} | response p50 / p90 / max (step 1) |",
+           "|---|---|---|---|" + "---|" * len(rows[0]["val_steps"]) + "---|"]
+    for r in rows:
+        v = " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in zip(r["val_accuracy"], r["val_accuracy_std"]))
+        ln = r["response_length_first"]
+        out.append(f"| {r['setting']} | {r['wall_minutes']:.2f} ± {r['wall_minutes_std']:.2f} | "
+                   f"{r['step_seconds']:.2f} ± {r['step_seconds_std']:.2f} | "
+                   f"{r['generation_share']:.1%} ± {r['generation_share_std']:.1%} | {v} | "
+                   f"{ln['p50']:.0f} / {ln['p90']:.0f} / {ln['max']:.0f} |")
+    eps = rows[0]["epochs"]
+    out += ["", "| setting | " + " | ".join(f"epoch {i + 1} (steps {e['steps'][0]}-{e['steps'][1]})"
+                                            for i, e in enumerate(eps)) + " |",
+            "|---|" + "---|" * len(eps)]
+    for r in rows:
+        cells = []
+        for e in r["epochs"]:
+            sp = "" if r["setting"] == "none" or not e["speedup_vs_none"] else f", {pm(e['speedup_vs_none'], unit='x')}"
+            acc = "" if e["acceptance_length"] is None else f", {e['acceptance_length']:.2f} tok/verif."
+            cells.append(f"{pm(e['generation_seconds'])} s{sp}{acc}")
+        out.append(f"| {r['setting']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--settings", nargs="+", default=["none", "history"],
+                    help="speculation group[:k] per arm; 'none' first (speedups are against it)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--set", nargs="*", default=[], dest="overrides", help="Hydra overrides for every run")
+    ap.add_argument("--work", default="multirun/bench_default_run", help="run directories go here")
+    ap.add_argument("--out", default="bench_default_run.json")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per run before it counts as hung")
+    ap.add_argument("--table", metavar="JSON", help="print the tables of an earlier run's JSON and exit")
+    a = ap.parse_args()
+    if a.table:
+        print(table(json.loads(Path(a.table).read_text())["rows"]))
+        return
+    if a.settings[0] != "none":
+        ap.error("--settings must start with 'none' (the baseline)")
+    work = Path(a.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    per_epoch = epoch_steps(a.overrides)
+    # "-dirty": the runs saw uncommitted changes
+    version = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+    runs = [run_one(s, seed, a.overrides, work, per_epoch, a.timeout) for seed in a.seeds for s in a.settings]
+    rows = summarise(runs)
+    result = {"version": version, "settings": a.settings, "seeds": a.seeds, "overrides": a.overrides,
+              "steps_per_epoch": per_epoch, "cpu_count": os.cpu_count(), "rows": rows, "runs": runs}
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(table(rows))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""scripts/bench_default_run.py's bookkeeping on hand-made run directories: epochs, per-epoch
+speedups against the same seed's no-speculation run, acceptance, lengths (figures by hand)."""
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_default_run as bdr  # noqa: E402
+
+
+def write_run(path, gen_seconds, spec=None, val=(0.3, 0.5, 0.8)):
+    """A summary.json of len(gen_seconds) steps; spec: per step (drafts, accepted) or None."""
+    recs = []
+    for i, g in enumerate(gen_seconds):
+        d = None if spec is None else {"drafts": spec[i][0], "accepted_tokens": spec[i][1]}
+        recs.append({"step": i + 1, "step_seconds": g + 1.0, "stage_seconds": {"generation": g}, "spec": d,
+                     "extra": {"response_length_p50": 10 + i, "response_length_p90": 30 + i,
+                               "response_length_max": 50 + 10 * i}})
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps({
+        "records": recs, "steps": len(recs), "wall_seconds": 60.0 * len(recs), "step_seconds": 2.0,
+        "stage_share": {"generation": 0.6}, "stage_seconds": {"generation": sum(gen_seconds) / len(recs)},
+        "val_steps": [0, 2, 4], "val_accuracy": list(val), "acceptance_length": None, "tokens_per_second": 1.0}))
+    return path
+
+
+def test_epochs_speedups_and_acceptance(tmp_path):
+    runs = []
+    for seed, (base, fast) in enumerate([([2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 1.0, 1.0]),
+                                         ([4.0, 4.0, 3.0, 3.0], [4.0, 4.0, 1.0, 2.0])]):
+        runs.append(bdr.read_run("none", seed, write_run(tmp_path / f"n{seed}", base), per_epoch=2))
+        runs.append(bdr.read_run("history", seed, write_run(tmp_path / f"h{seed}", fast,
+                                                            spec=[(10, 5), (10, 15), (4, 12), (0, 0)]),
+                                 per_epoch=2))
+    h0 = runs[1]
+    assert [e["steps"] for e in h0["epochs"]] == [[1, 2], [3, 4]]
+    assert [e["generation_seconds"] for e in h0["epochs"]] == [2.0, 1.0]
+    # tokens per verification = 1 + accepted / drafts over the epoch's steps
+    assert h0["epochs"][0]["acceptance_length"] == pytest.approx(1 + 20 / 20)
+    assert h0["epochs"][1]["acceptance_length"] == pytest.approx(1 + 12 / 4)
+    assert h0["response_length_first"] == {"p50": 10, "p90": 30, "max": 50}
+    assert h0["response_length_run"] == {"p50": 11.5, "p90": 31.5, "max": 80}
+    rows = {r["setting"]: r for r in bdr.summarise(runs)}
+    hist = rows["history"]
+    # epoch 2 speedups per seed: 2.0 / 1.0 and 3.0 / 1.5; epoch 1: 1.0 both
+    assert hist["epochs"][1]["speedup_vs_none"][0] == pytest.approx(2.0)
+    assert hist["epochs"][1]["speedup_vs_none"][1] == pytest.approx(0.0)
+    assert hist["epochs"][0]["speedup_vs_none"] == (pytest.approx(1.0), pytest.approx(0.0))
+    assert hist["epochs"][1]["generation_seconds"][0] == pytest.approx(1.25)
+    assert rows["none"]["epochs"][0]["acceptance_length"] is None
+    assert hist["val_accuracy"] == pytest.approx([0.3, 0.5, 0.8]) and hist["wall_minutes"] == pytest.approx(4.0)
+    text = bdr.table(list(rows.values()))
+    assert "| history |" in text and "2.00x ± 0.00" in text and "epoch 2 (steps 3-4)" in text
