@@ -207,6 +207,9 @@ class HistoryConfig:
     # recently seen prompts evicted first).
     max_rollouts_per_prompt: int = 32
     max_tokens: int = 2_000_000
+    # Draft for validation calls too. Held-out prompts have no history and one answer each (no
+    # siblings), so only the prompt and the answer itself are left to draft from: off by default.
+    draft_validation: bool = False
 
 
 @dataclass

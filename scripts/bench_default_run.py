@@ -56,7 +56,8 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: int) -> dict:
     return {"setting": setting, "seed": seed, "run_dir": str(run_dir), "wall_seconds": s["wall_seconds"],
             "steps": s["steps"], "step_seconds": s["step_seconds"], "stage_share": s["stage_share"],
             "generation_seconds": s["stage_seconds"]["generation"], "val_steps": s["val_steps"],
-            "val_accuracy": s["val_accuracy"], "acceptance_length": s["acceptance_length"],
+            "val_accuracy": s["val_accuracy"], "val_seconds": s["val_seconds"],
+            "acceptance_length": s["acceptance_length"],
             "tokens_per_second": s["tokens_per_second"], "epochs": epochs,
             # the lengths of the first step's rollouts (the shipped policy's) and over the whole run:
             # the mean of the steps' medians and 90th percentiles, the longest answer of any step
@@ -103,6 +104,8 @@ def summarise(runs: list[dict]) -> list[dict]:
                          "val_first": lambda r: r["val_accuracy"][0],
                          "val_last": lambda r: r["val_accuracy"][-1]}.items():
             row[key], row[f"{key}_std"] = mean_std([get(r) for r in mine])
+        if all("val_seconds" in r for r in mine):  # seconds per validation, mean over the run's
+            row["val_seconds"], row["val_seconds_std"] = mean_std([statistics.mean(r["val_seconds"]) for r in mine])
         row["val_accuracy"] = [statistics.mean(r["val_accuracy"][i] for r in mine)
                                for i in range(len(row["val_steps"]))]
         row["val_accuracy_std"] = [mean_std([r["val_accuracy"][i] for r in mine])[1] for i in range(len(row["val_steps"]))]
@@ -129,14 +132,15 @@ def pm(v: tuple[float, float] | None, p: int = 2, unit: str = "") -> str:
 def table(rows: list[dict]) -> str:
     """Two markdown tables: the runs' totals, and generation per epoch."""
     vals = " | ".join(f"held-out @{s}" for s in rows[0]["val_steps"])
-    out = [f"| setting | wall min | step s | generation share | {vals} | response p50 / p90 / max (step 1) |",
-           "|---|---|---|---|" + "---|" * len(rows[0]["val_steps"]) + "---|"]
+    out = [f"| setting | wall min | step s | generation share | validation s | {vals} | "
+           "response p50 / p90 / max (step 1) |", "|---|---|---|---|---|" + "---|" * len(rows[0]["val_steps"]) + "---|"]
     for r in rows:
         v = " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in zip(r["val_accuracy"], r["val_accuracy_std"]))
         ln = r["response_length_first"]
         out.append(f"| {r['setting']} | {r['wall_minutes']:.2f} ± {r['wall_minutes_std']:.2f} | "
                    f"{r['step_seconds']:.2f} ± {r['step_seconds_std']:.2f} | "
-                   f"{r['generation_share']:.1%} ± {r['generation_share_std']:.1%} | {v} | "
+                   f"{r['generation_share']:.1%} ± {r['generation_share_std']:.1%} | "
+                   f"{pm((r['val_seconds'], r['val_seconds_std'])) if 'val_seconds' in r else '-'} | {v} | "
                    f"{ln['p50']:.0f} / {ln['p90']:.0f} / {ln['max']:.0f} |")
     eps = rows[0]["epochs"]
     out += ["", "| setting | " + " | ".join(f"epoch {i + 1} (steps {e['steps'][0]}-{e['steps'][1]})"
@@ -162,9 +166,18 @@ def main() -> None:
     ap.add_argument("--out", default="bench_default_run.json")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run before it counts as hung")
     ap.add_argument("--table", metavar="JSON", help="print the tables of an earlier run's JSON and exit")
+    ap.add_argument("--rescan", metavar="JSON", help="re-read an earlier run's run directories (still on disk) "
+                    "into its JSON")
     a = ap.parse_args()
-    if a.table:
-        print(table(json.loads(Path(a.table).read_text())["rows"]))
+    if a.table or a.rescan:
+        path = Path(a.table or a.rescan)
+        result = json.loads(path.read_text())
+        if a.rescan:
+            result["runs"] = [{**read_run(r["setting"], r["seed"], Path(r["run_dir"]), result["steps_per_epoch"]),
+                               "process_seconds": r["process_seconds"]} for r in result["runs"]]
+            result["rows"] = summarise(result["runs"])
+            path.write_text(json.dumps(result, indent=1) + "\n")
+        print(table(result["rows"]))
         return
     if a.settings[0] != "none":
         ap.error("--settings must start with 'none' (the baseline)")

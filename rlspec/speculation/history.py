@@ -123,9 +123,11 @@ class HistoryIndex:
         self.rows: dict[int, tuple[int, tuple | None]] = {}  # row -> (tokens, prompt) at the last step
         self.pending: dict[int, tuple[list[int], list[int]]] = {}  # row -> (draft, sources)
         self.stats = HistoryStats()
+        self.drafting = True  # False: this call drafts nothing (validation)
 
     # -- what the Generator tells it --------------------------------------------------------------
-    def begin_call(self, prompt_ids: list[list[int]]) -> None:
+    def begin_call(self, prompt_ids: list[list[int]], draft: bool = True) -> None:
+        self.drafting = draft
         self.live = {}
         for p in prompt_ids:
             key = tuple(p)
@@ -182,6 +184,8 @@ class HistoryIndex:
     def propose(self, rows: list[np.ndarray], sampled: list[list[int]], k: int) -> list[list[int]]:
         """Drafts (at most k tokens each) for the running requests, given each one's tokens so far
         (prompt and output) and the tokens the last step appended to it."""
+        if not self.drafting:
+            return [[] for _ in rows]
         tail = self.cfg.max_match + self.k_max + 1
         seen, out = {}, []
         for i, (row, s) in enumerate(zip(rows, sampled)):
@@ -297,8 +301,8 @@ def configure(worker, cfg: dict) -> None:
     p.index = HistoryIndex(HistoryConfig(**cfg), p.k_max)
 
 
-def begin_call(worker, prompt_ids: list[list[int]]) -> None:
-    _proposer(worker).index.begin_call(prompt_ids)
+def begin_call(worker, prompt_ids: list[list[int]], draft: bool = True) -> None:
+    _proposer(worker).index.begin_call(prompt_ids, draft)
 
 
 def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:

@@ -29,6 +29,7 @@ class Generator:
                                  vllm_speculative_config(speculation, paths.draft))
         self.adaptive = AdaptiveK(self.engine, speculation) if speculation.adaptive else None
         self.history = speculation.method == "history"
+        self.history_validation = speculation.history.draft_validation
         if self.history:
             self.engine.llm.collective_rpc(history.configure, args=(asdict(speculation.history),))
         self.engine.sleep()  # sleep mode: hold no GPU memory until the first call (learners start next)
@@ -42,7 +43,8 @@ class Generator:
         try:
             planning = self.adaptive.before_call(prompt_ids, sampling.rollout) if self.adaptive else 0.0
             if self.history:
-                self.engine.llm.collective_rpc(history.begin_call, args=(prompt_ids,))
+                draft = sampling.rollout or self.history_validation
+                self.engine.llm.collective_rpc(history.begin_call, args=(prompt_ids, draft))
             ro = self.engine.generate(prompt_ids, sampling, self.policy_version)
             ro.seconds += planning  # the call that calibrates 'auto' reports that cost too
             if self.history:

@@ -23,7 +23,7 @@ def write_run(path, gen_seconds, spec=None, val=(0.3, 0.5, 0.8)):
     (path / "summary.json").write_text(json.dumps({
         "records": recs, "steps": len(recs), "wall_seconds": 60.0 * len(recs), "step_seconds": 2.0,
         "stage_share": {"generation": 0.6}, "stage_seconds": {"generation": sum(gen_seconds) / len(recs)},
-        "val_steps": [0, 2, 4], "val_accuracy": list(val), "acceptance_length": None, "tokens_per_second": 1.0}))
+        "val_steps": [0, 2, 4], "val_accuracy": list(val), "val_seconds": [3.0, 1.0, 2.0], "acceptance_length": None, "tokens_per_second": 1.0}))
     return path
 
 
@@ -52,5 +52,6 @@ def test_epochs_speedups_and_acceptance(tmp_path):
     assert hist["epochs"][1]["generation_seconds"][0] == pytest.approx(1.25)
     assert rows["none"]["epochs"][0]["acceptance_length"] is None
     assert hist["val_accuracy"] == pytest.approx([0.3, 0.5, 0.8]) and hist["wall_minutes"] == pytest.approx(4.0)
+    assert hist["val_seconds"] == pytest.approx(2.0)  # per validation: (3 + 1 + 2) / 3
     text = bdr.table(list(rows.values()))
     assert "| history |" in text and "2.00x ± 0.00" in text and "epoch 2 (steps 3-4)" in text

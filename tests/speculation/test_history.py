@@ -77,6 +77,18 @@ def test_rows_without_a_new_token_or_k_zero_get_no_draft():
     assert h.propose(rows(PROMPT + [10, 11]), [[11]], 0) == [[]]
 
 
+def test_a_call_begun_without_drafting_drafts_nothing():
+    """Validation calls: history, siblings and prompt all match here, yet nothing is drafted or
+    counted; the next drafting call drafts again."""
+    h = index()
+    h.record([PROMPT], [[10, 11, 12, 13]])
+    h.begin_call([PROMPT], draft=False)
+    assert h.propose(rows(PROMPT + [10, 11], PROMPT + [1, 2]), [[11], [2]], 3) == [[], []]
+    assert h.stats.rows == 0 and h.stats.matched == 0
+    h.begin_call([PROMPT])
+    assert h.propose(rows(PROMPT + [10, 11]), [[11]], 3) == [[12, 13]]
+
+
 def test_accepted_tokens_are_attributed_to_the_source_that_drafted_them():
     h = index()
     h.record([PROMPT], [[10, 11, 12, 13, 14]])
