@@ -26,6 +26,13 @@ costs at most `probe_max_cost` times the planned k's. A probing step thus costs 
 times a step that emits at least as many tokens as no speculation's (predicted from measured
 costs). Only training rollouts feed the estimates (not validation calls, whose lengths and
 temperature differ).
+
+A drafter that drafts per request (speculation=history: nothing where nothing matches, fewer than
+k tokens where its history stops agreeing) is planned per request row instead of per draft: a_i
+is measured over every row asked for a draft (a row that drafted nothing accepted nothing), and
+the fill f_i, the fraction of rows whose draft reached position i, scales the verification part
+of a step's cost, t(B, 0) + (sum_{i<k} f_i / k) (t(B, k) - t(B, 0)), t(B, k) being timed with
+every row drafting k tokens. A model drafter always drafts k: its fill is 1 and the cost t(B, k).
 """
 from __future__ import annotations
 
@@ -94,6 +101,8 @@ class DraftLengthPlanner:
     decay: float = 0.9   # weight left on earlier counts each time a position or cost is measured again
     probe_max_cost: float = 1.5  # a probing step costs at most this x the step it replaces (OFF, or the planned k)
     counts: list[list[float]] = field(default_factory=list, repr=False)  # per position: [accepted, reached]
+    fill: list[float] = field(default_factory=list)  # per position: rows drafting it (empty: every row)
+    fill_counts: list[list[float]] = field(default_factory=list, repr=False)  # per position: [drafted, rows]
     calibrated: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # step costs as timed
     cost_counts: dict[int, list[float]] = field(default_factory=dict, repr=False)  # bucket: [sum offset, n]
 
@@ -108,9 +117,21 @@ class DraftLengthPlanner:
         """Every batch size up to max_batch -> the bucket whose costs it takes."""
         return {n: b for lo, hi, b in bucket_ranges(self.buckets, self.max_batch) for n in range(lo, hi + 1)}
 
+    def cost(self, bucket: int, k: int, table: dict[tuple[int, int], float] | None = None) -> float:
+        """Seconds of a step at this bucket with k drafts (or OFF): the timed cost with every row
+        drafting k, its verification part scaled by the fill (positions not yet measured count as
+        filled)."""
+        table = self.step_seconds if table is None else table
+        t = table[(bucket, k)]
+        if k <= 0 or not self.fill:
+            return t
+        drafted = sum(self.fill[i] if self.fill_counts[i][1] > 0 else 1.0 for i in range(k))
+        base = table[(bucket, 0)]
+        return base + drafted / k * (t - base)
+
     def tokens_per_second(self, bucket: int, k: int) -> float:
         """Per-sequence emitted tokens per second at this bucket with k drafts (or OFF)."""
-        t = self.step_seconds[(bucket, k)]
+        t = self.cost(bucket, k)
         return (1.0 if k == OFF else expected_tokens(self.accept, k)) / t
 
     def plan(self, lengths: list[int] | None = None, probe: bool = False) -> DraftPlan:
@@ -151,9 +172,9 @@ class DraftLengthPlanner:
     def probe_k(self, bucket: int, base: int, floor: int) -> int:
         """The largest k >= max(floor, 1) whose step costs at most probe_max_cost x the step at
         `base` (a k, or OFF); floor when there is none."""
-        limit = self.probe_max_cost * self.step_seconds[(bucket, base)]
+        limit = self.probe_max_cost * self.cost(bucket, base)
         ks = [k for k in range(max(floor, 1), self.k_max + 1)
-              if (bucket, k) in self.step_seconds and self.step_seconds[(bucket, k)] <= limit]
+              if (bucket, k) in self.step_seconds and self.cost(bucket, k) <= limit]
         return max(ks, default=floor)
 
     def unmeasured(self) -> bool:
@@ -170,17 +191,30 @@ class DraftLengthPlanner:
             running = min(sum(1 for n in lengths if n > t), self.max_batch)
             b = bucket_of[running]
             k = OFF if plan is None else plan.k_at(running)
-            total += self.step_seconds[(b, k)] / (1.0 if k == OFF else expected_tokens(self.accept, k))
+            total += self.cost(b, k) / (1.0 if k == OFF else expected_tokens(self.accept, k))
         return total
 
-    def observe(self, drafts: int, accepted_per_pos: list[int], k_min: int) -> None:
+    def observe(self, drafts: int, accepted_per_pos: list[int], k_min: int,
+                drafted_per_pos: list[int] | None = None, fresh: bool = True) -> None:
         """Update a_i from one call's counters. Only positions every draft of the call covered
         (i < k_min, the smallest k > 0 the call's schedule used) are measured without bias. a_i is
         accepted over reached, both counted with earlier calls' counts decayed: a call of a few
         drafts (batch 1, or the probe that alone measures the last positions) moves it by what it
-        measured, not as much as a call of thousands."""
+        measured, not as much as a call of thousands. A per-request drafter passes the rows it was
+        asked for as `drafts` and, per position, how many of them drafted it (the fill). fresh=False
+        adds a second measurement of the same call (earlier counts are not decayed again)."""
         if drafts <= 0 or k_min <= 0:
             return
+        decay = self.decay if fresh else 1.0
+        if drafted_per_pos is not None:
+            if not self.fill_counts:
+                self.fill_counts = [[0.0, 0.0] for _ in range(self.k_max)]
+                self.fill = [1.0] * self.k_max
+            for i in range(min(k_min, len(drafted_per_pos), self.k_max)):
+                c = self.fill_counts[i]
+                c[0] = decay * c[0] + drafted_per_pos[i]
+                c[1] = decay * c[1] + drafts
+                self.fill[i] = c[0] / c[1]
         if not self.accept:
             self.accept = [0.0] * self.k_max
         if not self.counts:
@@ -188,8 +222,8 @@ class DraftLengthPlanner:
         reached = drafts
         for i in range(min(k_min, len(accepted_per_pos), self.k_max)):
             c = self.counts[i]
-            c[0] = self.decay * c[0] + accepted_per_pos[i]
-            c[1] = self.decay * c[1] + reached
+            c[0] = decay * c[0] + accepted_per_pos[i]
+            c[1] = decay * c[1] + reached
             if c[1] > 0:
                 self.accept[i] = c[0] / c[1]
             reached = accepted_per_pos[i]
@@ -199,7 +233,7 @@ class DraftLengthPlanner:
         bs = self.buckets
         lo = max([b for b in bs if b <= batch], default=bs[0])
         hi = min([b for b in bs if b >= batch], default=bs[-1])
-        t_lo, t_hi = self.calibrated[(lo, k)], self.calibrated[(hi, k)]
+        t_lo, t_hi = self.cost(lo, k, self.calibrated), self.cost(hi, k, self.calibrated)
         if lo == hi:
             return t_lo
         w = math.log(batch / lo) / math.log(hi / lo)

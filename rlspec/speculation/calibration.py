@@ -92,8 +92,18 @@ class AdaptiveK:
         if not rollout:
             return
         self.last_lengths = [len(r) for r in ro.response_ids]
-        self.planner.observe(ro.spec.drafts, ro.spec.accepted_per_pos,
-                             self.planner.calls_k_min(self.plan, len(ro.response_ids)))
+        k_min = self.planner.calls_k_min(self.plan, len(ro.response_ids))
+        if ro.history is not None:  # drafts per request: measured over every row it was asked for
+            from rlspec.speculation.history import per_pos
+
+            h, k_max = ro.history, self.planner.k_max
+            self.planner.observe(h["rows"], ro.spec.accepted_per_pos if ro.spec else [0] * k_max, k_min,
+                                 per_pos(h, "drafts_ge", k_max))
+            # and what the steps that drafted nothing would have drafted (every position measured)
+            self.planner.observe(h["shadow_rows"], per_pos(h, "shadow_accepted_ge", k_max), k_max,
+                                 per_pos(h, "shadow_drafts_ge", k_max), fresh=h["rows"] <= 0)
+        else:
+            self.planner.observe(ro.spec.drafts, ro.spec.accepted_per_pos, k_min)
         self.planner.observe_steps([(n, OFF if self.plan.off else self.plan.k_at(n), seconds)
                                     for n, seconds in decode])
 
@@ -110,11 +120,14 @@ class AdaptiveK:
         n = len(sched.dynamic_sd_lookup)
         off = k_of_batch == OFF
         sched.dynamic_sd_lookup[:] = [0] * n if off else [0] + [k_of_batch(b) for b in range(1, n)]
-        if self.engine.spec_config["method"] == "custom_class":  # rlspec's history drafter reads k itself
+        method = self.engine.spec_config["method"]
+        if method == "custom_class":  # rlspec's history drafter reads k itself
             from rlspec.speculation import history
 
             self.engine.llm.collective_rpc(history.set_k, args=(list(sched.dynamic_sd_lookup),))
-        if self.engine.spec_config["method"] != "ngram":  # n-gram lookup costs nothing to skip
+        # n-gram lookup costs nothing to skip; the history drafter stays on at k=0 to measure in
+        # shadow what it would draft (its OFF is k=0 everywhere, and is timed as such)
+        if method not in ("ngram", "custom_class"):
             self.engine.llm.collective_rpc(_set_drafting, args=(not off,))
 
     def _time_steps(self, prompt_ids: list[list[int]], batch: int, k: int, steps: int) -> list[float]:
@@ -143,6 +156,20 @@ class AdaptiveK:
         median per (bucket, k), made non-decreasing in k (a longer draft never costs less).
         Acceptance comes from the calls themselves."""
         t0 = time.perf_counter()
+        per_request = self.engine.spec_config["method"] == "custom_class"
+        if per_request:  # rlspec's history drafter: time every row drafting k (the planner scales)
+            from rlspec.speculation import history
+
+            self.engine.llm.collective_rpc(history.set_full, args=(True,))
+        try:
+            seconds, k_max, max_batch = self._timed_costs(prompt_ids, rounds, steps)
+        finally:
+            if per_request:
+                self.engine.llm.collective_rpc(history.set_full, args=(False,))
+        self.calibration_seconds = time.perf_counter() - t0
+        return DraftLengthPlanner(k_max=k_max, max_batch=max_batch, step_seconds=seconds)
+
+    def _timed_costs(self, prompt_ids: list[list[int]], rounds: int, steps: int):
         k_max = self.engine.k_max
         max_batch = len(self.engine.scheduler().dynamic_sd_lookup) - 1
         buckets = [b for b in self.buckets if b < max_batch] + [max_batch]
@@ -155,8 +182,7 @@ class AdaptiveK:
         for b in buckets:
             costs = non_decreasing([statistics.median(samples[(b, k)]) for k in ks])
             seconds.update({(b, k): c for k, c in zip(ks, costs)})
-        self.calibration_seconds = time.perf_counter() - t0
-        return DraftLengthPlanner(k_max=k_max, max_batch=max_batch, step_seconds=seconds)
+        return seconds, k_max, max_batch
 
 
 def _set_drafting(worker, enabled: bool) -> None:

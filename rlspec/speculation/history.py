@@ -74,6 +74,12 @@ class HistoryStats:
     matched: int = 0           # ... that got a draft
     drafted: list[int] = field(default_factory=lambda: [0] * len(SOURCES))   # tokens by source
     accepted: list[int] = field(default_factory=lambda: [0] * len(SOURCES))  # attributed accepts by source
+    drafted_pos: list[int] = field(default_factory=list)  # rows whose draft reached position i
+    # steps that drafted nothing ('auto' at k=0 or off): what a k_max draft would have done, per
+    # emulated verification (shadow_rows) and position (drafted, accepted with all before it)
+    shadow_rows: int = 0
+    shadow_drafted_pos: list[int] = field(default_factory=list)
+    shadow_accepted_pos: list[int] = field(default_factory=list)
     prompts: int = 0           # prompts with history at the call's start
     history_tokens: int = 0    # tokens held over all prompts at the call's start
 
@@ -81,7 +87,16 @@ class HistoryStats:
         d = asdict(self)
         for name in ("drafted", "accepted"):
             d.update({f"{name}_{s}": v for s, v in zip(SOURCES, d.pop(name))})
+        for name, key in (("drafted_pos", "drafts_ge"), ("shadow_drafted_pos", "shadow_drafts_ge"),
+                          ("shadow_accepted_pos", "shadow_accepted_ge")):
+            d.update({f"{key}_{i + 1}": v for i, v in enumerate(d.pop(name))})
         return d
+
+
+def per_pos(stats: dict, key: str, k_max: int) -> list[int]:
+    """From a call's counters (as_dict), per position i < k_max: `key` 'drafts_ge' (rows that
+    drafted past i), 'shadow_drafts_ge' or 'shadow_accepted_ge'."""
+    return [stats.get(f"{key}_{i + 1}", 0) for i in range(k_max)]
 
 
 class PromptHistory:
@@ -122,7 +137,8 @@ class HistoryIndex:
         self.head_len = 0
         self.rows: dict[int, tuple[int, tuple | None]] = {}  # row -> (tokens, prompt) at the last step
         self.pending: dict[int, tuple[list[int], list[int]]] = {}  # row -> (draft, sources)
-        self.stats = HistoryStats()
+        self.stats = self._new_stats()
+        self.shadowed: dict[int, tuple[list[int], int]] = {}  # row -> (shadow draft, next position)
         self.drafting = True  # False: this call drafts nothing (validation)
 
     # -- what the Generator tells it --------------------------------------------------------------
@@ -141,8 +157,13 @@ class HistoryIndex:
         self.by_head = {}
         for key in self.live:
             self.by_head.setdefault(key[: self.head_len], []).append(key)
-        self.rows, self.pending = {}, {}
-        self.stats = HistoryStats(prompts=len(self.prompts), history_tokens=self.total)
+        self.rows, self.pending, self.shadowed = {}, {}, {}
+        self.stats = self._new_stats()
+
+    def _new_stats(self) -> HistoryStats:
+        z = [0] * self.k_max
+        return HistoryStats(drafted_pos=list(z), shadow_drafted_pos=list(z), shadow_accepted_pos=list(z),
+                            prompts=len(self.prompts), history_tokens=self.total)
 
     def record(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
         """Finished rollouts join their prompt's history; least recently seen prompts go first when
@@ -181,9 +202,10 @@ class HistoryIndex:
                 return key
         return None
 
-    def propose(self, rows: list[np.ndarray], sampled: list[list[int]], k: int) -> list[list[int]]:
+    def propose(self, rows: list[np.ndarray], sampled: list[list[int]], k: int, shadow: bool = False) -> list[list[int]]:
         """Drafts (at most k tokens each) for the running requests, given each one's tokens so far
-        (prompt and output) and the tokens the last step appended to it."""
+        (prompt and output) and the tokens the last step appended to it. With shadow and k=0,
+        the first shadow_rows rows are drafted in shadow (`_shadow`): measured, not returned."""
         if not self.drafting:
             return [[] for _ in rows]
         tail = self.cfg.max_match + self.k_max + 1
@@ -202,24 +224,56 @@ class HistoryIndex:
             tables = self.live.get(key) if key is not None else None
             if tables is not None and s:  # the new tokens join the group's table (not the prompt's)
                 tables[0].add(ctx, len(ctx) - min(len(s), n - len(key)))
-            if not s or k <= 0:
-                out.append([])
-                continue
-            self.stats.rows += 1
             hist = self.prompts.get(key) if key is not None else None
             sources = (hist.table if hist is not None else None,
                        tables[0] if tables is not None else None,
                        tables[1] if tables is not None else None)
+            if not s or k <= 0:
+                if s and shadow and i < self.cfg.shadow_rows:
+                    self._shadow(i, grew, s, ctx, sources)
+                out.append([])
+                continue
+            self.shadowed.pop(i, None)
+            self.stats.rows += 1
             draft, srcs = self._draft(ctx, sources, k)
             if draft:
                 self.stats.matched += 1
-                for src in srcs:
+                for j, src in enumerate(srcs):
                     self.stats.drafted[src] += 1
+                    self.stats.drafted_pos[j] += 1
                 self.pending[i] = (draft, srcs)
             out.append(draft)
         self.rows = seen
         self.pending = {i: v for i, v in self.pending.items() if i in seen}
+        self.shadowed = {i: v for i, v in self.shadowed.items() if i in seen}
         return out
+
+    def _shadow(self, i: int, grew: bool, sampled: list[int], ctx: list[int], sources) -> None:
+        """Row i drafted nothing this step: emulate what drafting k_max would have done. Its last
+        shadow draft is checked against the tokens the target sampled since, one token a step: a
+        verification would have accepted the matching prefix and ended with the next token (the
+        correction, or the bonus after a whole draft), where the next shadow draft starts. Drafts
+        are one-hot, so the probability a drafted token is sampled is the probability it is
+        accepted: the counts are those speculation would have made, without its verification."""
+        got = self.shadowed.pop(i, None) if grew else None
+        if got is not None:
+            draft, j = got
+            for t in sampled:
+                if j < len(draft) and t == draft[j]:
+                    self.stats.shadow_accepted_pos[j] += 1
+                    j += 1
+                else:  # the emulated verification ends with this token
+                    got = None
+                    break
+            if got is not None:
+                self.shadowed[i] = (draft, j)
+                return
+        self.stats.shadow_rows += 1
+        draft, _ = self._draft(ctx, sources, self.k_max)
+        for j in range(len(draft)):
+            self.stats.shadow_drafted_pos[j] += 1
+        if draft:
+            self.shadowed[i] = (draft, 0)
 
     def _draft(self, ctx: list[int], tables, k: int) -> tuple[list[int], list[int]]:
         """Token by token: the continuation of the longest context suffix any source has seen,
@@ -274,6 +328,7 @@ class HistoryProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.index = HistoryIndex(HistoryConfig(), self.k_max)
         self.k_of_batch: list[int] | None = None  # 'auto': k per running batch size
+        self.full = False  # 'auto' times steps: every draft filled to k, as if every request matched
 
     def load_model(self, *args, **kwargs) -> None:  # no model to load
         pass
@@ -284,7 +339,10 @@ class HistoryProposer:
         if self.k_of_batch is not None:
             k = min(k, self.k_of_batch[min(n, len(self.k_of_batch) - 1)])
         rows = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(n)]
-        drafts = self.index.propose(rows, [list(s) for s in sampled_token_ids], k)
+        drafts = self.index.propose(rows, [list(s) for s in sampled_token_ids], k, shadow=self.k_of_batch is not None)
+        if self.full and k > 0:  # the lookups run as in a call, then every draft is filled to k
+            drafts = [d + [int(r[-1])] * (k - len(d)) if len(s) else d
+                      for d, r, s in zip(drafts, rows, sampled_token_ids)]
         return [d[: max(0, self.max_model_len - len(r) - 1)] for d, r in zip(drafts, rows)]
 
 
@@ -315,6 +373,12 @@ def call_stats(worker) -> dict:
 
 def set_k(worker, k_of_batch: list[int] | None) -> None:
     _proposer(worker).k_of_batch = k_of_batch
+
+
+def set_full(worker, full: bool) -> None:
+    """'auto' times engine steps with every request drafting k tokens (filled where the lookup
+    found fewer); the planner scales those costs by the fraction of k that calls really draft."""
+    _proposer(worker).full = full
 
 
 def state_dict(worker) -> dict:

@@ -136,3 +136,66 @@ def test_probes_draft_as_long_as_the_cost_bound_allows_and_reach_deeper_position
     # with drafting unaffordable everywhere, the first call runs without it (and so stays bounded)
     p = DraftLengthPlanner(k_max=3, max_batch=256, step_seconds={**costs, (1, 1): 1.6, (256, 1): 1.6})
     assert p.plan(probe=True).off
+
+
+def test_a_per_request_drafter_is_planned_per_row_from_its_fill():
+    """speculation=history drafts per request: a fraction m of the rows drafts (here k tokens,
+    each accepted with probability p given the ones before), the rest draft nothing. On engine
+    steps whose cost is linear in the tokens verified, t(B, k) = a + c B (1 + k) timed with every
+    row drafting k, the planner fed per-row counters predicts each k's tokens per second exactly,
+    and so picks the k that is truly best in each bucket (OFF where drafting does not pay)."""
+    k_max, a, c = 4, 1.0, 0.1
+    secs = {(b, k): a + c * b * (1 + k) for b in (1, 64) for k in range(k_max + 1)}
+    secs.update({(b, OFF): secs[(b, 0)] for b in (1, 64)})
+    for m, p in ((0.2, 0.5), (0.9, 0.9), (0.05, 0.8)):
+        pl = DraftLengthPlanner(k_max=k_max, max_batch=64, step_seconds=dict(secs))
+        rows = 1000
+        pl.observe(drafts=rows, accepted_per_pos=[m * rows * p ** (i + 1) for i in range(k_max)], k_min=k_max,
+                   drafted_per_pos=[m * rows] * k_max)
+        assert pl.fill == pytest.approx([m] * k_max)
+
+        def truth(b, k):  # tokens per row per second on this engine
+            return (1 + m * sum(p ** (i + 1) for i in range(k))) / (a + c * b * (1 + m * k))
+
+        for b in (1, 64):
+            for k in range(k_max + 1):
+                assert pl.tokens_per_second(b, k) == pytest.approx(truth(b, k)), (m, p, b, k)
+        plan = pl.plan()
+        assert plan.k_by_bucket == {b: max(range(k_max + 1), key=lambda k: truth(b, k)) for b in (1, 64)}
+    # m=0.2, p=0.5: batch 1 drafts 3 (1.013 against 1.006 at k=4, 0.909 without), batch 64 nothing
+    pl = DraftLengthPlanner(k_max=k_max, max_batch=64, step_seconds=dict(secs))
+    pl.observe(drafts=1000, accepted_per_pos=[200 * 0.5 ** (i + 1) for i in range(k_max)], k_min=k_max,
+               drafted_per_pos=[200] * k_max)
+    assert pl.plan().k_by_bucket == {1: 3, 64: 0}
+    # positions a call did not reach keep counting as filled (the costlier assumption)
+    pl = DraftLengthPlanner(k_max=k_max, max_batch=64, step_seconds=dict(secs))
+    pl.observe(drafts=100, accepted_per_pos=[40, 20, 0, 0], k_min=2, drafted_per_pos=[50, 30, 0, 0])
+    assert pl.fill[:2] == pytest.approx([0.5, 0.3])
+    assert pl.cost(64, 4) == pytest.approx(secs[(64, 0)] + (0.5 + 0.3 + 1 + 1) / 4 * (secs[(64, 4)] - secs[(64, 0)]))
+    # a model drafter (no fill passed) pays the timed cost of k
+    pl = DraftLengthPlanner(k_max=k_max, max_batch=64, step_seconds=dict(secs))
+    pl.observe(drafts=100, accepted_per_pos=[40, 20, 10, 5], k_min=4)
+    assert pl.cost(64, 4) == secs[(64, 4)]
+
+
+def test_shadow_measurements_turn_drafting_back_on():
+    """First-seen prompts: few rows match, speculation is off. Steps that draft nothing still
+    measure what drafting would accept (fresh=False: the same call's second measurement); when the
+    prompts come back with history the acceptance and fill rise and the plan drafts again."""
+    secs = {(b, k): 1.0 + 0.1 * b * (1 + k) for b in (1, 64) for k in range(4)}
+    secs.update({(b, OFF): secs[(b, 0)] for b in (1, 64)})
+    pl = DraftLengthPlanner(k_max=3, max_batch=64, step_seconds=secs)
+    pl.observe(drafts=1000, accepted_per_pos=[50, 20, 5], k_min=3, drafted_per_pos=[300, 200, 100])
+    assert pl.plan([40] * 64).off
+    for _ in range(5):  # calls run off: only the shadow measures, every position
+        pl.observe(drafts=0, accepted_per_pos=[0, 0, 0], k_min=3, drafted_per_pos=[0, 0, 0])
+        pl.observe(drafts=1000, accepted_per_pos=[850, 800, 750], k_min=3, drafted_per_pos=[900, 880, 860],
+                   fresh=True)
+    plan = pl.plan([40] * 64)
+    assert not plan.off and plan.k_by_bucket[1] == 3
+    # a second measurement of one call adds without decaying the first again
+    pl = DraftLengthPlanner(k_max=3, max_batch=64, step_seconds=secs)
+    pl.observe(drafts=100, accepted_per_pos=[50, 0, 0], k_min=1, drafted_per_pos=[60, 0, 0])
+    pl.observe(drafts=100, accepted_per_pos=[70, 40, 20], k_min=3, drafted_per_pos=[80, 60, 40], fresh=False)
+    assert pl.accept[0] == pytest.approx(120 / 200) and pl.fill[0] == pytest.approx(140 / 200)
+    assert pl.accept[1] == pytest.approx(40 / 70) and pl.fill[2] == pytest.approx(0.4)

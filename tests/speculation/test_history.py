@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rlspec.config import HistoryConfig
-from rlspec.speculation.history import SOURCES, HistoryIndex, PromptHistory
+from rlspec.speculation.history import SOURCES, HistoryIndex, HistoryProposer, PromptHistory, per_pos
 
 PROMPT = [1, 2, 3]
 
@@ -87,6 +87,76 @@ def test_a_call_begun_without_drafting_drafts_nothing():
     assert h.stats.rows == 0 and h.stats.matched == 0
     h.begin_call([PROMPT])
     assert h.propose(rows(PROMPT + [10, 11]), [[11]], 3) == [[12, 13]]
+
+
+def test_draft_lengths_are_counted_per_position():
+    """What 'auto' plans a per-request drafter from: of the rows asked for a draft, how many
+    drafted past each position (here the first row follows the history to its end, the second
+    the group's majority 12 and then the history, the third matches nothing)."""
+    h = index()
+    h.record([PROMPT], [[10, 11, 12, 13, 14]])
+    h.record([PROMPT], [[10, 11, 50]])
+    h.begin_call([PROMPT])
+    drafts = h.propose(rows(PROMPT + [10, 11, 12], PROMPT + [10, 11], PROMPT + [77, 78]), [[12], [11], [78]], 4)
+    assert drafts == [[13, 14], [12, 13, 14], []]
+    stats = h.stats.as_dict()
+    assert stats["rows"] == 3
+    assert per_pos(stats, "drafts_ge", 5) == [2, 2, 1, 0, 0]
+    assert stats["drafts_ge_1"] == stats["matched"] == 2
+
+
+def test_steps_that_draft_nothing_measure_in_shadow_what_drafting_would_accept():
+    """'auto' at k=0: each row's would-be k_max draft is checked against the tokens the target
+    samples one a step, emulating verifications: the history drafts 11 12 13 14 after 10, the
+    target writes 11 12 99 (two accepted, the verification ends with 99), then 5 where nothing
+    matches (a verification that drafts nothing); a whole draft accepted ends with the bonus token.
+    Rows past shadow_rows, and steps that really draft, count nothing in shadow."""
+    h = index(shadow_rows=1)
+    h.record([PROMPT], [[10, 11, 12, 13, 14]])
+    h.begin_call([PROMPT])
+    seq = PROMPT + [10]
+    for tok in [10, 11, 12, 99, 5]:
+        seq = seq if tok == 10 else seq + [tok]
+        assert h.propose(rows(seq, [7, 7, 7, 7]), [[tok], [7]], 0, shadow=True) == [[], []]
+    st = h.stats.as_dict()
+    assert st["shadow_rows"] == 3 and st["rows"] == 0
+    assert per_pos(st, "shadow_drafts_ge", 5) == [1, 1, 1, 1, 0]
+    assert per_pos(st, "shadow_accepted_ge", 5) == [1, 1, 0, 0, 0]
+    h = index()
+    h.record([PROMPT], [[10, 11, 12]])
+    h.begin_call([PROMPT])
+    seq = PROMPT + [10]
+    for tok in [10, 11, 12, 7]:
+        seq = seq if tok == 10 else seq + [tok]
+        h.propose(rows(seq), [[tok]], 0, shadow=True)
+    st = h.stats.as_dict()
+    assert st["shadow_rows"] == 2 and per_pos(st, "shadow_accepted_ge", 5) == [1, 1, 0, 0, 0]
+    h.begin_call([PROMPT])   # drafting steps, or no shadow asked for: nothing in shadow
+    h.propose(rows(PROMPT + [10]), [[10]], 3, shadow=True)
+    h.propose(rows(PROMPT + [10]), [[10]], 0)
+    assert h.stats.shadow_rows == 0 and h.stats.rows == 1
+
+
+def test_timing_fills_every_draft_to_k():
+    """'auto' times steps with every row drafting k (the lookup's draft, then the row's last
+    token); rows without a new token still draft nothing, and k=0 nothing."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4),
+                          model_config=SimpleNamespace(max_model_len=64))
+    prop = HistoryProposer(cfg)
+    prop.index.record([PROMPT], [[10, 11, 12]])
+    prop.index.begin_call([PROMPT])
+    ids = np.zeros((2, 64), np.int64)
+    ids[0, :5], ids[1, :5] = PROMPT + [10, 11], [7, 7, 7, 7, 8]
+    args = ([[11], [8]], np.array([5, 5]), ids)
+    assert prop.propose(*args) == [[12], []]
+    prop.full = True
+    prop.index.begin_call([PROMPT])
+    assert prop.propose(*args) == [[12, 11, 11, 11], [8, 8, 8, 8]]
+    assert prop.propose([[], [8]], np.array([5, 5]), ids) == [[], [8, 8, 8, 8]]
+    prop.k_of_batch = [0, 0, 0]
+    assert prop.propose(*args) == [[], []]
 
 
 def test_accepted_tokens_are_attributed_to_the_source_that_drafted_them():
@@ -214,6 +284,11 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
         ro = _gen(auto, prompts, 1, 0.0)
         assert ro.response_ids == base.response_ids
         assert ro.spec.draft_tokens <= 3 * ro.spec.drafts
+    # the planner measured the fill: the share of rows asked for a draft that drafted each position
+    fill, counts = ray.get(auto.__ray_call__.remote(lambda g: (g.adaptive.planner.fill,
+                                                               g.adaptive.planner.fill_counts)), timeout=60)
+    measured = [f for f, c in zip(fill, counts) if c[1] > 0]
+    assert measured and 0 < measured[0] <= 1 and measured == sorted(measured, reverse=True)
 
     def generate_at(gen, k, prompts, s):  # the engine alone, at a k set as 'auto' sets it
         from rlspec.speculation.adaptive import OFF
@@ -225,6 +300,10 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
     assert one.spec.drafts > 0 and one.spec.draft_tokens == one.spec.drafts
     off = ray.get(auto.__ray_call__.remote(generate_at, -1, prompts, sampling(1, 0.0, 48)), timeout=600)
     assert off.response_ids == base.response_ids and off.spec.draft_tokens == 0
+    # switched off, it measured in shadow: the same greedy answers again, so shadow drafts are accepted
+    from rlspec.speculation import history
+    st = ray.get(auto.__ray_call__.remote(lambda g: g.engine.llm.collective_rpc(history.call_stats)[0]), timeout=60)
+    assert st["shadow_rows"] > 0 and st["shadow_accepted_ge_1"] > 0, st
     ray.kill(auto)
 
 
@@ -245,3 +324,20 @@ def test_a_run_keeps_its_history_through_a_checkpoint(tmp_path):
     s1, s3 = recs[0]["spec"], recs[2]["spec"]
     assert s1["history_prompts"] == 0 and s1["history_drafted_history"] == 0
     assert s3["history_prompts"] == 8 and s3["history_accepted_history"] > 0, s3
+
+
+@pytest.mark.slow
+def test_async_grpo_drafts_from_history(tmp_path):
+    """Async GRPO (lag 1, generation a step ahead of the learner) over 8 prompts, 4 per step, with
+    'auto' k: steps 3-4 come back to step 1-2's prompts and draft from their rollouts."""
+    from test_resilience_cli import records, train
+
+    run = train(tmp_path, "speculation=history", "speculation.num_speculative_tokens=auto", "data.train.num_rows=8",
+                "async_grpo.enabled=true", "async_grpo.max_policy_lag=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    recs = records(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    s1, s3 = recs[0]["spec"], recs[2]["spec"]
+    assert s1["history_prompts"] == 0 and s1["history_drafted_history"] == 0
+    assert s3["history_prompts"] == 8 and s3["history_drafted_history"] > 0, s3
+    assert max(r["policy_lag_max"] for r in recs) == 1  # generation ran a step ahead

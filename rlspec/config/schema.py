@@ -1,8 +1,7 @@
-"""Structured configs: the only home of defaults. YAML under conf/ selects groups and overrides
-values; `validate` checks what types cannot, naming the offending key."""
+"""The config schema: one dataclass per section, the only home of defaults (each field documented
+here). YAML under conf/ selects groups and overrides values."""
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -10,10 +9,7 @@ from typing import Optional, Union
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from rlspec.cluster.plan import (PlanError, make_plan, receivers_off_learner_gpus, refit_transport,
-                                 shared_weight_group_gpus)
-
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
 def register_resolvers() -> None:
@@ -201,8 +197,6 @@ class HistoryConfig:
     # Each drafted token must be the continuation of at least this share of the matches still
     # agreeing with the draft so far: drafts stop where the history disagrees.
     min_prob: float = 0.5
-    # Matches read per source and row, the most recent ones.
-    max_candidates: int = 64
     # Bounds: responses kept per prompt (oldest dropped), and tokens kept over all prompts (least
     # recently seen prompts evicted first).
     max_rollouts_per_prompt: int = 32
@@ -210,6 +204,11 @@ class HistoryConfig:
     # Draft for validation calls too. Held-out prompts have no history and one answer each (no
     # siblings), so only the prompt and the answer itself are left to draft from: off by default.
     draft_validation: bool = False
+    # Under num_speculative_tokens=auto, engine steps that draft nothing (k=0, or the call run
+    # without speculation) still look up, for up to this many rows per step, what would have been
+    # drafted, and check it against the tokens the target samples next: the acceptance 'auto' needs
+    # to turn drafting back on when prompts come back with history (0: no such measurement).
+    shadow_rows: int = 32
 
 
 @dataclass
@@ -412,260 +411,5 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="rlspec_schema", node=RLSpecConfig)
 
 
+
 SPEC_METHODS = ("none", "draft_model", "eagle3", "mtp", "ngram", "suffix", "history")
-
-
-def _check(ok: bool, key: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {msg}")
-
-
-def off_policy_correction(cfg: RLSpecConfig) -> str:
-    """algo.off_policy_correction with 'auto' resolved."""
-    c = cfg.algo.off_policy_correction
-    if c != "auto":
-        return c
-    q = cfg.async_grpo
-    if q.enabled and q.max_policy_lag >= 1:
-        return "behaviour_ppo"
-    return "tis" if engine_dtype(cfg) != "float32" else "none"
-
-
-def plan_of(cfg: RLSpecConfig):
-    """The run's placement plan (rlspec/cluster/plan.py); ConfigError names the key that does not fit."""
-    g = cfg.generation
-    try:
-        return make_plan(cfg.cluster, g.tensor_parallel_size, g.expert_parallel, cfg.speculation.online.enabled)
-    except PlanError as e:
-        raise ConfigError(str(e)) from None
-
-
-def engine_dtype(cfg: RLSpecConfig) -> str:
-    """generation.dtype with null resolved (bfloat16 on GPUs, float32 on CPU machines)."""
-    return cfg.generation.dtype or default_dtype(cfg.cluster.gpus_per_node > 0)
-
-
-def default_dtype(on_gpu: bool) -> str:
-    return "bfloat16" if on_gpu else "float32"
-
-
-def recompute_logprobs(cfg: RLSpecConfig) -> bool:
-    """algo.recompute_logprobs with auto (null) resolved."""
-    a = cfg.algo
-    if a.recompute_logprobs is not None:
-        return a.recompute_logprobs
-    # online draft adaptation captures its features in the LogprobWorker's forward pass
-    return a.kl_coef > 0 or cfg.speculation.online.enabled
-
-
-def resolve_auto(cfg: RLSpecConfig) -> RLSpecConfig:
-    """Resolve the 'auto' settings in place (idempotent), once, before anything reads them:
-    algo.off_policy_correction, algo.recompute_logprobs, generation.sleep_mode,
-    generation.enforce_eager, generation.dtype and trainer.dtype. summary.json and every actor then
-    see the values the run uses.
-    (speculation 'auto' k stays 'auto': the engine's k is SpeculationConfig.k_max, and the
-    Generator picks k per call.)"""
-    cfg.algo.off_policy_correction = off_policy_correction(cfg)
-    cfg.algo.recompute_logprobs = recompute_logprobs(cfg)
-    c = cfg.cluster
-    if cfg.generation.sleep_mode is None:
-        cfg.generation.sleep_mode = c.placement == "colocated" and c.gpus_per_node > 0 and not cfg.async_grpo.enabled
-    resolve_engine(cfg.generation, on_gpu=c.gpus_per_node > 0)
-    if c.refit is None:
-        c.refit = refit_transport(plan_of(cfg), cfg.algo.recompute_logprobs)
-    cfg.trainer.dtype = cfg.trainer.dtype or default_dtype(c.gpus_per_node > 0)
-    return cfg
-
-
-def resolve_engine(g: GenerationConfig, on_gpu: bool) -> GenerationConfig:
-    """The engine's own 'auto' settings (generation.enforce_eager: CUDA graphs on GPUs;
-    generation.dtype), for runs and for engines started outside one (offline draft training,
-    benchmarks)."""
-    if g.enforce_eager is None:
-        g.enforce_eager = not on_gpu
-    g.dtype = g.dtype or default_dtype(on_gpu)
-    return g
-
-
-def validate(cfg: RLSpecConfig) -> None:
-    """Cross-field and value checks; raises ConfigError naming the key."""
-    _validate_data(cfg)
-    _validate_algo(cfg)
-    _validate_generation(cfg)
-    _validate_speculation(cfg)
-    _validate_run(cfg)
-    _validate_memory(cfg)
-
-
-def _validate_memory(cfg: RLSpecConfig) -> None:
-    """With cluster.gpu_memory_gib set, the busiest GPU must hold its roles (rlspec/cluster/memory.py)."""
-    if not (cfg.cluster.gpu_memory_gib and cfg.cluster.gpus_per_node):
-        return
-    from rlspec.cluster.memory import check_fits, gpu_memory
-
-    resolved = resolve_auto(copy.deepcopy(cfg))
-    problem = check_fits(gpu_memory(resolved, plan_of(resolved)))
-    if problem is not None:
-        raise ConfigError(f"{problem[0]}: {problem[1]}")
-
-
-def _validate_data(cfg: RLSpecConfig) -> None:
-    from rlspec.data.templates import TEMPLATES
-    from rlspec.rewards import REWARDS
-
-    _check(bool(cfg.model.path), "model.path", "must name a checkpoint directory or hub ID")
-    _check(cfg.model.max_model_len > 0, "model.max_model_len", "must be > 0")
-    _check(cfg.data.template in TEMPLATES, "data.template", f"{cfg.data.template!r} not in {sorted(TEMPLATES)}")
-    _check(cfg.data.reward in REWARDS, "data.reward", f"{cfg.data.reward!r} not in {sorted(REWARDS)}")
-    _check(cfg.data.on_bad_row in ("skip", "error"), "data.on_bad_row", "must be 'skip' or 'error'")
-    _check(0 < cfg.data.max_prompt_tokens < cfg.model.max_model_len, "data.max_prompt_tokens",
-           f"must be in (0, model.max_model_len={cfg.model.max_model_len})")
-    for split in ("train", "val"):
-        ds = getattr(cfg.data, split)
-        _check(ds.schema in ("auto", "plain", "dapo", "aime"), f"data.{split}.schema",
-               "must be auto, plain, dapo or aime")
-        _check(ds.limit is None or ds.limit > 0, f"data.{split}.limit", "must be > 0 or null")
-    s = cfg.data.synthetic
-    _check(1 <= s.min_digits <= s.max_digits, "data.synthetic.min_digits", "must be in [1, max_digits]")
-    _check(s.max_terms >= 2, "data.synthetic.max_terms", "must be >= 2")
-    _check(s.term_tail >= 0, "data.synthetic.term_tail", "must be >= 0")
-
-
-def _validate_algo(cfg: RLSpecConfig) -> None:
-    from rlspec.algo import ADVANTAGES, CORRECTIONS, LOSS_AGGREGATIONS, LOSSES
-
-    a, g, c = cfg.algo, cfg.generation, cfg.cluster
-    _check(a.advantage in ADVANTAGES, "algo.advantage", f"{a.advantage!r} not in {sorted(ADVANTAGES)}")
-    _check(a.loss in LOSSES, "algo.loss", f"{a.loss!r} not in {sorted(LOSSES)}")
-    _check(a.loss_agg in LOSS_AGGREGATIONS, "algo.loss_agg", f"{a.loss_agg!r} not in {sorted(LOSS_AGGREGATIONS)}")
-    _check(0 <= a.clip_low < 1, "algo.clip_low", "must be in [0, 1)")
-    _check(a.clip_high >= 0, "algo.clip_high", "must be >= 0")
-    _check(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
-    _check(a.off_policy_correction in ("auto", *CORRECTIONS), "algo.off_policy_correction",
-           f"{a.off_policy_correction!r} not in {['auto', *CORRECTIONS]}")
-    _check(a.recompute_logprobs is not False or a.kl_coef == 0, "algo.recompute_logprobs",
-           "false, but the KL term (algo.kl_coef > 0) needs the reference policy's log-probs")
-    _check(a.recompute_logprobs is not False or not cfg.speculation.online.enabled, "algo.recompute_logprobs",
-           "false, but speculation.online.enabled captures the draft's features in the log-prob recompute")
-    _check(a.behaviour_weight_cap >= 1.0, "algo.behaviour_weight_cap", "must be >= 1 (1 is on-policy)")
-    _check(a.clip_ratio_c is None or a.clip_ratio_c > 1.0, "algo.clip_ratio_c", "must be > 1 or null (off)")
-    q = cfg.async_grpo
-    _check(q.max_policy_lag >= 0, "async_grpo.max_policy_lag", "must be >= 0")
-    _check(q.queue_capacity is None or q.queue_capacity >= 1, "async_grpo.queue_capacity", "must be >= 1 or null")
-    _check(q.on_stale in ("regenerate", "drop"), "async_grpo.on_stale", "must be regenerate or drop")
-    _check(not (q.enabled and c.placement == "colocated" and c.gpus_per_node > 0), "async_grpo.enabled",
-           "needs cluster.placement=disaggregated: colocated roles share every GPU one stage at a time")
-    _check(not (q.enabled and g.sleep_mode), "generation.sleep_mode",
-           "true, but async GRPO keeps the engines generating while the learner trains")
-    _check(a.dynamic_sampling_max_rounds >= 0, "algo.dynamic_sampling_max_rounds", "must be >= 0")
-
-
-def _validate_generation(cfg: RLSpecConfig) -> None:
-    g = cfg.generation
-    _check(g.num_prompts_per_step > 0, "generation.num_prompts_per_step", "must be > 0")
-    _check(g.num_generations_per_prompt >= 2, "generation.num_generations_per_prompt",
-           "GRPO needs at least 2 samples per prompt")
-    _check(g.max_new_tokens > 0, "generation.max_new_tokens", "must be > 0")
-    _check(cfg.data.max_prompt_tokens + g.max_new_tokens <= cfg.model.max_model_len,
-           "generation.max_new_tokens", f"data.max_prompt_tokens + max_new_tokens must fit "
-           f"model.max_model_len={cfg.model.max_model_len}")
-    _check(g.temperature > 0, "generation.temperature", "must be > 0 for RL rollouts")
-    _check(g.val_temperature >= 0, "generation.val_temperature", "must be >= 0")
-    # The log-prob recompute applies the temperature only; a truncated sampling distribution would
-    # make every ratio off-policy without saying so.
-    _check(g.top_p == 1.0, "generation.top_p", "RL rollouts support top_p=1.0 only (the log-prob "
-           "recompute does not truncate the distribution yet)")
-    _check(g.top_k == -1, "generation.top_k", "RL rollouts support top_k=-1 only (the log-prob "
-           "recompute does not truncate the distribution yet)")
-    _check(g.dtype in (None, "float32", "bfloat16", "float16"), "generation.dtype",
-           "must be float32, bfloat16, float16 or null (auto)")
-
-
-def _validate_speculation(cfg: RLSpecConfig) -> None:
-    sp = cfg.speculation
-    _check(sp.method in SPEC_METHODS, "speculation.method", f"{sp.method!r} not in {list(SPEC_METHODS)}")
-    if sp.method != "none":
-        k = sp.num_speculative_tokens
-        _check(k == "auto" or (isinstance(k, int) and k >= 1), "speculation.num_speculative_tokens",
-               f"k must be an integer >= 1 or 'auto', got {k!r}")
-        _check(sp.max_speculative_tokens >= 1, "speculation.max_speculative_tokens", "must be >= 1")
-        _check(sp.auto_probe_every >= 1, "speculation.auto_probe_every", "must be >= 1")
-        _check(sp.auto_probe_max_cost >= 1.0, "speculation.auto_probe_max_cost", "must be >= 1")
-        _check(len(sp.auto_buckets) > 0 and min(sp.auto_buckets) >= 1, "speculation.auto_buckets",
-               "must be a non-empty list of batch sizes >= 1")
-        needs_model = sp.method in ("draft_model", "eagle3")
-        _check(needs_model == (sp.model is not None), "speculation.model",
-               f"method {sp.method} {'needs a draft checkpoint' if needs_model else 'takes no draft checkpoint'}")
-        _check(sp.draft_sample_method in ("greedy", "probabilistic"), "speculation.draft_sample_method",
-               "must be greedy or probabilistic")
-        _check(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculation.prompt_lookup_min",
-               "must be in [1, prompt_lookup_max]")
-    h = sp.history
-    _check(1 <= h.min_match <= 3, "speculation.history.min_match", f"must be 1, 2 or 3, got {h.min_match}")
-    _check(h.max_match >= h.min_match, "speculation.history.max_match", "must be >= speculation.history.min_match")
-    _check(0 < h.min_prob <= 1, "speculation.history.min_prob", f"must be in (0, 1], got {h.min_prob}")
-    for key in ("max_candidates", "max_rollouts_per_prompt", "max_tokens"):
-        _check(getattr(h, key) >= 1, f"speculation.history.{key}", "must be >= 1")
-    o = sp.online
-    if o.enabled:
-        _check(sp.method == "eagle3", "speculation.online.enabled",
-               f"online draft adaptation trains EAGLE-3 heads; speculation.method is {sp.method!r}")
-        for key in ("push_every", "steps_per_rl_step", "batch_size", "topk", "cache_mb", "max_positions"):
-            _check(getattr(o, key) >= 1, f"speculation.online.{key}", "must be >= 1")
-        _check(o.lr > 0, "speculation.online.lr", "must be > 0")
-        _check(o.micro_batch_size >= 0, "speculation.online.micro_batch_size", "must be >= 0 (0: the whole batch)")
-        _check(not cfg.async_grpo.enabled, "speculation.online.enabled",
-               "runs with the synchronous loop for now (async_grpo.enabled=false)")
-
-
-def _validate_run(cfg: RLSpecConfig) -> None:
-    """Placement, cluster, trainer and logging."""
-    g, t, c = cfg.generation, cfg.trainer, cfg.cluster
-    plan_of(cfg)  # raises naming the key that does not fit
-    shipped = sorted(d.name for d in ASSETS.iterdir() if (d / "policy").is_dir())
-    _check(cfg.assets in shipped, "assets", f"{cfg.assets!r} is not a shipped model family {shipped}")
-    _check(c.refit in (None, "nccl", "ipc", "group", "object_store"), "cluster.refit",
-           "must be nccl, ipc, group, object_store or null (auto)")
-    plan = plan_of(cfg)
-    if c.refit in ("nccl", "ipc"):
-        _check(plan.on_gpu, "cluster.refit", f"{c.refit} is vLLM's GPU transport; this plan has no GPUs "
-               "(cluster.gpus_per_node=0): use group, or null to choose")
-    if c.refit in ("nccl", "group"):
-        shared = shared_weight_group_gpus(plan, recompute_logprobs(cfg))
-        slot, names = next(iter(shared.items()), (None, []))
-        _check(not shared, "cluster.refit", f"{c.refit} puts {' and '.join(names)} in one NCCL group on one GPU "
-               f"(node {getattr(slot, 'node', 0)}, GPU {getattr(slot, 'index', 0)}; {len(shared)} such GPUs), "
-               "which NCCL refuses; use ipc or object_store, or null to choose")
-    if c.refit == "ipc":
-        off = receivers_off_learner_gpus(plan, recompute_logprobs(cfg))
-        _check(not off, "cluster.refit", f"ipc reaches receivers on the learners' GPUs only; {', '.join(off)} "
-               "sit elsewhere: use nccl or object_store, or null to choose")
-    _check(c.refit_bucket_mb >= 1, "cluster.refit_bucket_mb", "must be >= 1")
-    _check(c.threads_per_actor >= 1, "cluster.threads_per_actor", "must be >= 1")
-    _check(c.generator_threads is None or c.generator_threads >= 1, "cluster.generator_threads", "must be >= 1 or null")
-    _check(0 <= c.generator_nice <= 19, "cluster.generator_nice", "must be in [0, 19]")
-    _check(c.actor_timeout_s > 0, "cluster.actor_timeout_s", "must be > 0")
-    _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")
-    _check(t.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
-    _check(t.checkpoint_keep >= 1, "trainer.checkpoint_keep", "must be >= 1")
-    _check(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps", "must be >= 0")
-    _check(bool(t.resume), "trainer.resume", "must be 'auto', 'never' or a checkpoint directory")
-    _check(c.max_restarts >= 0, "cluster.max_restarts", "must be >= 0")
-    _check(t.val_every >= 0, "trainer.val_every", "must be >= 0")
-    _check(t.lr > 0, "trainer.lr", "must be > 0")
-    _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", "must be 0, 1, 2 or 3")
-    _check(t.logit_chunk_tokens >= 1, "trainer.logit_chunk_tokens", "must be >= 1")
-    _check(c.gpu_memory_gib is None or c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be > 0 or null")
-    _check(t.dtype in (None, "float32", "bfloat16"), "trainer.dtype", "must be float32, bfloat16 or null (auto)")
-    samples = g.num_prompts_per_step * g.num_generations_per_prompt
-    mini = t.mini_batch_size or samples
-    _check(t.mini_batch_size is None or (0 < mini and samples % mini == 0), "trainer.mini_batch_size",
-           f"must divide the rollout batch of {samples} samples (or be null)")
-    _check(t.ppo_epochs >= 1, "trainer.ppo_epochs", "must be >= 1")
-    per_rank = mini // c.learner_world_size
-    _check(mini % c.learner_world_size == 0, "cluster.learner_world_size",
-           f"must divide the {mini} samples of each optimizer step")
-    _check(t.micro_batch_size > 0 and per_rank % t.micro_batch_size == 0, "trainer.micro_batch_size",
-           f"must divide the {per_rank} samples each learner rank gets per optimizer step")
-    _check(cfg.logging.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
-           "must be offline, online or disabled")
