@@ -30,9 +30,12 @@ temperature differ).
 A drafter that drafts per request (speculation=history: nothing where nothing matches, fewer than
 k tokens where its history stops agreeing) is planned per request row instead of per draft: a_i
 is measured over every row asked for a draft (a row that drafted nothing accepted nothing), and
-the fill f_i, the fraction of rows whose draft reached position i, scales the verification part
-of a step's cost, t(B, 0) + (sum_{i<k} f_i / k) (t(B, k) - t(B, 0)), t(B, k) being timed with
-every row drafting k tokens. A model drafter always drafts k: its fill is 1 and the cost t(B, k).
+the fill scales the verification part of a step's cost: with g_i the share of rows drafting
+position i among those that drafted position i-1 (measured like a_i), a row drafts
+D(k) = sum_{i<k} prod_{j<=i} g_j tokens on average, and a step costs
+t(B, 0) + D(k) / k (t(B, k) - t(B, 0)), t(B, k) being timed with every row drafting k tokens. A
+model drafter always drafts k: D(k) = k and the cost is t(B, k). Calls that drafted nothing are
+measured in shadow (rlspec/speculation/history.py: HistoryIndex.shadow).
 """
 from __future__ import annotations
 
@@ -101,8 +104,10 @@ class DraftLengthPlanner:
     decay: float = 0.9   # weight left on earlier counts each time a position or cost is measured again
     probe_max_cost: float = 1.5  # a probing step costs at most this x the step it replaces (OFF, or the planned k)
     counts: list[list[float]] = field(default_factory=list, repr=False)  # per position: [accepted, reached]
-    fill: list[float] = field(default_factory=list)  # per position: rows drafting it (empty: every row)
-    fill_counts: list[list[float]] = field(default_factory=list, repr=False)  # per position: [drafted, rows]
+    # per position: the share of rows drafting it among those that drafted the one before (empty:
+    # every row drafts k), as a_i is for acceptance
+    fill: list[float] = field(default_factory=list)
+    fill_counts: list[list[float]] = field(default_factory=list, repr=False)  # per position: [drafted, reached]
     calibrated: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # step costs as timed
     cost_counts: dict[int, list[float]] = field(default_factory=dict, repr=False)  # bucket: [sum offset, n]
 
@@ -119,13 +124,16 @@ class DraftLengthPlanner:
 
     def cost(self, bucket: int, k: int, table: dict[tuple[int, int], float] | None = None) -> float:
         """Seconds of a step at this bucket with k drafts (or OFF): the timed cost with every row
-        drafting k, its verification part scaled by the fill (positions not yet measured count as
+        drafting k, its verification part scaled by D(k)/k (positions not yet measured count as
         filled)."""
         table = self.step_seconds if table is None else table
         t = table[(bucket, k)]
         if k <= 0 or not self.fill:
             return t
-        drafted = sum(self.fill[i] if self.fill_counts[i][1] > 0 else 1.0 for i in range(k))
+        drafted, run = 0.0, 1.0
+        for i in range(k):
+            run *= self.fill[i] if self.fill_counts[i][1] > 0 else 1.0
+            drafted += run
         base = table[(bucket, 0)]
         return base + drafted / k * (t - base)
 
@@ -201,7 +209,8 @@ class DraftLengthPlanner:
         accepted over reached, both counted with earlier calls' counts decayed: a call of a few
         drafts (batch 1, or the probe that alone measures the last positions) moves it by what it
         measured, not as much as a call of thousands. A per-request drafter passes the rows it was
-        asked for as `drafts` and, per position, how many of them drafted it (the fill). fresh=False
+        asked for as `drafts` and, per position, how many of them drafted it (the fill g_i is taken
+        over those that drafted the position before, as a_i over those accepted). fresh=False
         adds a second measurement of the same call (earlier counts are not decayed again)."""
         if drafts <= 0 or k_min <= 0:
             return
@@ -210,11 +219,14 @@ class DraftLengthPlanner:
             if not self.fill_counts:
                 self.fill_counts = [[0.0, 0.0] for _ in range(self.k_max)]
                 self.fill = [1.0] * self.k_max
+            reached = drafts
             for i in range(min(k_min, len(drafted_per_pos), self.k_max)):
                 c = self.fill_counts[i]
                 c[0] = decay * c[0] + drafted_per_pos[i]
-                c[1] = decay * c[1] + drafts
-                self.fill[i] = c[0] / c[1]
+                c[1] = decay * c[1] + reached
+                if c[1] > 0:
+                    self.fill[i] = c[0] / c[1]
+                reached = drafted_per_pos[i]
         if not self.accept:
             self.accept = [0.0] * self.k_max
         if not self.counts:

@@ -5,7 +5,9 @@ to the planner (rlspec/speculation/adaptive.py holds the planner itself).
 The engine is built for k_max; a call's k per batch size is set through the scheduler's
 batch-size -> k lookup (vLLM's `num_speculative_tokens_per_batch_size`; the scheduler is the same
 object under Model Runner V1 and V2), and a call run without speculation also turns the drafter's
-forward pass off where the runner allows it (V1).
+forward pass off where the runner allows it (V1). rlspec's history drafter is the exception: it is
+timed with every row drafting k (filled where its lookup finds fewer), planned per row from its
+counters, and after a call that drafted nothing it measures in shadow what it would have drafted.
 
 What rlspec reads or writes inside vLLM, per class, is listed in VLLM_SURFACE and checked against
 the installed wheel (tests/speculation/test_runner_api.py)."""
@@ -125,9 +127,7 @@ class AdaptiveK:
             from rlspec.speculation import history
 
             self.engine.llm.collective_rpc(history.set_k, args=(list(sched.dynamic_sd_lookup),))
-        # n-gram lookup costs nothing to skip; the history drafter stays on at k=0 to measure in
-        # shadow what it would draft (its OFF is k=0 everywhere, and is timed as such)
-        if method not in ("ngram", "custom_class"):
+        if method != "ngram":  # n-gram lookup costs nothing to skip
             self.engine.llm.collective_rpc(_set_drafting, args=(not off,))
 
     def _time_steps(self, prompt_ids: list[list[int]], batch: int, k: int, steps: int) -> list[float]:

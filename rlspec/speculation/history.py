@@ -138,7 +138,6 @@ class HistoryIndex:
         self.rows: dict[int, tuple[int, tuple | None]] = {}  # row -> (tokens, prompt) at the last step
         self.pending: dict[int, tuple[list[int], list[int]]] = {}  # row -> (draft, sources)
         self.stats = self._new_stats()
-        self.shadowed: dict[int, tuple[list[int], int]] = {}  # row -> (shadow draft, next position)
         self.drafting = True  # False: this call drafts nothing (validation)
 
     # -- what the Generator tells it --------------------------------------------------------------
@@ -157,7 +156,7 @@ class HistoryIndex:
         self.by_head = {}
         for key in self.live:
             self.by_head.setdefault(key[: self.head_len], []).append(key)
-        self.rows, self.pending, self.shadowed = {}, {}, {}
+        self.rows, self.pending = {}, {}
         self.stats = self._new_stats()
 
     def _new_stats(self) -> HistoryStats:
@@ -202,10 +201,9 @@ class HistoryIndex:
                 return key
         return None
 
-    def propose(self, rows: list[np.ndarray], sampled: list[list[int]], k: int, shadow: bool = False) -> list[list[int]]:
+    def propose(self, rows: list[np.ndarray], sampled: list[list[int]], k: int) -> list[list[int]]:
         """Drafts (at most k tokens each) for the running requests, given each one's tokens so far
-        (prompt and output) and the tokens the last step appended to it. With shadow and k=0,
-        the first shadow_rows rows are drafted in shadow (`_shadow`): measured, not returned."""
+        (prompt and output) and the tokens the last step appended to it."""
         if not self.drafting:
             return [[] for _ in rows]
         tail = self.cfg.max_match + self.k_max + 1
@@ -229,11 +227,8 @@ class HistoryIndex:
                        tables[0] if tables is not None else None,
                        tables[1] if tables is not None else None)
             if not s or k <= 0:
-                if s and shadow and i < self.cfg.shadow_rows:
-                    self._shadow(i, grew, s, ctx, sources)
                 out.append([])
                 continue
-            self.shadowed.pop(i, None)
             self.stats.rows += 1
             draft, srcs = self._draft(ctx, sources, k)
             if draft:
@@ -245,35 +240,60 @@ class HistoryIndex:
             out.append(draft)
         self.rows = seen
         self.pending = {i: v for i, v in self.pending.items() if i in seen}
-        self.shadowed = {i: v for i, v in self.shadowed.items() if i in seen}
         return out
 
-    def _shadow(self, i: int, grew: bool, sampled: list[int], ctx: list[int], sources) -> None:
-        """Row i drafted nothing this step: emulate what drafting k_max would have done. Its last
-        shadow draft is checked against the tokens the target sampled since, one token a step: a
-        verification would have accepted the matching prefix and ended with the next token (the
-        correction, or the bonus after a whole draft), where the next shadow draft starts. Drafts
-        are one-hot, so the probability a drafted token is sampled is the probability it is
-        accepted: the counts are those speculation would have made, without its verification."""
-        got = self.shadowed.pop(i, None) if grew else None
-        if got is not None:
-            draft, j = got
-            for t in sampled:
-                if j < len(draft) and t == draft[j]:
-                    self.stats.shadow_accepted_pos[j] += 1
-                    j += 1
-                else:  # the emulated verification ends with this token
-                    got = None
-                    break
-            if got is not None:
-                self.shadowed[i] = (draft, j)
-                return
-        self.stats.shadow_rows += 1
-        draft, _ = self._draft(ctx, sources, self.k_max)
-        for j in range(len(draft)):
-            self.stats.shadow_drafted_pos[j] += 1
-        if draft:
-            self.shadowed[i] = (draft, 0)
+    def shadow(self, prompt_ids: list[list[int]], response_ids: list[list[int]], max_rows: int) -> None:
+        """A call that drafted nothing ('auto' switched speculation off): measure what drafting
+        k_max tokens would have accepted, from the finished responses of some of its groups (whole
+        groups, evenly spread over the call, about max_rows responses). Without drafting every
+        request gains one token per engine step, so the call is replayed in lock step: at step t
+        each response's token t joins its group's table (what its siblings see) and is checked
+        against the response's pending shadow draft; a verification would have accepted the
+        matching prefix and ended with the next token (the correction, or the bonus after a whole
+        draft), where the next shadow draft starts, read from the prompt's history as at the call's
+        start, the group's table and the prompt. Drafts are one-hot, so the probability a drafted
+        token is sampled is the probability it is accepted: the counts are those drafting would
+        have made, without its verification. Call before `record`."""
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(prompt_ids):
+            groups.setdefault(tuple(p), []).append(i)
+        keys = list(groups)
+        if not keys or max_rows <= 0:
+            return
+        per_group = max(1, len(prompt_ids) // len(keys))
+        stride = max(1, round(len(keys) * per_group / max_rows))
+        tail = self.cfg.max_match + self.k_max + 1
+        st = self.stats
+        for key in keys[::stride]:
+            rows = groups[key]
+            siblings, prompt_table = Table(self.orders), Table(self.orders)
+            prompt_table.add(list(key), 0)
+            hist = self.prompts.get(key)
+            sources = (hist.table if hist is not None else None, siblings, prompt_table)
+            seqs = {i: list(key) for i in rows}
+            pending: dict[int, tuple[list[int], int]] = {}
+            for t in range(max(len(response_ids[i]) for i in rows)):
+                for i in rows:
+                    r = response_ids[i]
+                    if t >= len(r):
+                        continue
+                    tok, seq = int(r[t]), seqs[i]
+                    seq.append(tok)
+                    siblings.add(seq, len(seq) - 1)
+                    got = pending.pop(i, None)
+                    if got is not None:
+                        draft, j = got
+                        if j < len(draft) and tok == draft[j]:
+                            st.shadow_accepted_pos[j] += 1
+                            pending[i] = (draft, j + 1)
+                            continue
+                    # a verification ends with this token (or none was pending): the next draft
+                    st.shadow_rows += 1
+                    draft, _ = self._draft(seq[-tail:], sources, self.k_max)
+                    for j in range(len(draft)):
+                        st.shadow_drafted_pos[j] += 1
+                    if draft:
+                        pending[i] = (draft, 0)
 
     def _draft(self, ctx: list[int], tables, k: int) -> tuple[list[int], list[int]]:
         """Token by token: the continuation of the longest context suffix any source has seen,
@@ -339,7 +359,7 @@ class HistoryProposer:
         if self.k_of_batch is not None:
             k = min(k, self.k_of_batch[min(n, len(self.k_of_batch) - 1)])
         rows = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(n)]
-        drafts = self.index.propose(rows, [list(s) for s in sampled_token_ids], k, shadow=self.k_of_batch is not None)
+        drafts = self.index.propose(rows, [list(s) for s in sampled_token_ids], k)
         if self.full and k > 0:  # the lookups run as in a call, then every draft is filled to k
             drafts = [d + [int(r[-1])] * (k - len(d)) if len(s) else d
                       for d, r, s in zip(drafts, rows, sampled_token_ids)]
@@ -369,6 +389,15 @@ def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -
 
 def call_stats(worker) -> dict:
     return _proposer(worker).index.stats.as_dict()
+
+
+def finish_call(worker, prompt_ids: list[list[int]] | None, response_ids: list[list[int]] | None) -> dict:
+    """The call's counters; given the call's rows and the call drafted nothing, measured in shadow
+    first (`HistoryIndex.shadow`, up to speculation.history.shadow_rows responses)."""
+    index = _proposer(worker).index
+    if prompt_ids is not None and index.stats.rows == 0:
+        index.shadow(prompt_ids, response_ids, index.cfg.shadow_rows)
+    return index.stats.as_dict()
 
 
 def set_k(worker, k_of_batch: list[int] | None) -> None:

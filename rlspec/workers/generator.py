@@ -47,8 +47,10 @@ class Generator:
                 self.engine.llm.collective_rpc(history.begin_call, args=(prompt_ids, draft))
             ro = self.engine.generate(prompt_ids, sampling, self.policy_version)
             ro.seconds += planning  # the call that calibrates 'auto' reports that cost too
-            if self.history:
-                ro.history = self.engine.llm.collective_rpc(history.call_stats)[0]
+            if self.history:  # under 'auto', a training call that drafted nothing is measured in shadow
+                shadow = self.adaptive is not None and sampling.rollout
+                ro.history = self.engine.llm.collective_rpc(history.finish_call, args=(
+                    ro.prompt_ids if shadow else None, ro.response_ids if shadow else None))[0]
                 if sampling.rollout:  # training rollouts become history; validation answers do not
                     self.record_history(ro.prompt_ids, ro.response_ids)
             if self.adaptive:

@@ -152,7 +152,7 @@ def test_a_per_request_drafter_is_planned_per_row_from_its_fill():
         rows = 1000
         pl.observe(drafts=rows, accepted_per_pos=[m * rows * p ** (i + 1) for i in range(k_max)], k_min=k_max,
                    drafted_per_pos=[m * rows] * k_max)
-        assert pl.fill == pytest.approx([m] * k_max)
+        assert pl.fill == pytest.approx([m] + [1.0] * (k_max - 1))  # a row that drafts drafts k
 
         def truth(b, k):  # tokens per row per second on this engine
             return (1 + m * sum(p ** (i + 1) for i in range(k))) / (a + c * b * (1 + m * k))
@@ -170,8 +170,8 @@ def test_a_per_request_drafter_is_planned_per_row_from_its_fill():
     # positions a call did not reach keep counting as filled (the costlier assumption)
     pl = DraftLengthPlanner(k_max=k_max, max_batch=64, step_seconds=dict(secs))
     pl.observe(drafts=100, accepted_per_pos=[40, 20, 0, 0], k_min=2, drafted_per_pos=[50, 30, 0, 0])
-    assert pl.fill[:2] == pytest.approx([0.5, 0.3])
-    assert pl.cost(64, 4) == pytest.approx(secs[(64, 0)] + (0.5 + 0.3 + 1 + 1) / 4 * (secs[(64, 4)] - secs[(64, 0)]))
+    assert pl.fill[:2] == pytest.approx([0.5, 0.6])   # 50 of 100 rows drafted position 0, 30 of those 50 position 1
+    assert pl.cost(64, 4) == pytest.approx(secs[(64, 0)] + (0.5 + 0.3 + 0.3 + 0.3) / 4 * (secs[(64, 4)] - secs[(64, 0)]))
     # a model drafter (no fill passed) pays the timed cost of k
     pl = DraftLengthPlanner(k_max=k_max, max_batch=64, step_seconds=dict(secs))
     pl.observe(drafts=100, accepted_per_pos=[40, 20, 10, 5], k_min=4)
@@ -198,4 +198,4 @@ def test_shadow_measurements_turn_drafting_back_on():
     pl.observe(drafts=100, accepted_per_pos=[50, 0, 0], k_min=1, drafted_per_pos=[60, 0, 0])
     pl.observe(drafts=100, accepted_per_pos=[70, 40, 20], k_min=3, drafted_per_pos=[80, 60, 40], fresh=False)
     assert pl.accept[0] == pytest.approx(120 / 200) and pl.fill[0] == pytest.approx(140 / 200)
-    assert pl.accept[1] == pytest.approx(40 / 70) and pl.fill[2] == pytest.approx(0.4)
+    assert pl.accept[1] == pytest.approx(40 / 70) and pl.fill[2] == pytest.approx(40 / 60)
