@@ -101,9 +101,11 @@ class AdaptiveK:
             h, k_max = ro.history, self.planner.k_max
             self.planner.observe(h["rows"], ro.spec.accepted_per_pos if ro.spec else [0] * k_max, k_min,
                                  per_pos(h, "drafts_ge", k_max))
-            # and what the steps that drafted nothing would have drafted (every position measured)
-            self.planner.observe(h["shadow_rows"], per_pos(h, "shadow_accepted_ge", k_max), k_max,
-                                 per_pos(h, "shadow_drafts_ge", k_max), fresh=h["rows"] <= 0)
+            # and what a call that drafted nothing would have drafted (every position measured), on
+            # a sample of its responses: counted as the whole call, so it weighs as a call that drafted
+            w = len(ro.response_ids) / max(1, h["shadow_responses"])
+            self.planner.observe(w * h["shadow_rows"], [w * x for x in per_pos(h, "shadow_accepted_ge", k_max)], k_max,
+                                 [w * x for x in per_pos(h, "shadow_drafts_ge", k_max)], fresh=h["rows"] <= 0)
         else:
             self.planner.observe(ro.spec.drafts, ro.spec.accepted_per_pos, k_min)
         self.planner.observe_steps([(n, OFF if self.plan.off else self.plan.k_at(n), seconds)

@@ -77,6 +77,7 @@ class HistoryStats:
     drafted_pos: list[int] = field(default_factory=list)  # rows whose draft reached position i
     # steps that drafted nothing ('auto' at k=0 or off): what a k_max draft would have done, per
     # emulated verification (shadow_rows) and position (drafted, accepted with all before it)
+    shadow_responses: int = 0  # the call's responses the shadow replayed
     shadow_rows: int = 0
     shadow_drafted_pos: list[int] = field(default_factory=list)
     shadow_accepted_pos: list[int] = field(default_factory=list)
@@ -266,6 +267,7 @@ class HistoryIndex:
         st = self.stats
         for key in keys[::stride]:
             rows = groups[key]
+            st.shadow_responses += len(rows)
             siblings, prompt_table = Table(self.orders), Table(self.orders)
             prompt_table.add(list(key), 0)
             hist = self.prompts.get(key)

@@ -117,7 +117,7 @@ def test_a_call_that_drafted_nothing_is_measured_in_shadow():
     h.begin_call([PROMPT])
     h.shadow([PROMPT], [[10, 11, 12, 99, 5]], max_rows=8)
     st = h.stats.as_dict()
-    assert st["shadow_rows"] == 3 and st["rows"] == 0
+    assert st["shadow_rows"] == 3 and st["rows"] == 0 and st["shadow_responses"] == 1
     assert per_pos(st, "shadow_drafts_ge", 5) == [1, 1, 1, 1, 0]
     assert per_pos(st, "shadow_accepted_ge", 5) == [1, 1, 0, 0, 0]
     h = index()
@@ -139,6 +139,7 @@ def test_a_call_that_drafted_nothing_is_measured_in_shadow():
     # (groups 0 and 2, five tokens each: no draft after the first two 9s, then 9 9 9 9 9 drafted and
     # two accepted before the answer ends)
     assert h.stats.shadow_rows == 6 and h.stats.shadow_accepted_pos == [2, 2, 0, 0, 0]
+    assert h.stats.shadow_responses == 2
 
 
 def test_timing_fills_every_draft_to_k():
@@ -350,3 +351,28 @@ def test_async_grpo_drafts_from_history(tmp_path):
     assert s1["history_prompts"] == 0 and s1["history_drafted_history"] == 0
     assert s3["history_prompts"] == 8 and s3["history_drafted_history"] > 0, s3
     assert max(r["policy_lag_max"] for r in recs) == 1  # generation ran a step ahead
+
+
+def test_a_shadow_sample_weighs_as_the_whole_call():
+    """auto switched history off on first-seen prompts (thousands of rows measured, few accepted);
+    the prompts come back and the call, run without drafting, is measured in shadow on 32 of its
+    480 responses: counted as the whole call, one such call turns drafting back on."""
+    from rlspec.messages import RolloutBatch, SpecStats
+    from rlspec.speculation.adaptive import OFF, DraftLengthPlanner
+    from rlspec.speculation.calibration import AdaptiveK
+
+    secs = {(b, k): 0.1 + 0.001 * b * (1 + k) for b in (1, 64) for k in range(4)}
+    secs.update({(b, OFF): secs[(b, 0)] for b in (1, 64)})
+    ak = AdaptiveK.__new__(AdaptiveK)
+    ak.planner, ak.last_lengths = DraftLengthPlanner(k_max=3, max_batch=64, step_seconds=secs), None
+    ak.planner.observe(20000, [1000, 400, 100], 3, [6000, 3000, 1000])
+    ak.plan = ak.planner.plan([60] * 480)
+    assert ak.plan.off
+    stats = {"rows": 0, "shadow_responses": 32, "shadow_rows": 600,
+             **{f"shadow_accepted_ge_{i + 1}": v for i, v in enumerate([540, 500, 450])},
+             **{f"shadow_drafts_ge_{i + 1}": v for i, v in enumerate([580, 560, 520])}}
+    ro = RolloutBatch([[1]] * 480, [[2] * 60] * 480, [[0.0] * 60] * 480, [False] * 480, 0, 1.0,
+                      SpecStats(accepted_per_pos=[0, 0, 0]), history=stats)
+    ak.after_call(ro, [])
+    assert ak.planner.accept[0] == pytest.approx((0.9 * 1000 + 15 * 540) / (0.9 * 20000 + 15 * 600))
+    assert not ak.planner.plan([60] * 480).off
