@@ -29,6 +29,11 @@ ROLLOUT = {
                                   "python scripts/bench_rollout.py --experiment chain_cpu --widen 1 --extra-layers 0 "
                                   "--batch-sizes 1 8 48 --methods none draft_model:1 draft_model:3 draft_model:5 "
                                   "ngram:3 history:5 history:auto --out docs/bench/rollout_chain_replay.json"),
+    "rollout_chain_replay_batch1.json": ("The same policy at batch 1 alone, 15 timed calls per method (batch-1 calls "
+                                         "are the noisiest on two shared cores)",
+                                         "python scripts/bench_rollout.py --experiment chain_cpu --widen 1 "
+                                         "--extra-layers 0 --batch-sizes 1 --repeats 15 --methods none draft_model:3 "
+                                         "history:5 history:auto --out docs/bench/rollout_chain_replay_batch1.json"),
     "rollout_default_small.json": ("tiny_cpu's pair (the addition task: tiny policy and tiny draft, fp32 engine), "
                                    "batch 1 and 8",
                                    "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
@@ -162,8 +167,12 @@ def default_run_section(paths: list[Path]) -> list[str]:
            "Held-out accuracy: one sample per problem at `generation.val_temperature`, on 256 problems a fixed "
            "hash split keeps out of pre-training and RL training. Response lengths: the first step's rollouts "
            "(the shipped policy's), in tokens. Tokens per verification: tokens one target step emits per "
-           "request that drafted. The two files time the same training work (the validation temperature "
-           "changes no rollout), so they are two timings of it.", ""]
+           "request that drafted (`auto`: over the calls that drafted). `default_run.json` and "
+           "`default_run_greedy_val.json` time the same training work (the validation temperature changes no "
+           "rollout), so they are two timings of it, measured while `history` still drafted for validation "
+           "calls; `default_run_auto.json` is a later version (validation calls not drafted) with `history` "
+           "at k=5 and with `auto` k, whose validation seconds include its start-up timing of engine steps "
+           "(the run's first generate call is the step-0 validation: about 30 s against 7-10 s).", ""]
     for p in paths:
         out += default_run_lines(p)
     return out

@@ -75,8 +75,9 @@ class HistoryStats:
     drafted: list[int] = field(default_factory=lambda: [0] * len(SOURCES))   # tokens by source
     accepted: list[int] = field(default_factory=lambda: [0] * len(SOURCES))  # attributed accepts by source
     drafted_pos: list[int] = field(default_factory=list)  # rows whose draft reached position i
-    # steps that drafted nothing ('auto' at k=0 or off): what a k_max draft would have done, per
-    # emulated verification (shadow_rows) and position (drafted, accepted with all before it)
+    # a call that drafted nothing ('auto' switched it off), replayed in shadow: what k_max drafts
+    # would have done, per emulated verification (shadow_rows) and position (drafted, accepted
+    # with all before it)
     shadow_responses: int = 0  # the call's responses the shadow replayed
     shadow_rows: int = 0
     shadow_drafted_pos: list[int] = field(default_factory=list)
@@ -223,14 +224,14 @@ class HistoryIndex:
             tables = self.live.get(key) if key is not None else None
             if tables is not None and s:  # the new tokens join the group's table (not the prompt's)
                 tables[0].add(ctx, len(ctx) - min(len(s), n - len(key)))
-            hist = self.prompts.get(key) if key is not None else None
-            sources = (hist.table if hist is not None else None,
-                       tables[0] if tables is not None else None,
-                       tables[1] if tables is not None else None)
             if not s or k <= 0:
                 out.append([])
                 continue
             self.stats.rows += 1
+            hist = self.prompts.get(key) if key is not None else None
+            sources = (hist.table if hist is not None else None,
+                       tables[0] if tables is not None else None,
+                       tables[1] if tables is not None else None)
             draft, srcs = self._draft(ctx, sources, k)
             if draft:
                 self.stats.matched += 1
