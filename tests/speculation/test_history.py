@@ -338,11 +338,12 @@ def test_a_run_keeps_its_history_through_a_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_async_grpo_drafts_from_history(tmp_path):
-    """Async GRPO (lag 1, generation a step ahead of the learner) over 8 prompts, 4 per step, with
-    'auto' k: steps 3-4 come back to step 1-2's prompts and draft from their rollouts."""
+    """Async GRPO (lag 1, generation a step ahead of the learner) over 8 prompts, 4 per step: steps
+    3-4 come back to step 1-2's prompts and draft from their rollouts (recorded by the Generator as
+    each call ends, whichever step the learner is at)."""
     from test_resilience_cli import records, train
 
-    run = train(tmp_path, "speculation=history", "speculation.num_speculative_tokens=auto", "data.train.num_rows=8",
+    run = train(tmp_path, "speculation=history", "data.train.num_rows=8",
                 "async_grpo.enabled=true", "async_grpo.max_policy_lag=1")
     assert run.returncode == 0, run.stderr[-3000:]
     recs = records(tmp_path)
