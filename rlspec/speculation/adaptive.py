@@ -219,26 +219,25 @@ class DraftLengthPlanner:
             if not self.fill_counts:
                 self.fill_counts = [[0.0, 0.0] for _ in range(self.k_max)]
                 self.fill = [1.0] * self.k_max
-            reached = drafts
-            for i in range(min(k_min, len(drafted_per_pos), self.k_max)):
-                c = self.fill_counts[i]
-                c[0] = decay * c[0] + drafted_per_pos[i]
-                c[1] = decay * c[1] + reached
-                if c[1] > 0:
-                    self.fill[i] = c[0] / c[1]
-                reached = drafted_per_pos[i]
+            self._count(self.fill_counts, self.fill, drafts, drafted_per_pos, k_min, decay)
         if not self.accept:
             self.accept = [0.0] * self.k_max
         if not self.counts:
             self.counts = [[0.0, 0.0] for _ in range(self.k_max)]
-        reached = drafts
-        for i in range(min(k_min, len(accepted_per_pos), self.k_max)):
-            c = self.counts[i]
-            c[0] = decay * c[0] + accepted_per_pos[i]
+        self._count(self.counts, self.accept, drafts, accepted_per_pos, k_min, decay)
+
+    def _count(self, counts: list[list[float]], ratios: list[float], first: float, per_pos: list[float],
+               k_min: int, decay: float) -> None:
+        """Conditional shares per position: per_pos[i] over per_pos[i-1] (over `first` at i=0),
+        both added to counts decayed by `decay`, for the positions i < k_min."""
+        reached = first
+        for i in range(min(k_min, len(per_pos), self.k_max)):
+            c = counts[i]
+            c[0] = decay * c[0] + per_pos[i]
             c[1] = decay * c[1] + reached
             if c[1] > 0:
-                self.accept[i] = c[0] / c[1]
-            reached = accepted_per_pos[i]
+                ratios[i] = c[0] / c[1]
+            reached = per_pos[i]
 
     def predicted(self, batch: int, k: int) -> float:
         """Calibrated seconds of a step at any batch size: log-log between the nearest buckets."""
