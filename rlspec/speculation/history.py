@@ -390,10 +390,6 @@ def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -
     _proposer(worker).index.record(prompt_ids, response_ids)
 
 
-def call_stats(worker) -> dict:
-    return _proposer(worker).index.stats.as_dict()
-
-
 def finish_call(worker, prompt_ids: list[list[int]] | None, response_ids: list[list[int]] | None) -> dict:
     """The call's counters; given the call's rows and the call drafted nothing, measured in shadow
     first (`HistoryIndex.shadow`, up to speculation.history.shadow_rows responses)."""

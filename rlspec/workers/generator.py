@@ -48,7 +48,7 @@ class Generator:
             ro = self.engine.generate(prompt_ids, sampling, self.policy_version)
             ro.seconds += planning  # the call that calibrates 'auto' reports that cost too
             if self.history:  # under 'auto', a training call that drafted nothing is measured in shadow
-                shadow = self.adaptive is not None and sampling.rollout
+                shadow = self.adaptive is not None and sampling.rollout and not (ro.spec and ro.spec.drafts)
                 ro.history = self.engine.llm.collective_rpc(history.finish_call, args=(
                     ro.prompt_ids if shadow else None, ro.response_ids if shadow else None))[0]
                 if sampling.rollout:  # training rollouts become history; validation answers do not
