@@ -28,14 +28,16 @@ ROLLOUT = {
                                   "batch 1, 8 and 48 (its rollout batch: 12 prompts x 4 answers)",
                                   "python scripts/bench_rollout.py --experiment chain_cpu --widen 1 --extra-layers 0 "
                                   "--batch-sizes 1 8 48 --methods none draft_model:1 draft_model:3 draft_model:5 "
-                                  "ngram:3 history:5 history:auto --out docs/bench/rollout_chain_replay.json"),
+                                  "ngram:3 history:5 history:8 history:12 history:auto "
+                                  "--out docs/bench/rollout_chain_replay.json"),
     "rollout_chain_replay_batch1.json": ("The same policy at batch 1 alone, 15 timed calls per method, 4 engines "
                                          "resident instead of 7 (batch-1 calls are the noisiest on two shared "
                                          "cores: the file above's batch-1 baseline ran at a quarter of this one's "
                                          "tokens/s; compare ratios within a file)",
                                          "python scripts/bench_rollout.py --experiment chain_cpu --widen 1 "
                                          "--extra-layers 0 --batch-sizes 1 --repeats 15 --methods none draft_model:3 "
-                                         "history:5 history:auto --out docs/bench/rollout_chain_replay_batch1.json"),
+                                         "history:5 history:8 history:12 history:auto "
+                                         "--out docs/bench/rollout_chain_replay_batch1.json"),
     "rollout_default_small.json": ("tiny_cpu's pair (the addition task: tiny policy and tiny draft, fp32 engine), "
                                    "batch 1 and 8",
                                    "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
