@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -53,7 +55,9 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: int) -> dict:
                        "acceptance_length": 1 + accepted / drafts if drafts else None,
                        "history_matches": sum((r["spec"] or {}).get("history_matches", 0) for r in part) or None})
     ex = [r["extra"] for r in recs]
+    spec = OmegaConf.load(run_dir / ".hydra" / "config.yaml").speculation  # the run's composed config
     return {"setting": setting, "seed": seed, "run_dir": str(run_dir), "wall_seconds": s["wall_seconds"],
+            "speculation": {k: spec[k] for k in ("method", "num_speculative_tokens", "max_speculative_tokens")},
             "steps": s["steps"], "step_seconds": s["step_seconds"], "stage_share": s["stage_share"],
             "generation_seconds": s["stage_seconds"]["generation"], "val_steps": s["val_steps"],
             "val_accuracy": s["val_accuracy"], "val_seconds": s["val_seconds"],
@@ -96,7 +100,8 @@ def summarise(runs: list[dict]) -> list[dict]:
     for name in settings:
         mine = [r for r in runs if r["setting"] == name]
         n_ep = min(len(r["epochs"]) for r in mine)
-        row = {"setting": name, "seeds": [r["seed"] for r in mine], "val_steps": mine[0]["val_steps"]}
+        row = {"setting": name, "seeds": [r["seed"] for r in mine], "val_steps": mine[0]["val_steps"],
+               "speculation": mine[0].get("speculation")}
         for key, get in {"wall_minutes": lambda r: r["wall_seconds"] / 60,
                          "step_seconds": lambda r: r["step_seconds"],
                          "generation_share": lambda r: r["stage_share"]["generation"],
@@ -129,6 +134,16 @@ def pm(v: tuple[float, float] | None, p: int = 2, unit: str = "") -> str:
     return "-" if v is None else f"{v[0]:.{p}f}{unit} ± {v[1]:.{p}f}"
 
 
+def label(row: dict) -> str:
+    """The setting, with the k its runs drafted (their composed config) where the setting names none."""
+    spec = row.get("speculation")
+    if not spec or spec["method"] == "none":
+        return row["setting"]
+    if spec["num_speculative_tokens"] == "auto":
+        return f"{row['setting']} (k <= {spec['max_speculative_tokens']})"
+    return row["setting"] if ":" in row["setting"] else f"{row['setting']} (k={spec['num_speculative_tokens']})"
+
+
 def table(rows: list[dict]) -> str:
     """Two markdown tables: the runs' totals, and generation per epoch."""
     vals = " | ".join(f"held-out @{s}" for s in rows[0]["val_steps"])
@@ -137,7 +152,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         v = " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in zip(r["val_accuracy"], r["val_accuracy_std"]))
         ln = r["response_length_first"]
-        out.append(f"| {r['setting']} | {r['wall_minutes']:.2f} ± {r['wall_minutes_std']:.2f} | "
+        out.append(f"| {label(r)} | {r['wall_minutes']:.2f} ± {r['wall_minutes_std']:.2f} | "
                    f"{r['step_seconds']:.2f} ± {r['step_seconds_std']:.2f} | "
                    f"{r['generation_share']:.1%} ± {r['generation_share_std']:.1%} | "
                    f"{pm((r['val_seconds'], r['val_seconds_std'])) if 'val_seconds' in r else '-'} | {v} | "
@@ -152,7 +167,7 @@ def table(rows: list[dict]) -> str:
             sp = "" if r["setting"] == "none" or not e["speedup_vs_none"] else f", {pm(e['speedup_vs_none'], unit='x')}"
             acc = "" if e["acceptance_length"] is None else f", {e['acceptance_length']:.2f} tok/verif."
             cells.append(f"{pm(e['generation_seconds'])} s{sp}{acc}")
-        out.append(f"| {r['setting']} | " + " | ".join(cells) + " |")
+        out.append(f"| {label(r)} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

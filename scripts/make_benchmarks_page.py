@@ -175,8 +175,9 @@ def default_run_section(paths: list[Path]) -> list[str]:
            "`default_run_greedy_val.json` time the same training work (the validation temperature changes no "
            "rollout), so they are two timings of it, measured while `history` still drafted for validation "
            "calls; `default_run_auto.json` is a later version (validation calls not drafted) with `history` "
-           "at k=5 and with `auto` k, whose validation seconds include its start-up timing of engine steps "
-           "(the run's first generate call is the step-0 validation: about 30 s against 7-10 s).", ""]
+           "at fixed and at `auto` k (the k a setting ran with is in its name, where the file records it), "
+           "whose `auto` validation seconds include its start-up timing of engine steps (the run's first "
+           "generate call is the step-0 validation).", ""]
     for p in paths:
         out += default_run_lines(p)
     return out

@@ -19,7 +19,10 @@ def write_run(path, gen_seconds, spec=None, val=(0.3, 0.5, 0.8)):
         recs.append({"step": i + 1, "step_seconds": g + 1.0, "stage_seconds": {"generation": g}, "spec": d,
                      "extra": {"response_length_p50": 10 + i, "response_length_p90": 30 + i,
                                "response_length_max": 50 + 10 * i}})
-    path.mkdir(parents=True)
+    (path / ".hydra").mkdir(parents=True)
+    method, k = ("none", 3) if spec is None else ("history", 8)  # the run's composed speculation group
+    (path / ".hydra" / "config.yaml").write_text(
+        f"speculation:\n  method: {method}\n  num_speculative_tokens: {k}\n  max_speculative_tokens: {k}\n")
     (path / "summary.json").write_text(json.dumps({
         "records": recs, "steps": len(recs), "wall_seconds": 60.0 * len(recs), "step_seconds": 2.0,
         "stage_share": {"generation": 0.6}, "stage_seconds": {"generation": sum(gen_seconds) / len(recs)},
@@ -54,4 +57,13 @@ def test_epochs_speedups_and_acceptance(tmp_path):
     assert hist["val_accuracy"] == pytest.approx([0.3, 0.5, 0.8]) and hist["wall_minutes"] == pytest.approx(4.0)
     assert hist["val_seconds"] == pytest.approx(2.0)  # per validation: (3 + 1 + 2) / 3
     text = bdr.table(list(rows.values()))
-    assert "| history |" in text and "2.00x ± 0.00" in text and "epoch 2 (steps 3-4)" in text
+    assert h0["speculation"] == {"method": "history", "num_speculative_tokens": 8, "max_speculative_tokens": 8}
+    assert "| history (k=8) |" in text and "| none |" in text and "2.00x ± 0.00" in text and "epoch 2 (steps 3-4)" in text
+
+
+def test_label_names_the_k_a_setting_ran_with():
+    spec = {"method": "history", "num_speculative_tokens": "auto", "max_speculative_tokens": 8}
+    assert bdr.label({"setting": "history:auto", "speculation": spec}) == "history:auto (k <= 8)"
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "max_speculative_tokens": 5}
+    assert bdr.label({"setting": "draft_model:3", "speculation": spec}) == "draft_model:3"
+    assert bdr.label({"setting": "history"}) == "history"  # files written before runs recorded it
