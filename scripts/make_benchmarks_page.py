@@ -175,23 +175,38 @@ def default_run_section(paths: list[Path]) -> list[str]:
            "`default_run_greedy_val.json` time the same training work (the validation temperature changes no "
            "rollout), so they are two timings of it, measured while `history` still drafted for validation "
            "calls; `default_run_auto.json` is a later version (validation calls not drafted) with `history` "
-           "at fixed and at `auto` k (the k a setting ran with is in its name, where the file records it), "
-           "whose `auto` validation seconds include its start-up timing of engine steps (the run's first "
-           "generate call is the step-0 validation).", ""]
+           "at k=5 and at `auto` k up to 5, and `default_run_k8.json` the same at k=8 and `auto` up to 8, "
+           "which its version's history group set (the k a setting ran with is in its name, where the file "
+           "records it): longer drafts win the later epochs' returning prompts, and lose more of the first "
+           "epoch's new ones. `auto`'s validation seconds include its start-up timing of engine steps (the "
+           "run's first generate call is the step-0 validation).", ""]
     for p in paths:
         out += default_run_lines(p)
     return out
 
 
+def pinned_settings(r: dict) -> tuple[list[str], list[str]]:
+    """A default-run file's settings and overrides with the k its runs composed written out, so its
+    command reproduces it after the speculation groups' defaults move (files that record it)."""
+    spec = {row["setting"]: row.get("speculation") for row in r["rows"]}
+    if not all(spec.values()):
+        return r["settings"], r["overrides"]
+    settings = [s if ":" in s or spec[s]["method"] == "none" else f"{s}:{spec[s]['num_speculative_tokens']}"
+                for s in r["settings"]]
+    top = {v["max_speculative_tokens"] for v in spec.values() if v["num_speculative_tokens"] == "auto"}
+    return settings, [*r["overrides"], *(f"speculation.max_speculative_tokens={k}" for k in top)]
+
+
 def default_run_lines(path: Path) -> list[str]:
     r = json.loads(path.read_text())
-    sets = f" --set {' '.join(r['overrides'])}" if r["overrides"] else ""
+    settings, overrides = pinned_settings(r)
+    sets = f" --set {' '.join(overrides)}" if overrides else ""
     return [f"### `{path.relative_to(ROOT)}`", "",
             f"At {r['version']}: `python -m rlspec.train` as `make demo` runs it (chain_cpu), only the "
             f"speculation group, the seed and logging switched{sets and ' (and' + sets[6:] + ')'}; mean ± std over seeds "
             f"{r['seeds']}, settings interleaved per seed. An epoch is one pass over the training problems "
             f"({r['steps_per_epoch']} steps); speedups are against no speculation of the same seed.", "",
-            "```bash", f"python scripts/bench_default_run.py --settings {' '.join(r['settings'])} --seeds "
+            "```bash", f"python scripts/bench_default_run.py --settings {' '.join(settings)} --seeds "
             f"{' '.join(map(str, r['seeds']))}{sets} --out {path.relative_to(ROOT)}", "```", "",
             bench_default_run.table(r["rows"]), ""]
 

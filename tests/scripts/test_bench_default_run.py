@@ -67,3 +67,19 @@ def test_label_names_the_k_a_setting_ran_with():
     spec = {"method": "draft_model", "num_speculative_tokens": 3, "max_speculative_tokens": 5}
     assert bdr.label({"setting": "draft_model:3", "speculation": spec}) == "draft_model:3"
     assert bdr.label({"setting": "history"}) == "history"  # files written before runs recorded it
+
+
+def test_page_command_pins_the_k_a_file_ran_with():
+    import make_benchmarks_page as page
+
+    rows = [{"setting": "none", "speculation": {"method": "none", "num_speculative_tokens": 3,
+                                                "max_speculative_tokens": 5}},
+            {"setting": "history", "speculation": {"method": "history", "num_speculative_tokens": 8,
+                                                   "max_speculative_tokens": 8}},
+            {"setting": "history:auto", "speculation": {"method": "history", "num_speculative_tokens": "auto",
+                                                        "max_speculative_tokens": 8}}]
+    r = {"settings": ["none", "history", "history:auto"], "overrides": ["trainer.max_steps=4"], "rows": rows}
+    assert page.pinned_settings(r) == (["none", "history:8", "history:auto"],
+                                       ["trainer.max_steps=4", "speculation.max_speculative_tokens=8"])
+    old = {**r, "rows": [{"setting": x["setting"]} for x in rows]}  # a file from before runs recorded it
+    assert page.pinned_settings(old) == (r["settings"], r["overrides"])
