@@ -1,6 +1,8 @@
-"""rlspec against a peer trainer on the same task, in one invocation: TRL's GRPOTrainer (its own
-generation path: transformers `generate`) and rlspec in three modes (sync without speculation,
-sync with the default experiment's speculation, async lag 1 with speculation), over seeds.
+"""rlspec against a peer trainer on the same task, in one invocation: TRL's GRPOTrainer with its
+two generation paths (transformers `generate`, the reference for every ratio; and `use_vllm` with
+its colocated vLLM engine, in the dtype rlspec's engine computes in) and rlspec in three modes
+(sync without speculation, sync with the default experiment's speculation, async lag 1 with
+speculation), over seeds.
 
     pip install -c constraints.txt -e ".[peer]"      # TRL, for this benchmark only
     python scripts/bench_vs_peer.py --out docs/bench/vs_peer.json --md vs_peer.md --plot vs_peer.png
@@ -11,7 +13,8 @@ shuffling off), group size, prompts per step, completion length, sampling temper
 learning rate and gradient clip, micro batch and accumulation (one optimizer step per RL step),
 clipped surrogate with the same clip range, token-level loss, group-std advantages, no KL.
 
-Held-out accuracy: greedy decoding of the validation prompts scored by rlspec's reward, every
+Held-out accuracy: one answer per validation prompt at generation.val_temperature (0: greedy; the
+default experiment samples at 1), scored by rlspec's reward, every
 --val-every steps. rlspec validates with its vLLM Generator, TRL with `generate` on its model; the
 step-0 figures of both (the same initial weights) are reported side by side as a parity check.
 Time axis: seconds since the process was launched (start-up included) minus the time spent
@@ -39,9 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_async import fmt as f, mean_std, times  # noqa: E402  (the 2x2 benchmark's table helpers)
 
-PEER = "TRL GRPOTrainer"
-MODES = {  # name -> rlspec overrides; None: the peer
+PEER = "TRL GRPOTrainer"  # the reference every ratio is taken against
+PEER_VLLM = "TRL GRPOTrainer + vLLM colocate"
+PEERS = {PEER: [], PEER_VLLM: ["--trl-vllm"]}  # TRL's two generation paths -> the worker's flags
+MODES = {  # name -> rlspec overrides; None: a peer
     PEER: None,
+    PEER_VLLM: None,
     "rlspec sync / no spec": ["async_grpo.enabled=false", "speculation=none"],
     "rlspec sync / spec": ["async_grpo.enabled=false"],
     # one Generator thread: the learner keeps the other core (bench_async.py: both at 2 thrash)
@@ -67,8 +73,10 @@ def compose_cfg(overrides: list[str]):
         return OmegaConf.to_object(compose("config", overrides=with_default_experiment(overrides)))
 
 
-def greedy_accuracy(model, tok, prompts, max_new_tokens: int, reward: str, batch: int = 128) -> float:
-    """Held-out accuracy of a transformers model: greedy, left-padded batches, rlspec's reward."""
+def heldout_accuracy(model, tok, prompts, max_new_tokens: int, reward: str, temperature: float,
+                     batch: int = 128) -> float:
+    """Held-out accuracy of a transformers model as rlspec measures it: one answer per problem at
+    generation.val_temperature (0: greedy), left-padded batches, rlspec's reward."""
     import torch
 
     from rlspec.rewards import REWARDS
@@ -81,12 +89,28 @@ def greedy_accuracy(model, tok, prompts, max_new_tokens: int, reward: str, batch
             width = max(map(len, ids))
             x = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in ids])
             mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
-            out = model.generate(input_ids=x, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                 temperature=None, top_p=None, top_k=None)
+            out = model.generate(input_ids=x, attention_mask=mask, do_sample=temperature > 0,
+                                 max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id, temperature=temperature or None, top_p=None,
+                                 top_k=None)
             texts += tok.batch_decode(out[:, width:], skip_special_tokens=True)
     model.train(was_training)
     return statistics.mean(REWARDS[reward](texts, [p.answer for p in prompts]))
+
+
+def same_weights_in(model_dir: str, dtype: str, out: Path) -> str:
+    """A copy of the checkpoint whose config names `dtype`: vLLM computes in the config's dtype
+    unless told, and TRL's colocated engine takes no dtype."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    for src in Path(model_dir).iterdir():
+        if src.is_file():
+            shutil.copy2(src, out / src.name)
+    c = json.loads((out / "config.json").read_text())
+    c["dtype"] = c["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(c, indent=1) + "\n")
+    return str(out)
 
 
 def trl_worker(a) -> None:
@@ -123,6 +147,17 @@ def trl_worker(a) -> None:
         return REWARDS[cfg.data.reward](completions, answer)
 
     micro = min(t.micro_batch_size, P * G)
+    engine = {}
+    if a.trl_vllm:  # TRL's vLLM path, colocated: an in-process engine, weights loaded into it each step
+        from rlspec.config.resolve import engine_dtype, off_policy_correction
+
+        dtype = engine_dtype(cfg)  # the dtype rlspec's engine computes in (TRL takes the checkpoint's)
+        model_dir = same_weights_in(model_dir, dtype, Path(a.run_dir) / f"policy_{dtype}")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(g.cpu_kv_cache_gib))
+        engine = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=cfg.model.max_model_len,
+                      vllm_enable_sleep_mode=False,
+                      # importance weights against the engine's log-probs where rlspec applies them
+                      vllm_importance_sampling_correction=off_policy_correction(cfg) == "tis")
     args = GRPOConfig(
         output_dir=str(Path(a.run_dir) / "trl"), use_cpu=True, seed=t.seed, data_seed=t.seed, bf16=False,
         learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
@@ -133,14 +168,14 @@ def trl_worker(a) -> None:
         loss_type="dapo" if algo.loss_agg == "token_mean" else "grpo",
         scale_rewards="group" if algo.normalize_std else "none", mask_truncated_completions=algo.overlong_filter,
         max_steps=steps, shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
+        disable_tqdm=True, dataloader_num_workers=0, log_completions=False, **engine)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     stage = {"generation": 0.0, "rollout": 0.0, "tokens": 0}
     steps_out, vals = [], []
 
     def validate(step: int) -> None:
         started, t0 = time.time(), time.perf_counter()
-        acc = greedy_accuracy(model, tok, val_set.prompts, g.max_new_tokens, cfg.data.reward)
+        acc = heldout_accuracy(model, tok, val_set.prompts, g.max_new_tokens, cfg.data.reward, g.val_temperature)
         vals.append({"step": step, "accuracy": acc, "started_at": started, "seconds": time.perf_counter() - t0})
         print(f"  trl step {step}: held-out accuracy {acc:.3f}", flush=True)
 
@@ -250,7 +285,7 @@ def run_one(mode: str, seed: int, a, work: Path) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     common = [*a.set, f"trainer.seed={seed}", f"trainer.max_steps={a.steps}", f"trainer.val_every={a.val_every}"]
     if MODES[mode] is None:
-        cmd = [sys.executable, __file__, "--trl-worker", "--seed", str(seed), "--steps", str(a.steps),
+        cmd = [sys.executable, __file__, "--trl-worker", *PEERS[mode], "--seed", str(seed), "--steps", str(a.steps),
                "--val-every", str(a.val_every), "--run-dir", str(run_dir), "--set", *a.set]
     else:
         cmd = [sys.executable, "-m", "rlspec.train", *common, *MODES[mode], *RUN_FLAGS, f"hydra.run.dir={run_dir}"]
@@ -311,10 +346,10 @@ def summarise(runs: list[dict], target: float | None) -> dict:
             r["step_time_ratio_vs_peer"] = peer["steady_step_seconds"] / r["steady_step_seconds"]
             r["time_to_target_ratio_vs_peer"] = (peer["time_to_target"] / r["time_to_target"]
                                                  if r["time_to_target"] and peer.get("time_to_target") else None)
-    rlspec = [r for r in rows if r["mode"] != PEER and r["time_to_target"] is not None]
+    rlspec = [r for r in rows if r["mode"] not in PEERS and r["time_to_target"] is not None]
     best = min(rlspec, key=lambda r: r["time_to_target"]) if rlspec else None
     return {"target_accuracy": target, "rows": rows, "best_rlspec_mode": best and best["mode"],
-            "peer_better_at": peer_better_at(peer, best) if peer and best else []}
+            "peer_better_at": {p: peer_better_at(by[p], best) for p in PEERS if p in by and best}}
 
 
 def peer_better_at(peer: dict, best: dict) -> list[str]:
@@ -355,8 +390,12 @@ def report(result: dict) -> str:
              f"Target accuracy {f(s['target_accuracy'], p=3)} (TRL's final seed-mean unless --target); "
              f"best rlspec mode: {s['best_rlspec_mode']}. Steps {result['steps']}, seeds {result['seeds']}, "
              f"validation every {result['val_every']} steps."]
-    if s["peer_better_at"]:
-        lines.append("Where TRL is better than rlspec's best mode: " + "; ".join(s["peer_better_at"]) + ".")
+    better = s["peer_better_at"]
+    if isinstance(better, list):  # files written before the vLLM peer: the transformers peer only
+        better = {PEER: better}
+    for name, dims in better.items():
+        if dims:
+            lines.append(f"Where {name} is better than rlspec's best mode: " + "; ".join(dims) + ".")
     return "\n".join(lines)
 
 
@@ -375,7 +414,7 @@ def plot(result: dict, path: Path) -> None:
     if result["summary"]["target_accuracy"] is not None:
         ax.axhline(result["summary"]["target_accuracy"], color="grey", ls=":", lw=1, label="target")
     ax.set_xlabel("wall-clock seconds since launch (validation time excluded)")
-    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_ylabel("held-out accuracy")
     ax.set_title(f"GRPO on the tiny task, mean ± std over seeds {result['seeds']}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -420,6 +459,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run before it counts as hung")
     ap.add_argument("--report", metavar="JSON", help="re-summarise an earlier run's JSON (new --target) and exit")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--trl-vllm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -432,9 +472,9 @@ def main() -> None:
         try:
             import trl  # noqa: F401
         except ImportError:
-            if PEER in a.modes:
+            if set(PEERS) & set(a.modes):
                 raise SystemExit('TRL is not installed: pip install -c constraints.txt -e ".[peer]" '
-                                 f"(or leave the peer out: --modes {' '.join(repr(m) for m in MODES if m != PEER)})")
+                                 f"(or leave the peers out: --modes {' '.join(repr(m) for m in MODES if m not in PEERS)})")
         work = Path(a.work).resolve()
         os.environ.setdefault("PYTHONWARNINGS", "ignore")
         t0, runs = time.perf_counter(), []

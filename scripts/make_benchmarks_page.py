@@ -72,8 +72,8 @@ def peer_section(path: Path) -> list[str]:
            f"`{path.relative_to(ROOT)}`, produced at rlspec {r['versions'].get('rlspec', '?')} by:", "", "```bash", r["command"], "```", "",
            f"Machine: {m['cpu_count']} CPU cores, {m['memory_gib']} GiB, {m['platform']}, Python {m['python']}. "
            "Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".", "",
-           f"{r['steps']} steps, seeds {r['seeds']}, held-out accuracy (greedy, 256 problems) every "
-           f"{r['val_every']} steps; the benchmark took {r['bench_seconds'] / 60:.1f} min. Modes and their "
+           f"{r['steps']} steps, seeds {r['seeds']}, held-out accuracy (256 problems, one answer each at the "
+           f"experiment's generation.val_temperature; 0: greedy) every {r['val_every']} steps; the benchmark took {r['bench_seconds'] / 60:.1f} min. Modes and their "
            "overrides: " + "; ".join(f"{k}: `{' '.join(x) if x else '(the peer)'}`" for k, x in r["modes"].items())
            + (f"; for every trainer: `{' '.join(r['overrides'])}`" if r["overrides"] else "") + ".", "",
            bench_vs_peer.report(r), ""]

@@ -43,13 +43,41 @@ def test_time_to_target_and_ratios():
     assert rows[fast]["step_time_ratio_vs_peer"] == pytest.approx(2.0)
     assert s["best_rlspec_mode"] == fast
     # the peer is better at memory and start-up; not at step time or time-to-accuracy
-    assert any(x.startswith("peak memory") for x in s["peer_better_at"])
-    assert any(x.startswith("start-up") for x in s["peer_better_at"])
-    assert not any(x.startswith(("per-step", "time to target")) for x in s["peer_better_at"])
+    assert any(x.startswith("peak memory") for x in s["peer_better_at"][bvp.PEER])
+    assert any(x.startswith("start-up") for x in s["peer_better_at"][bvp.PEER])
+    assert not any(x.startswith(("per-step", "time to target")) for x in s["peer_better_at"][bvp.PEER])
     # a target nobody reaches: no time, no ratio, no best mode
     s = bvp.summarise(runs, target=1.01)
     assert all(r["time_to_target"] is None for r in s["rows"]) and s["best_rlspec_mode"] is None
     assert "| rlspec sync / spec |" in bvp.table(s)
+
+
+def test_trls_vllm_path_is_a_peer_not_an_rlspec_mode():
+    fast = "rlspec sync / spec"
+    runs = [run(bvp.PEER, 0, [0.3, 0.5, 0.9], [20, 40, 60], 5.0),
+            run(bvp.PEER_VLLM, 0, [0.3, 0.9, 1.0], [10, 20, 30], 1.0, mem=0.5, tps=9000.0),
+            run(fast, 0, [0.3, 0.9, 1.0], [30, 40, 50], 2.5, mem=3.0)]
+    s = bvp.summarise(runs, target=None)
+    rows = {r["mode"]: r for r in s["rows"]}
+    assert s["target_accuracy"] == pytest.approx(0.9)  # the transformers peer's final accuracy
+    assert s["best_rlspec_mode"] == fast  # the vLLM peer reaches it sooner, but is no rlspec mode
+    assert rows[bvp.PEER_VLLM]["step_time_ratio_vs_peer"] == pytest.approx(5.0)  # ratios: against TRL generate
+    better = s["peer_better_at"]
+    assert set(better) == {bvp.PEER, bvp.PEER_VLLM}
+    assert any(x.startswith("per-step") for x in better[bvp.PEER_VLLM])
+    assert not any(x.startswith("per-step") for x in better[bvp.PEER])
+    assert f"Where {bvp.PEER_VLLM} is better" in bvp.report({"summary": s, "steps": 8, "seeds": [0], "val_every": 4})
+
+
+def test_same_weights_in_names_the_engine_dtype(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"dtype": "bfloat16", "hidden_size": 8}))
+    (src / "model.safetensors").write_bytes(b"weights")
+    out = bvp.same_weights_in(str(src), "float32", tmp_path / "out")
+    c = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out == str(tmp_path / "out") and c["dtype"] == c["torch_dtype"] == "float32" and c["hidden_size"] == 8
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"weights"
 
 
 def test_benchmarks_page_is_generated_from_the_json_files(tmp_path):
