@@ -171,6 +171,14 @@ def count_params(d: str) -> tuple[int, int]:
     return total, total - routed + routed * cfg.get("num_experts_per_tok", 1) // e
 
 
+RUNNING_BUCKETS = {"1": (1, 1), "2-4": (2, 4), "5-16": (5, 16), "17+": (17, 1 << 30)}
+
+
+def by_running(steps: list[tuple[int, float]]) -> dict[str, float]:
+    """A call's decode seconds summed per bucket of its running batch size (RUNNING_BUCKETS)."""
+    return {label: sum(sec for n, sec in steps if lo <= n <= hi) for label, (lo, hi) in RUNNING_BUCKETS.items()}
+
+
 def parse_method(s: str) -> tuple[str, int | str]:
     m, _, k = s.partition(":")
     return m, k if k == "auto" else int(k or 0)
@@ -245,6 +253,7 @@ def run(args) -> list[dict]:
     for b in args.batch_sizes:
         n = min(b, args.group)
         runs = {name: [] for name in actors}
+        steps = {name: [] for name in actors}  # per timed call: its decode steps (running batch, seconds)
         for rep in range(args.repeats + 1):  # round-robin, so load drift hits every method alike
             lo = rep * (b // n) if args.prompts == "fresh" else 0
             batch = prompts[lo: lo + b // n]
@@ -252,6 +261,7 @@ def run(args) -> list[dict]:
                 ro = ray.get(actor.generate.remote(batch, Sampling(n, args.temperature, args.max_tokens)), timeout=1800)
                 if rep:  # the first round warms each engine up at this batch shape
                     runs[name].append(ro)
+                    steps[name].append(ray.get(actor.decode_steps.remote(), timeout=60))
         base = None
         for name, ros in runs.items():
             method, k = parse_method(name)
@@ -269,7 +279,11 @@ def run(args) -> list[dict]:
                    "speedup_vs_none": tps / base, "target_params": n_params, "target_active_params": n_active, "dtype": args.dtype,
                    "temperature": args.temperature, "max_tokens": args.max_tokens, "version": version,
                    "repeats": args.repeats, "prompts": args.prompts,
-                   "experiment": args.experiment, **moe}
+                   "experiment": args.experiment, **moe,
+                   # decode seconds per call by running batch, medians over the timed calls: the
+                   # shrinking tail of a call is where few requests are left
+                   "decode_seconds_by_running": {label: statistics.median(by_running(s)[label] for s in steps[name])
+                                                 for label in RUNNING_BUCKETS}}
             records.append(rec)
             print(f"{method:>11} k={k} batch={b:4d}: {tps:8.1f} tok/s (runs {', '.join(f'{x:.0f}' for x in rates)})"
                   f"  acc_len {acc:.2f}  speedup {rec['speedup_vs_none']:.2f}x", flush=True)
@@ -290,6 +304,21 @@ def table(records: list[dict]) -> str:
             cells.append("-" if r is None else f"{r['tokens_per_second']:.0f}" if method == "none" else
                          f"{r['tokens_per_second']:.0f}, {r['speedup_vs_none']:.2f}x, {r['acceptance_length']:.2f}")
         rows.append(f"| {method} | {k} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def tail_table(records: list[dict]) -> str:
+    """Markdown: per batch size and method, decode seconds per call by running batch (the call's
+    shrinking tail on the left), each bucket's speedup against no speculation."""
+    rows = ["| batch | method | k | " + " | ".join(f"running {b}" for b in RUNNING_BUCKETS) + " |",
+            "|---|---|---|" + "---|" * len(RUNNING_BUCKETS)]
+    for r in (x for x in records if "decode_seconds_by_running" in x):
+        base = next(x for x in records if x["method"] == "none" and x["batch_size"] == r["batch_size"])
+        cells = []
+        for b in RUNNING_BUCKETS:
+            sec, ref = r["decode_seconds_by_running"][b], base["decode_seconds_by_running"][b]
+            cells.append(f"{sec:.2f} s" + (f", {ref / sec:.2f}x" if r is not base and sec > 0 and ref > 0 else ""))
+        rows.append(f"| {r['batch_size']} | {r['method']} | {r['k']} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -325,7 +354,9 @@ def main() -> None:
     ap.add_argument("--table", type=Path, metavar="JSON", help="print the markdown table of an earlier run and exit")
     args = ap.parse_args()
     if args.table:
-        print(table(json.loads(args.table.read_text())))
+        records = json.loads(args.table.read_text())
+        print(table(records))
+        print(tail_table(records))
         return
     if parse_method(args.methods[0])[0] != "none":
         ap.error("--methods must start with 'none' (the baseline)")
@@ -338,6 +369,7 @@ def main() -> None:
     records = run(args)
     args.out.write_text(json.dumps(records, indent=1) + "\n")
     print(table(records))
+    print(tail_table(records))
     print(f"wrote {args.out}")
 
 

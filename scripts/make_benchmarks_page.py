@@ -38,6 +38,11 @@ ROLLOUT = {
                                          "--extra-layers 0 --batch-sizes 1 --repeats 15 --methods none draft_model:3 "
                                          "history:5 history:8 history:12 history:auto "
                                          "--out docs/bench/rollout_chain_replay_batch1.json"),
+    "rollout_chain_tail.json": ("The default experiment's policy at its rollout batch (12 prompts x 4 answers), "
+                                "timed by running batch size: the shrinking tail of each call",
+                                "python scripts/bench_rollout.py --experiment chain_cpu --widen 1 --extra-layers 0 "
+                                "--batch-sizes 48 --repeats 5 --methods none draft_model:3 history:5 history:auto "
+                                "--out docs/bench/rollout_chain_tail.json"),
     "rollout_default_small.json": ("tiny_cpu's pair (the addition task: tiny policy and tiny draft, fp32 engine), "
                                    "batch 1 and 8",
                                    "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --dtype float32 "
@@ -157,6 +162,12 @@ def rollout_section(paths: list[Path]) -> list[str]:
         lines = auto_lines(records) if "version" in records[0] else []
         out += [f"### {title}", "", f"`{p.relative_to(ROOT)}`{at}:", "", "```bash", cmd, "```", "",
                 bench_rollout.table(records), ""] + (lines + [""] if lines else [])
+        if any("decode_seconds_by_running" in r for r in records):
+            out += ["Each call's decode seconds by how many of its requests were still running (its shrinking "
+                    "tail on the left), median over the timed calls, and against no speculation: the tokens "
+                    "generated while n requests run depend only on the answers' lengths, the same in "
+                    "distribution with and without drafting, so the seconds' ratio is that stretch's speedup. "
+                    "Steps that prefill are left out.", "", bench_rollout.tail_table(records), ""]
     return out
 
 

@@ -115,5 +115,9 @@ class Generator:
             self.policy_version = version
         return time.perf_counter() - self._update_t0
 
+    def decode_steps(self) -> list[tuple[int, float]]:
+        """The last generate call's decode steps: (running batch, seconds) each, in order."""
+        return list(self.engine.decode_steps)
+
     def ping(self) -> int:
         return self.policy_version

@@ -1,4 +1,5 @@
-"""bench_rollout's MoE router: load-balanced where a random gate on raw hidden states is not."""
+"""bench_rollout: its MoE router (load-balanced where a random gate on raw hidden states is not), and
+its tail bookkeeping (decode seconds by running batch, figures by hand)."""
 import sys
 
 import torch
@@ -31,3 +32,14 @@ def test_balanced_gate_spreads_tokens_over_the_experts():
     touched_rnd = bench_rollout.experts_touched(held, random, top_k, tokens=256)
     uniform = experts * (1 - (1 - top_k / experts) ** 256)   # 222 of 256
     assert touched_bal > 0.8 * uniform > 2 * touched_rnd
+
+
+def test_decode_seconds_by_running_batch_and_the_tail_table():
+    steps = [(48, 1.0), (20, 0.5), (16, 0.25), (5, 0.25), (4, 0.5), (2, 0.5), (1, 1.0), (1, 2.0)]
+    assert bench_rollout.by_running(steps) == {"1": 3.0, "2-4": 1.0, "5-16": 0.5, "17+": 1.5}
+    rec = lambda method, secs: {"method": method, "k": 5, "batch_size": 48,  # noqa: E731
+                                "decode_seconds_by_running": dict(zip(bench_rollout.RUNNING_BUCKETS, secs))}
+    text = bench_rollout.tail_table([rec("none", [3.0, 1.0, 0.5, 1.5]), rec("history", [1.0, 0.5, 0.5, 0.0])])
+    # none's row has no ratios; history's: 3.0/1.0, 1.0/0.5, 0.5/0.5 and no ratio over an empty bucket
+    assert "| 48 | none | 5 | 3.00 s | 1.00 s | 0.50 s | 1.50 s |" in text
+    assert "| 48 | history | 5 | 1.00 s, 3.00x | 0.50 s, 2.00x | 0.50 s, 1.00x | 0.00 s |" in text
