@@ -280,9 +280,10 @@ def run(args) -> list[dict]:
                    "temperature": args.temperature, "max_tokens": args.max_tokens, "version": version,
                    "repeats": args.repeats, "prompts": args.prompts,
                    "experiment": args.experiment, **moe,
-                   # decode seconds per call by running batch, medians over the timed calls: the
-                   # shrinking tail of a call is where few requests are left
-                   "decode_seconds_by_running": {label: statistics.median(by_running(s)[label] for s in steps[name])
+                   # decode seconds per call by running batch, means over the timed calls (a bucket's
+                   # expected tokens are the same with and without drafting; a median of the
+                   # last straggler's few steps is not): the shrinking tail is where few are left
+                   "decode_seconds_by_running": {label: statistics.mean(by_running(s)[label] for s in steps[name])
                                                  for label in RUNNING_BUCKETS}}
             records.append(rec)
             print(f"{method:>11} k={k} batch={b:4d}: {tps:8.1f} tok/s (runs {', '.join(f'{x:.0f}' for x in rates)})"
