@@ -280,9 +280,9 @@ def run(args) -> list[dict]:
                    "temperature": args.temperature, "max_tokens": args.max_tokens, "version": version,
                    "repeats": args.repeats, "prompts": args.prompts,
                    "experiment": args.experiment, **moe,
-                   # decode seconds per call by running batch, means over the timed calls (a bucket's
-                   # expected tokens are the same with and without drafting; a median of the
-                   # last straggler's few steps is not): the shrinking tail is where few are left
+                   # decode seconds per call by running batch, means over the timed calls (a median
+                   # of the last straggler's few steps is mostly noise): the shrinking tail is
+                   # where few requests are left
                    "decode_seconds_by_running": {label: statistics.mean(by_running(s)[label] for s in steps[name])
                                                  for label in RUNNING_BUCKETS}}
             records.append(rec)
@@ -309,17 +309,17 @@ def table(records: list[dict]) -> str:
 
 
 def tail_table(records: list[dict]) -> str:
-    """Markdown: per batch size and method, decode seconds per call by running batch (the call's
-    shrinking tail on the left), each bucket's speedup against no speculation."""
-    rows = ["| batch | method | k | " + " | ".join(f"running {b}" for b in RUNNING_BUCKETS) + " |",
-            "|---|---|---|" + "---|" * len(RUNNING_BUCKETS)]
+    """Markdown: per batch size and method, a call's decode seconds by running batch (the shrinking
+    tail on the left) and each bucket's share of them. No per-bucket speedup: drafting moves
+    requests at different rates, so which requests (and how many tokens) a bucket holds differs
+    between methods."""
+    rows = ["| batch | method | k | " + " | ".join(f"running {b}" for b in RUNNING_BUCKETS) + " | decode s |",
+            "|---|---|---|" + "---|" * (len(RUNNING_BUCKETS) + 1)]
     for r in (x for x in records if "decode_seconds_by_running" in x):
-        base = next(x for x in records if x["method"] == "none" and x["batch_size"] == r["batch_size"])
-        cells = []
-        for b in RUNNING_BUCKETS:
-            sec, ref = r["decode_seconds_by_running"][b], base["decode_seconds_by_running"][b]
-            cells.append(f"{sec:.2f} s" + (f", {ref / sec:.2f}x" if r is not base and sec > 0 and ref > 0 else ""))
-        rows.append(f"| {r['batch_size']} | {r['method']} | {r['k']} | " + " | ".join(cells) + " |")
+        secs = r["decode_seconds_by_running"]
+        total = sum(secs.values())
+        cells = [f"{secs[b]:.2f} s ({secs[b] / total:.0%})" if total else "-" for b in RUNNING_BUCKETS]
+        rows.append(f"| {r['batch_size']} | {r['method']} | {r['k']} | " + " | ".join(cells) + f" | {total:.2f} |")
     return "\n".join(rows)
 
 

@@ -164,10 +164,10 @@ def rollout_section(paths: list[Path]) -> list[str]:
                 bench_rollout.table(records), ""] + (lines + [""] if lines else [])
         if any("decode_seconds_by_running" in r for r in records):
             out += ["Each call's decode seconds by how many of its requests were still running (its shrinking "
-                    "tail on the left), mean over the timed calls, and against no speculation: the tokens "
-                    "generated while n requests run depend only on the answers' lengths, the same in "
-                    "distribution with and without drafting, so the ratio of mean seconds is that stretch's "
-                    "speedup. "
+                    "tail on the left) and each bucket's share, mean over the timed calls. No per-bucket "
+                    "speedup is given: drafting moves requests at different rates, so which requests (and how "
+                    "many tokens) are left in a bucket differs between methods; the whole call's speedup is "
+                    "the table above. "
                     "Steps that prefill are left out.", "", bench_rollout.tail_table(records), ""]
     return out
 
