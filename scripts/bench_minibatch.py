@@ -1,7 +1,11 @@
-"""One optimizer step per rollout batch against several (trainer.mini_batch_size), on tiny_cpu (the
-addition task, 64 prompts x 4 answers a step), side by side: held-out accuracy, how often the PPO clip binds, step time.
+"""One optimizer step per rollout batch against several (trainer.mini_batch_size), side by side:
+held-out accuracy, how often the PPO clip binds, step time. On tiny_cpu (the addition task, 64
+prompts x 4 answers a step, mini-batches of 64) unless --experiment and --mini-batch-size say
+otherwise.
 
     python scripts/bench_minibatch.py --steps 40 --seeds 0 1 2 --out docs/bench/minibatch.json
+    python scripts/bench_minibatch.py --experiment chain_cpu --mini-batch-size 16 --steps 60 \
+        --out docs/bench/minibatch_chain.json
 
 Cells run interleaved per seed (machine drift hits both alike); each is `python -m rlspec.train`
 with the cell's overrides (scripts/bench_async.py runs them).
@@ -19,8 +23,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_async import ROOT, mean_std, run_cell  # noqa: E402
 
-EXPERIMENT = "+experiment=tiny_cpu"
-CELLS = {"one step per batch": [EXPERIMENT], "4 mini-batches": [EXPERIMENT, "trainer.mini_batch_size=64"]}
+def cells(experiment: str, mini: int) -> dict[str, list[str]]:
+    """Cell name -> overrides: the experiment as it is, and with `mini` samples per optimizer step."""
+    from rlspec.train import compose_config
+
+    g = compose_config([f"+experiment={experiment}"]).generation
+    samples = g.num_prompts_per_step * g.num_generations_per_prompt
+    if samples % mini:
+        raise SystemExit(f"--mini-batch-size {mini} does not divide {experiment}'s {samples} samples a step")
+    exp = f"+experiment={experiment}"
+    return {"one step per batch": [exp], f"{samples // mini} mini-batches": [exp, f"trainer.mini_batch_size={mini}"]}
 
 
 def with_clipping(r: dict) -> dict:
@@ -46,9 +58,9 @@ def table(rows: list[dict]) -> str:
 
 def summarise(runs: list[dict]) -> list[dict]:
     rows = []
-    for name in CELLS:
+    for name in dict.fromkeys(r["cell"] for r in runs):
         mine = [r for r in runs if r["cell"] == name]
-        row = {"cell": name, "seeds": [r["seed"] for r in mine], "overrides": CELLS[name],
+        row = {"cell": name, "seeds": [r["seed"] for r in mine], "overrides": mine[0].get("overrides"),
                "optimizer_steps": mine[0]["optimizer_steps"], "val_accuracy_start": mine[0]["val_accuracy_start"]}
         row["steps"] = mine[0]["steps"]
         for m in ("clip_frac", "clip_frac_max", "clip_steps", "dual_clip_frac", "val_accuracy", "step_seconds"):
@@ -60,6 +72,8 @@ def summarise(runs: list[dict]) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--experiment", default="tiny_cpu")
+    ap.add_argument("--mini-batch-size", type=int, default=64, help="samples per optimizer step in the second cell")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--work", default="multirun/bench_minibatch", help="run directories go here")
     ap.add_argument("--out", default="bench_minibatch.json")
@@ -75,13 +89,14 @@ def main() -> None:
         return
     t0, runs = time.time(), []
     for seed in a.seeds:
-        for name, overrides in CELLS.items():
+        for name, overrides in cells(a.experiment, a.mini_batch_size).items():
             runs.append(with_clipping({**run_cell(name, overrides, seed, a.steps, ROOT / a.work, 1800),
-                                       "steps": a.steps}))
+                                       "steps": a.steps, "overrides": overrides}))
     rows = summarise(runs)
     print(table(rows))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    Path(a.out).write_text(json.dumps({"version": commit.strip(), "steps": a.steps, "seeds": a.seeds, "rows": rows,
+    Path(a.out).write_text(json.dumps({"version": commit.strip(), "steps": a.steps, "seeds": a.seeds,
+                                       "experiment": a.experiment, "mini_batch_size": a.mini_batch_size, "rows": rows,
                                        "runs": runs, "wall_seconds": time.time() - t0}, indent=1) + "\n")
     print(f"wrote {a.out}")
 

@@ -260,15 +260,19 @@ def draft_section(paths: list[Path]) -> list[str]:
     return out
 
 
-def minibatch_section(path: Path) -> list[str]:
-    r = json.loads(path.read_text())
-    return ["## Optimizer steps per rollout batch: one against four mini-batches", "",
-            f"`{path.relative_to(ROOT)}` (at {r['version']}), tiny_cpu, {r['steps']} steps, seeds "
-            f"{r['seeds']}; mean ± std over seeds:", "", "```bash",
-            f"python scripts/bench_minibatch.py --steps {r['steps']} --seeds {' '.join(map(str, r['seeds']))} "
-            f"--out {path.relative_to(ROOT)}", "```", "", bench_minibatch.table(r["rows"]), "",
-            "clip_frac: the share of loss-carrying tokens whose PPO term the clip changed, averaged over a run's "
-            "optimizer steps; with one step per batch the ratio is exactly 1 and it is 0.", ""]
+def minibatch_section(paths: list[Path]) -> list[str]:
+    out = ["## Optimizer steps per rollout batch: one against several mini-batches", ""]
+    for path in paths:
+        r = json.loads(path.read_text())
+        exp = r.get("experiment", "tiny_cpu")
+        flags = (f" --experiment {exp} --mini-batch-size {r['mini_batch_size']}" if "experiment" in r else "")
+        out += [f"`{path.relative_to(ROOT)}` (at {r['version']}), {exp}, {r['steps']} steps, seeds "
+                f"{r['seeds']}; mean ± std over seeds:", "", "```bash",
+                f"python scripts/bench_minibatch.py{flags} --steps {r['steps']} --seeds "
+                f"{' '.join(map(str, r['seeds']))} --out {path.relative_to(ROOT)}", "```", "",
+                bench_minibatch.table(r["rows"]), ""]
+    return out + ["clip_frac: the share of loss-carrying tokens whose PPO term the clip changed, averaged over a "
+                  "run's optimizer steps; with one step per batch the ratio is exactly 1 and it is 0.", ""]
 
 
 def memory_section(path: Path) -> list[str]:
@@ -390,8 +394,9 @@ def page(bench: Path) -> str:
     drafts = sorted(bench.glob("draft_*.json"))
     if drafts:
         out += draft_section(drafts)
-    if (bench / "minibatch.json").exists():
-        out += minibatch_section(bench / "minibatch.json")
+    minibatch = sorted(bench.glob("minibatch*.json"))
+    if minibatch:
+        out += minibatch_section(minibatch)
     if (bench / "memory.json").exists():
         out += memory_section(bench / "memory.json")
     gpu_layers = bench / "memory_gpu.json"
