@@ -304,7 +304,8 @@ class ClusterConfig:
     # (through Ray's object store). null (auto): group on CPU machines; on GPUs nccl, else ipc,
     # else object_store (a plan mixing the two).
     refit: Optional[str] = None
-    # Refit broadcast bucket size, MiB: tensors are flattened into buckets of about this size.
+    # Refit broadcast bucket size, MiB: tensors are flattened into buckets of about this size
+    # (under ipc at least the largest tensor: vLLM's IPC buffer must hold it).
     refit_bucket_mb: int = 256
     # Print the resolved placement plan and exit without starting anything (also: --dry-run).
     dry_run: bool = False

@@ -21,6 +21,7 @@ Generators' engines, and the LogprobWorkers, which host this same engine around 
 giving each its first rank in the group and waiting a bounded time."""
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -261,9 +262,13 @@ class RLSpecTrainerEngine(TrainerWeightTransferEngine[RLSpecTrainerInitInfo]):
 
 
 def trainer_init_info(transport: str, *, rank: int, address: str, port: int, world_size: int, bucket_bytes: int,
-                      group_backend: str = "gloo", timeout_s: float = 1800.0) -> TrainerInitInfo:
+                      group_backend: str = "gloo", timeout_s: float = 1800.0, source=None) -> TrainerInitInfo:
     """vLLM's trainer init info for `transport`: `nccl`/`ipc` (vLLM's engines, packed into buffers of
-    bucket_bytes) or `group` (rlspec's)."""
+    bucket_bytes) or `group` (rlspec's). vLLM's packed IPC producer allocates one buffer and refuses
+    a tensor larger than it, so under `ipc` the buffer grows to the source's largest tensor (a
+    Qwen3-8B embedding is 1.2 GB in bfloat16, cluster.refit_bucket_mb 256)."""
+    if transport == "ipc" and source is not None:
+        bucket_bytes = max(bucket_bytes, *(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()))
     if transport == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
         return NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world_size, packed=True,
@@ -324,7 +329,8 @@ class WeightSender:
         register()
         self.client = ActorClient(transport, receivers, timeout_s)
         info = trainer_init_info(transport, rank=rank, address=address, port=port, world_size=world_size,
-                                 bucket_bytes=bucket_bytes, group_backend=group_backend, timeout_s=timeout_s)
+                                 bucket_bytes=bucket_bytes, group_backend=group_backend, timeout_s=timeout_s,
+                                 source=source)
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=source)
 
     def send(self, version: int) -> float:

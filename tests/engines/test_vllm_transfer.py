@@ -213,3 +213,20 @@ def test_a_draft_update_retargets_vllms_inner_engine_too():
     assert e.model is draft and e.inner.model is draft
     e.reset_weight_update_target()
     assert e.model is not draft and e.inner.model is e.model
+
+
+def test_the_ipc_buffer_holds_the_largest_tensor():
+    """vLLM's packed IPC producer allocates one buffer and refuses a tensor larger than it (seen on an
+    H100: the tiny policy's embedding against a 64 KiB bucket): under `ipc` the buffer grows to the
+    largest tensor in the engine's dtype; vLLM's NCCL producer takes oversized tensors as they come."""
+    source = LearnerSource(TiedModule(), zero3=False, dtype=torch.bfloat16, bucket_bytes=64)
+    largest = 50 * 8 * 2  # the embedding in bfloat16
+    ipc = vllm_transfer.trainer_init_info("ipc", rank=0, address="", port=0, world_size=2, bucket_bytes=64,
+                                          source=source)
+    assert ipc.packed and ipc.packed_buffer_size_bytes == largest
+    big = vllm_transfer.trainer_init_info("ipc", rank=0, address="", port=0, world_size=2, bucket_bytes=1 << 20,
+                                          source=source)
+    assert big.packed_buffer_size_bytes == 1 << 20
+    nccl = vllm_transfer.trainer_init_info("nccl", rank=0, address="127.0.0.1", port=1, world_size=2, bucket_bytes=64,
+                                           source=source)
+    assert nccl.packed_buffer_size_bytes == 64
