@@ -36,6 +36,7 @@ def test_two_step_run_writes_summary_plot_and_final_policy(tmp_path):
     AutoTokenizer.from_pretrained(tmp_path / "final")
 
 
+@pytest.mark.slow  # CI time; tests/loops/test_queue.py ends an async run on a dead generator, by name
 def test_killed_generator_ends_run_naming_it(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "rlspec.train", *SMALL, "trainer.max_steps=50",
                              "logging.progress_bar=false", f"hydra.run.dir={tmp_path}"],

@@ -89,6 +89,7 @@ def kill_actor_of(driver_pid: int, title: str) -> int:
     raise AssertionError(f"no {title} process under driver {driver_pid}")
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores; tests/loops/test_queue.py resumes
 def test_sigterm_checkpoints_exits_3_and_resume_continues_exactly(tmp_path):
     six = "trainer.max_steps=6"  # room to land the signal mid-run
     ref = train(tmp_path / "ref", six)

@@ -1,12 +1,15 @@
-"""`make gpu-check` (scripts/gpu_check.py) runs here, on CPU, so it keeps working for the first GPU
-run: every check passes and the JSON holds the figures."""
+"""`make gpu-check` (scripts/gpu_check.py) runs here, on CPU (with -m slow: `make test-all`), so it
+keeps working for the first GPU run: every check passes and the JSON holds the figures."""
 import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
+@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_gpu_check_passes_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     p = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(out), "--samples", "600"], cwd=ROOT,
