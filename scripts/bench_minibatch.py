@@ -87,9 +87,9 @@ def main() -> None:
         Path(a.resummarise).write_text(json.dumps(r, indent=1) + "\n")
         print(table(r["rows"]))
         return
-    t0, runs = time.time(), []
+    t0, runs, grid = time.time(), [], cells(a.experiment, a.mini_batch_size)
     for seed in a.seeds:
-        for name, overrides in cells(a.experiment, a.mini_batch_size).items():
+        for name, overrides in grid.items():
             runs.append(with_clipping({**run_cell(name, overrides, seed, a.steps, ROOT / a.work, 1800),
                                        "steps": a.steps, "overrides": overrides}))
     rows = summarise(runs)
