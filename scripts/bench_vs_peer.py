@@ -468,6 +468,14 @@ def main() -> None:
     if a.report:
         result = json.loads(Path(a.report).read_text())
         result["summary"] = summarise(result["runs"], a.target)
+        if "experiment" not in result:  # older files: what the rlspec runs' Hydra recorded, where still on disk
+            import yaml
+
+            named = {o.split("=", 1)[1] for r in result["runs"]
+                     for f in [Path(r["run_dir"]) / ".hydra" / "overrides.yaml"] if f.exists()
+                     for o in yaml.safe_load(f.read_text()) if o.lstrip("+~").startswith("experiment=")}
+            if len(named) == 1:
+                result["experiment"] = named.pop()
     else:
         try:
             import trl  # noqa: F401
@@ -481,7 +489,11 @@ def main() -> None:
         for seed in a.seeds:  # modes interleaved per seed: machine drift hits them alike
             for mode in a.modes:
                 runs.append(run_one(mode, seed, a, work))
-        result = {"steps": a.steps, "seeds": a.seeds, "val_every": a.val_every, "overrides": a.set,
+        from rlspec.train import DEFAULT_EXPERIMENT
+
+        named = [o.split("=", 1)[1] for o in a.set if o.lstrip("+~").startswith("experiment=")]
+        result = {"experiment": named[-1] if named else DEFAULT_EXPERIMENT,
+                  "steps": a.steps, "seeds": a.seeds, "val_every": a.val_every, "overrides": a.set,
                   "modes": {m: MODES[m] for m in a.modes}, "machine": machine(), "versions": versions(),
                   "command": " ".join(["python", "scripts/bench_vs_peer.py", *sys.argv[1:]]),
                   "bench_seconds": time.perf_counter() - t0, "runs": runs}

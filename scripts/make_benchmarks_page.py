@@ -82,7 +82,9 @@ def peer_section(path: Path) -> list[str]:
            "overrides: " + "; ".join(f"{k}: `{' '.join(x) if x else '(the peer)'}`" for k, x in r["modes"].items())
            + (f"; for every trainer: `{' '.join(r['overrides'])}`" if r["overrides"] else "") + ".", "",
            bench_vs_peer.report(r), ""]
-    if "experiment=" not in r["command"]:
+    if "experiment" in r:
+        out += [f"Measured on the `{r['experiment']}` experiment.", ""]
+    elif "experiment=" not in r["command"]:
         out += ["Measured on tiny_cpu (the addition task); to measure it again add `+experiment=tiny_cpu` to the "
                 "command's `--set`.", ""]
     if Path(path.with_suffix(".png")).exists():
