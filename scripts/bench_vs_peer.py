@@ -281,6 +281,8 @@ def curve(val: list[dict], launched: float) -> list[dict]:
 
 
 def run_one(mode: str, seed: int, a, work: Path) -> dict:
+    """One trainer's run, its row kept in the run directory (bench_row.json): with --resume a run
+    whose row is there, made by the same command, is taken as it stands."""
     run_dir = work / f"{mode.replace(' / ', '_').replace(' ', '_')}_seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     common = [*a.set, f"trainer.seed={seed}", f"trainer.max_steps={a.steps}", f"trainer.val_every={a.val_every}"]
@@ -289,6 +291,13 @@ def run_one(mode: str, seed: int, a, work: Path) -> dict:
                "--val-every", str(a.val_every), "--run-dir", str(run_dir), "--set", *a.set]
     else:
         cmd = [sys.executable, "-m", "rlspec.train", *common, *MODES[mode], *RUN_FLAGS, f"hydra.run.dir={run_dir}"]
+    kept = run_dir / "bench_row.json"
+    if a.resume and kept.exists():
+        row = json.loads(kept.read_text())
+        if row["command"] == cmd:
+            print(f"  {mode:<26} seed {seed}: kept from {kept}", flush=True)
+            return row
+    kept.unlink(missing_ok=True)
     launched, wall, peak = launch(cmd, run_dir / "log.txt", a.timeout)
     if MODES[mode] is None:
         r = json.loads((run_dir / "trl_run.json").read_text())
@@ -312,6 +321,7 @@ def run_one(mode: str, seed: int, a, work: Path) -> dict:
     print(f"  {mode:<26} seed {seed}: step {out['steady_step_seconds']:.2f}s, {tps:.0f} tok/s, peak "
           f"{out['peak_memory_gib']:.2f} GiB, held-out {out['curve'][0]['accuracy']:.3f} -> "
           f"{out['final_accuracy']:.3f} at {out['time_to_last_step']:.0f}s", flush=True)
+    kept.write_text(json.dumps(out, indent=1) + "\n")
     return out
 
 
@@ -446,9 +456,9 @@ def machine() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, help="default: the experiment's trainer.max_steps")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--val-every", type=int, default=4)
+    ap.add_argument("--val-every", type=int, help="default: the experiment's trainer.val_every")
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--set", nargs="*", default=[], help="Hydra overrides for every trainer (the peer reads them too)")
     ap.add_argument("--target", type=float, help="held-out accuracy for time-to-accuracy (default: TRL's final)")
@@ -456,7 +466,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench_vs_peer.json")
     ap.add_argument("--md", help="also write the markdown table here")
     ap.add_argument("--plot", help="accuracy against wall-clock time, PNG")
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per run before it counts as hung")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per run before it counts as hung")
+    ap.add_argument("--resume", action="store_true", help="take runs already finished under --work with the "
+                    "same command as they stand (an interrupted benchmark goes on where it stopped)")
     ap.add_argument("--report", metavar="JSON", help="re-summarise an earlier run's JSON (new --target) and exit")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trl-vllm", action="store_true", help=argparse.SUPPRESS)
@@ -483,9 +495,12 @@ def main() -> None:
             if set(PEERS) & set(a.modes):
                 raise SystemExit('TRL is not installed: pip install -c constraints.txt -e ".[peer]" '
                                  f"(or leave the peers out: --modes {' '.join(repr(m) for m in MODES if m not in PEERS)})")
+        if a.steps is None or a.val_every is None:
+            t = compose_cfg(a.set).trainer
+            a.steps, a.val_every = a.steps or t.max_steps, a.val_every or t.val_every
         work = Path(a.work).resolve()
         os.environ.setdefault("PYTHONWARNINGS", "ignore")
-        t0, runs = time.perf_counter(), []
+        runs = []
         for seed in a.seeds:  # modes interleaved per seed: machine drift hits them alike
             for mode in a.modes:
                 runs.append(run_one(mode, seed, a, work))
@@ -496,7 +511,7 @@ def main() -> None:
                   "steps": a.steps, "seeds": a.seeds, "val_every": a.val_every, "overrides": a.set,
                   "modes": {m: MODES[m] for m in a.modes}, "machine": machine(), "versions": versions(),
                   "command": " ".join(["python", "scripts/bench_vs_peer.py", *sys.argv[1:]]),
-                  "bench_seconds": time.perf_counter() - t0, "runs": runs}
+                  "bench_seconds": sum(r["wall_seconds"] for r in runs), "runs": runs}
         result["summary"] = summarise(runs, a.target)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     text = report(result)

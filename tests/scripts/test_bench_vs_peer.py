@@ -69,6 +69,30 @@ def test_trls_vllm_path_is_a_peer_not_an_rlspec_mode():
     assert f"Where {bvp.PEER_VLLM} is better" in bvp.report({"summary": s, "steps": 8, "seeds": [0], "val_every": 4})
 
 
+def test_resume_takes_a_finished_run_made_by_the_same_command(tmp_path, monkeypatch):
+    """An interrupted benchmark goes on where it stopped: a run whose row is kept in its directory,
+    made by the same command, is taken as it stands; one made by another command is run again."""
+    from types import SimpleNamespace
+
+    launches = []
+
+    def launch(cmd, log, timeout):
+        launches.append(cmd)
+        raise RuntimeError("launched")
+
+    monkeypatch.setattr(bvp, "launch", launch)
+    a = SimpleNamespace(set=["+experiment=tiny_cpu"], steps=2, val_every=1, resume=True, timeout=1)
+    mode = "rlspec sync / spec"
+    with pytest.raises(RuntimeError, match="launched"):  # nothing kept yet: it launches
+        bvp.run_one(mode, 0, a, tmp_path)
+    kept = tmp_path / "rlspec_sync_spec_seed0" / "bench_row.json"
+    kept.write_text(json.dumps({"mode": mode, "seed": 0, "command": launches[-1], "x": 1}))
+    assert bvp.run_one(mode, 0, a, tmp_path)["x"] == 1 and len(launches) == 1
+    with pytest.raises(RuntimeError, match="launched"):
+        bvp.run_one(mode, 0, SimpleNamespace(**{**vars(a), "steps": 3}), tmp_path)
+    assert len(launches) == 2 and not kept.exists()  # a stale row is not left to be taken later
+
+
 def test_same_weights_in_names_the_engine_dtype(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
