@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -510,7 +511,7 @@ def main() -> None:
         result = {"experiment": named[-1] if named else DEFAULT_EXPERIMENT,
                   "steps": a.steps, "seeds": a.seeds, "val_every": a.val_every, "overrides": a.set,
                   "modes": {m: MODES[m] for m in a.modes}, "machine": machine(), "versions": versions(),
-                  "command": " ".join(["python", "scripts/bench_vs_peer.py", *sys.argv[1:]]),
+                  "command": shlex.join(["python", "scripts/bench_vs_peer.py", *sys.argv[1:]]),
                   "bench_seconds": sum(r["wall_seconds"] for r in runs), "runs": runs}
         result["summary"] = summarise(runs, a.target)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")

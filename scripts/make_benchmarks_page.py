@@ -96,7 +96,8 @@ def peer_section(path: Path) -> list[str]:
         when = lambda d: ("within 1 s of TRL (a tie)" if abs(d) < 1 else  # noqa: E731
                           f"{abs(d):.0f} s {'later' if d > 0 else 'earlier'} than TRL")
         share = (f"{min(max(start / gap, 0.0), 1.0) * 100:.0f}% of the gap is start-up" if gap >= 1 else
-                 f"the shorter steps made up the {start:.0f} s start-up gap" if abs(gap) < 1 and start > 0 else "no gap")
+                 f"its shorter steps made up the {start:.0f} s later start" if start > 0 else
+                 "it started sooner and stepped faster" if gap <= -1 else "a tie")
         out += [f"Reading: rlspec's best mode ({best['mode']}) reached the target {when(gap)} "
                 f"({best['time_to_target_ratio_vs_peer']:.2f}x TRL's speed to it), at step {best['step_to_target']} "
                 f"against TRL's step {peer['step_to_target']}. Its first validation came {when(start)} (start-up) "
@@ -105,8 +106,10 @@ def peer_section(path: Path) -> list[str]:
     if peer is not None:
         others = [x for x in s["rows"] if x is not peer]
         out.append(f"Evaluation parity: at step 0 (the same initial weights) TRL's `generate` scored "
-                   f"{peer['step0_accuracy']:.4f} and rlspec's vLLM Generator "
-                   + ", ".join(f"{x['step0_accuracy']:.4f}" for x in others) + ".")
+                   f"{peer['step0_accuracy']:.4f}; " + ", ".join(
+                       f"{x['mode']} {x['step0_accuracy']:.4f}" for x in others) + " (TRL validates with "
+                   "`generate`, rlspec with its vLLM Generator; one answer per problem at the same temperature, "
+                   "different random draws).")
         out.append("")
     out += ["Columns: step s = mean wall time of steps 2..N (± std over seeds); the stage split is TRL's "
             "generation (transformers `generate`), reward + advantages, and the rest of the step, and "
