@@ -426,7 +426,7 @@ def plot(result: dict, path: Path) -> None:
         ax.axhline(result["summary"]["target_accuracy"], color="grey", ls=":", lw=1, label="target")
     ax.set_xlabel("wall-clock seconds since launch (validation time excluded)")
     ax.set_ylabel("held-out accuracy")
-    ax.set_title(f"GRPO on the tiny task, mean ± std over seeds {result['seeds']}")
+    ax.set_title(f"GRPO on {result.get('experiment', 'the tiny task')}, mean ± std over seeds {result['seeds']}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
