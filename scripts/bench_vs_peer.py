@@ -74,6 +74,14 @@ def compose_cfg(overrides: list[str]):
         return OmegaConf.to_object(compose("config", overrides=with_default_experiment(overrides)))
 
 
+def experiment_of(overrides: list[str]) -> str:
+    """The experiment `python -m rlspec.train <overrides>` runs (the default where they name none)."""
+    from rlspec.train import with_default_experiment
+
+    return [o.split("=", 1)[1] for o in with_default_experiment(list(overrides))
+            if o.lstrip("+~").startswith("experiment=")][-1]
+
+
 def heldout_accuracy(model, tok, prompts, max_new_tokens: int, reward: str, temperature: float,
                      batch: int = 128) -> float:
     """Held-out accuracy of a transformers model as rlspec measures it: one answer per problem at
@@ -484,9 +492,8 @@ def main() -> None:
         if "experiment" not in result:  # older files: what the rlspec runs' Hydra recorded, where still on disk
             import yaml
 
-            named = {o.split("=", 1)[1] for r in result["runs"]
-                     for f in [Path(r["run_dir"]) / ".hydra" / "overrides.yaml"] if f.exists()
-                     for o in yaml.safe_load(f.read_text()) if o.lstrip("+~").startswith("experiment=")}
+            named = {experiment_of(yaml.safe_load(f.read_text())) for r in result["runs"]
+                     for f in [Path(r["run_dir"]) / ".hydra" / "overrides.yaml"] if f.exists()}
             if len(named) == 1:
                 result["experiment"] = named.pop()
     else:
@@ -505,10 +512,7 @@ def main() -> None:
         for seed in a.seeds:  # modes interleaved per seed: machine drift hits them alike
             for mode in a.modes:
                 runs.append(run_one(mode, seed, a, work))
-        from rlspec.train import DEFAULT_EXPERIMENT
-
-        named = [o.split("=", 1)[1] for o in a.set if o.lstrip("+~").startswith("experiment=")]
-        result = {"experiment": named[-1] if named else DEFAULT_EXPERIMENT,
+        result = {"experiment": experiment_of(a.set),
                   "steps": a.steps, "seeds": a.seeds, "val_every": a.val_every, "overrides": a.set,
                   "modes": {m: MODES[m] for m in a.modes}, "machine": machine(), "versions": versions(),
                   "command": shlex.join(["python", "scripts/bench_vs_peer.py", *sys.argv[1:]]),
