@@ -5,10 +5,12 @@ hits all four alike), reads each run's summary.json and reports per cell, mean +
 step time, exposed generation time (what the learner waited for rollouts), rollout engine time and
 tokens/s, overlap, largest policy lag, acceptance length, held-out accuracy after the last step.
 
-    python scripts/bench_async.py --steps 20 --seeds 0 1 2 --out docs/bench/async_2x2.json
+    python scripts/bench_async.py --seeds 0 1 2 --async-set cluster.generator_threads=1 --out docs/bench/async_2x2.json
 
-Extra Hydra overrides after --set apply to every cell (e.g. --set +experiment=tiny_cpu
-generation.max_new_tokens=96); --async-set applies to the async cells only.
+The cells run the default experiment for its own trainer.max_steps unless told otherwise: Hydra
+overrides after --set apply to every cell (e.g. --set +experiment=tiny_cpu
+generation.max_new_tokens=96), --async-set to the async cells only, --steps sets the steps.
+Held-out accuracy is measured before the first step and after the last.
 """
 from __future__ import annotations
 
@@ -30,6 +32,14 @@ CELLS = {  # name -> overrides
 }
 METRICS = ("step_seconds", "steady_step_seconds", "exposed_generation_seconds", "engine_seconds", "learner_seconds",
            "tokens_per_second", "overlap_fraction", "val_accuracy", "acceptance_length", "wall_seconds")
+
+
+def experiment_of(overrides: list[str]) -> str:
+    """The experiment `python -m rlspec.train <overrides>` runs (the default where they name none)."""
+    from rlspec.train import with_default_experiment
+
+    return [o.split("=", 1)[1] for o in with_default_experiment(list(overrides))
+            if o.lstrip("+~").startswith("experiment=")][-1]
 
 
 def read_run(name: str, seed: int, run_dir: Path) -> dict:
@@ -126,7 +136,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, help="RL steps per run (default: the experiment's trainer.max_steps)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--set", nargs="*", default=[], dest="overrides", help="Hydra overrides for every cell")
     ap.add_argument("--async-set", nargs="*", default=[], help="Hydra overrides for the async cells only")
@@ -147,6 +157,10 @@ def main() -> None:
             path.write_text(json.dumps(result, indent=1) + "\n")
         print(table(summarise(result["runs"])))
         return
+    if a.steps is None:
+        from rlspec.train import compose_config
+
+        a.steps = compose_config(a.overrides).trainer.max_steps
     work = Path(a.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
@@ -156,7 +170,7 @@ def main() -> None:
             extra = a.async_set if name.startswith("async") else []
             runs.append(run_cell(name, [*a.overrides, *cell, *extra], seed, a.steps, work, a.timeout))
     rows = summarise(runs)
-    result = {"steps": a.steps, "seeds": a.seeds, "overrides": a.overrides, "async_overrides": a.async_set,
+    result = {"experiment": experiment_of(a.overrides), "steps": a.steps, "seeds": a.seeds, "overrides": a.overrides, "async_overrides": a.async_set,
               "cells": {n: CELLS[n] for n in a.cells}, "cpu_count": os.cpu_count(), "rows": rows, "runs": runs}
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows))

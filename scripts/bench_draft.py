@@ -1,20 +1,22 @@
 """Draft initialisation x online adaptation, the paper's table on this machine: acceptance length
 and rollout speedup for {generic init, domain-aligned init} x {online adaptation off, on} over an
-RL run (+experiment=tiny_cpu) in which the policy drifts, seeds interleaved, plus a no-speculation run per seed for the
-speedup's denominator.
+RL run in which the policy drifts (the default experiment unless --set names another), seeds
+interleaved, plus a no-speculation run per seed for the speedup's denominator.
 
-    python scripts/bench_draft.py --out docs/bench/draft_2x2.json          # defaults below
+    python scripts/bench_draft.py --out docs/bench/draft_2x2.json          # the default run, 3 seeds
+    python scripts/bench_draft.py --set +experiment=tiny_cpu --steps 24 --out /tmp/d.json
     python scripts/bench_draft.py --report docs/bench/draft_2x2.json       # re-print a result
 
-Heads: domain-aligned = rlspec/assets/tiny/eagle3 (python -m rlspec.draft.train: the tiny
-policy's own answers to training prompts); generic = the same command and budget on
---generic-text, lines of unrelated text (default: Python standard-library source, which the
-same tokenizer encodes) written to the work directory. Each arm is `python -m rlspec.train` with
-speculation=eagle3 (k=3) and that head, with or without speculation.online.enabled.
-Acceptance "early" is the mean over the first quarter of steps, "late" over the last quarter;
-speedup is the arm's rollout tokens/s over the no-speculation run's, same seed. Drift: the
-per-token KL(final || initial) of the no-speculation run's final policy, on its own samples of
-64 held-out prompts, and the held-out accuracy it reached.
+Heads: domain-aligned = the experiment's shipped head, rlspec/assets/<assets>/eagle3
+(python -m rlspec.draft.train: the policy's own answers to training prompts); generic = the
+command that head's train_log.json records, same budget, on --generic-text: lines of unrelated
+text (Python standard-library source, which the same tokenizer encodes) written to the work
+directory. Each arm is `python -m rlspec.train` with speculation=eagle3 and that head, with or
+without speculation.online.enabled. Acceptance "early" is the mean over the first quarter of
+steps, "late" over the last quarter; speedup is the arm's rollout tokens/s over the
+no-speculation run's, same seed. Drift: the per-token KL(final || initial) of the
+no-speculation run's final policy, on its own samples of 64 held-out prompts, and the held-out
+accuracy it reached.
 """
 from __future__ import annotations
 
@@ -27,14 +29,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXPERIMENT = "+experiment=tiny_cpu"  # the addition task: the heads are its tiny policy's
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_async import fmt, mean_std, times  # noqa: E402
+from bench_async import experiment_of, fmt, mean_std, times  # noqa: E402
 
-DOMAIN_HEAD = ROOT / "rlspec" / "assets" / "tiny" / "eagle3"
 ARMS = ("none", "generic / off", "generic / on", "domain / off", "domain / on")
+RUN_FLAGS = ["trainer.checkpoint_every=0", "logging.plot=false", "logging.wandb_mode=disabled",
+             "logging.progress_bar=false"]
+
+
+def experiment_cfg(overrides: list[str]):
+    """The eagle3 arms' composed config (`python -m rlspec.train OVERRIDES speculation=eagle3`)."""
+    from rlspec.train import compose_config
+
+    return compose_config([*overrides, "speculation=eagle3"])
 
 
 def generic_text(path: Path, lines: int) -> Path:
@@ -47,34 +56,59 @@ def generic_text(path: Path, lines: int) -> Path:
     return path
 
 
-def train_generic_head(work: Path, text_lines: int, timeout: int) -> dict:
-    head = work / "generic_head"
-    if not (head / "train_log.json").exists():
-        text = generic_text(work / "generic.txt", text_lines)
-        cmd = [sys.executable, "-m", "rlspec.draft.train", "draft.corpus=text", f"draft.text_file={text}",
-               f"draft.out_dir={head}", "logging.wandb_mode=disabled", "logging.progress_bar=false",
-               f"hydra.run.dir={work / 'generic_head_run'}"]
+def leaves(d: dict, prefix: str) -> list[str]:
+    """`key=value` Hydra overrides for every leaf of a recorded config section."""
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += leaves(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}=" + ("null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)))
+    return out
+
+
+def generic_head_command(domain_log: dict, text: Path, head: Path, work: Path) -> list[str]:
+    """The draft trainer's command the domain head's train_log.json records, on unrelated text."""
+    c = domain_log["config"]
+    recorded = [f"assets={c.get('assets', 'tiny')}", f"model.max_model_len={c['model']['max_model_len']}",
+                *leaves(c["data"], "data."), *leaves(c["generation"], "generation."),
+                *[o for o in leaves(c["draft"], "draft.")
+                  if o.split("=", 1)[0] not in ("draft.corpus", "draft.text_file", "draft.out_dir")]]
+    return [sys.executable, "-m", "rlspec.draft.train", *recorded, "draft.corpus=text", f"draft.text_file={text}",
+            f"draft.out_dir={head}", "logging.wandb_mode=disabled", "logging.progress_bar=false",
+            f"hydra.run.dir={work / 'generic_head_run'}"]
+
+
+def train_generic_head(work: Path, domain_log: dict, text_lines: int, timeout: int, resume: bool) -> dict:
+    """The generic head under work/generic_head; with `resume`, one trained there by the same command."""
+    head, kept = work / "generic_head", work / "generic_head_command.json"
+    cmd = generic_head_command(domain_log, work / "generic.txt", head, work)
+    if not (resume and kept.exists() and json.loads(kept.read_text()) == cmd and (head / "train_log.json").exists()):
+        kept.unlink(missing_ok=True)
+        generic_text(work / "generic.txt", text_lines)
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
             raise SystemExit(f"generic head training failed: {' '.join(cmd)}\n{p.stderr[-3000:]}")
+        kept.write_text(json.dumps(cmd) + "\n")
     return json.loads((head / "train_log.json").read_text())
 
 
-def run_arm(arm: str, head: Path | None, seed: int, steps: int, work: Path, timeout: int, resume: bool) -> dict:
+def run_arm(arm: str, head: Path | None, seed: int, steps: int, overrides: list[str], work: Path, timeout: int,
+            resume: bool) -> dict:
     run_dir = work / f"{arm.replace(' / ', '_')}_seed{seed}"
-    reused = resume and (run_dir / "summary.json").exists() and \
-        len(json.loads((run_dir / "summary.json").read_text())["records"]) == steps
     spec = ["speculation=none"] if head is None else [
         "speculation=eagle3", f"speculation.model={head}",
         f"speculation.online.enabled={'true' if arm.endswith('/ on') else 'false'}"]
-    cmd = [sys.executable, "-m", "rlspec.train", EXPERIMENT, *spec, f"trainer.max_steps={steps}", f"trainer.seed={seed}",
-           f"trainer.val_every={steps}", "trainer.checkpoint_every=0", f"trainer.save_final={arm == 'none'}",
-           "logging.plot=false", "logging.wandb_mode=disabled", "logging.progress_bar=false",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "rlspec.train", *overrides, *spec, f"trainer.max_steps={steps}", f"trainer.seed={seed}",
+           f"trainer.val_every={steps}", f"trainer.save_final={arm == 'none'}", *RUN_FLAGS, f"hydra.run.dir={run_dir}"]
+    kept = run_dir / "bench_command.json"  # the command whose finished run the directory holds
+    reused = resume and kept.exists() and json.loads(kept.read_text()) == cmd and (run_dir / "summary.json").exists()
     t0 = time.time()
     p = None if reused else subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if p is not None and p.returncode != 0:
         raise SystemExit(f"{arm} seed {seed} failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
+    if not reused:
+        kept.write_text(json.dumps(cmd) + "\n")
     s = json.loads((run_dir / "summary.json").read_text())
     recs = s["records"]
     q = max(1, len(recs) // 4)
@@ -93,19 +127,19 @@ def run_arm(arm: str, head: Path | None, seed: int, steps: int, work: Path, time
     return out
 
 
-def drift(final_dir: str, prompts: int = 64, max_new: int = 64, seed: int = 0) -> float:
-    """Mean per-token KL(final || initial) over the final policy's own samples (T=1)."""
+def drift(final_dir: str, cfg, prompts: int = 64, seed: int = 0) -> float:
+    """Mean per-token KL(final || initial) over the final policy's own samples (T=1) of the
+    experiment's first `prompts` held-out prompts, up to its generation.max_new_tokens."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlspec.config import DatasetConfig, SyntheticConfig
-    from rlspec.data.loading import load_prompts
+    from rlspec.data.loading import load_split
     from rlspec.models import load_tokenizer
 
-    initial = ROOT / "rlspec" / "assets" / "tiny" / "policy"
-    tok = load_tokenizer(str(initial), "model.path")
-    ps = load_prompts(DatasetConfig(split="test", num_rows=prompts, seed=1), SyntheticConfig(), key="data.val",
-                      tokenizer=tok, template="rl_zero", max_prompt_tokens=128, on_bad_row="error").prompts
+    initial = cfg.model.path
+    tok = load_tokenizer(initial, "model.path")
+    ps = load_split(cfg.data, "val", tok).prompts[:prompts]
+    max_new = cfg.generation.max_new_tokens
     a = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).eval()
     b = AutoModelForCausalLM.from_pretrained(str(initial), dtype=torch.float32).eval()
     torch.manual_seed(seed)
@@ -161,7 +195,8 @@ def plot(result: dict, path: Path) -> None:
         rs = [r["acceptance_by_step"] for r in result["runs"] if r["arm"] == arm]
         if rs:
             ax.plot(range(1, len(rs[0]) + 1), [statistics.mean(x) for x in zip(*rs)], label=arm)
-    ax.set_xlabel("RL step"), ax.set_ylabel("acceptance length (k=3), seed mean"), ax.legend()
+    ax.set_xlabel("RL step"), ax.set_ylabel(f"acceptance length (k={result.get('k', 3)}), seed mean"), ax.legend()
+    ax.set_title(result.get("experiment", "tiny_cpu"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -174,7 +209,7 @@ def report(result: dict) -> str:
             f"Policy drift over {result['steps']} steps (no-speculation runs, seeds {result['seeds']}): per-token "
             f"KL(final || initial) {fmt(*mean_std(d['kl']), p=3)} nats on the final policy's samples of 64 held-out "
             f"prompts; held-out accuracy {fmt(*mean_std(d['val_start']), p=3)} -> {fmt(*mean_std(d['val_end']), p=3)}.",
-            f"Heads at the start, in vLLM on 128 held-out prompts x 8 (T=1, k=3): generic "
+            f"Heads at the start, in vLLM on 128 held-out prompts x 8 (T=1, k={result.get('k', 3)}): generic "
             f"{g['vllm_acceptance']:.3f}, domain-aligned {result['domain_head']['vllm_acceptance']:.3f}."]
     return "\n".join(text)
 
@@ -183,40 +218,48 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_draft.json")
     ap.add_argument("--work", default="outputs/bench_draft")
+    ap.add_argument("--set", nargs="*", default=[], help="Hydra overrides for every run (default: the default "
+                    "experiment); the domain head is the composed speculation=eagle3 model")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, help="RL steps per run (default: the experiment's trainer.max_steps)")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--generic-lines", type=int, default=4000)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--resume", action="store_true",
-                    help="reuse an arm's run directory under --work when it holds all --steps steps (an interrupted bench)")
+                    help="reuse an arm's run directory under --work when it finished with the same command "
+                         "(an interrupted bench), and the generic head already trained there")
     ap.add_argument("--report", help="print the table of an earlier --out JSON and exit")
     args = ap.parse_args()
     if args.report:
         print(report(json.loads(Path(args.report).read_text())))
         return
-    work = Path(args.work)
+    cfg = experiment_cfg(args.set)
+    steps = args.steps or cfg.trainer.max_steps
+    work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    print("generic head (draft.corpus=text) ...", flush=True)
-    glog = train_generic_head(work, args.generic_lines, args.timeout)
-    dlog = json.loads((DOMAIN_HEAD / "train_log.json").read_text())
-    heads = {"generic": work / "generic_head", "domain": DOMAIN_HEAD}
+    domain = Path(cfg.speculation.model)
+    dlog = json.loads((domain / "train_log.json").read_text())
+    print(f"generic head: {domain}'s draft.train command on text (draft.corpus=text) ...", flush=True)
+    glog = train_generic_head(work, dlog, args.generic_lines, args.timeout, args.resume)
+    heads = {"generic": work / "generic_head", "domain": domain}
     runs = []
     for seed in args.seeds:  # interleaved: drift in machine speed spreads over every arm
         for arm in args.arms:
-            runs.append(run_arm(arm, None if arm == "none" else heads[arm.split(" / ")[0]], seed, args.steps, work,
-                                args.timeout, args.resume))
+            runs.append(run_arm(arm, None if arm == "none" else heads[arm.split(" / ")[0]], seed, steps, args.set,
+                                work, args.timeout, args.resume))
     finals = [r for r in runs if r["arm"] == "none"]
     result = {
-        "steps": args.steps, "seeds": args.seeds, "wall_seconds": time.time() - t0,
+        "experiment": experiment_of(args.set), "overrides": args.set, "k": cfg.speculation.num_speculative_tokens,
+        "steps": steps, "seeds": args.seeds, "wall_seconds": time.time() - t0,
         "version": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                                   text=True).stdout.strip(),
         "generic_head": {"train_sequences": glog["train_sequences"], "vllm_acceptance": glog["vllm"]["acceptance_length"],
                          "proxy": glog["evals"][-1]["acceptance_length_proxy"]},
-        "domain_head": {"train_sequences": dlog["train_sequences"], "vllm_acceptance": dlog["vllm"]["acceptance_length"],
+        "domain_head": {"path": str(domain.relative_to(ROOT) if domain.is_relative_to(ROOT) else domain),
+                        "train_sequences": dlog["train_sequences"], "vllm_acceptance": dlog["vllm"]["acceptance_length"],
                         "proxy": dlog["evals"][-1]["acceptance_length_proxy"]},
-        "drift": {"kl": [drift(str(Path(r["run_dir"]) / "final"), seed=r["seed"]) for r in finals],
+        "drift": {"kl": [drift(str(Path(r["run_dir"]) / "final"), cfg, seed=r["seed"]) for r in finals],
                   "val_start": [r["val_accuracy"][0] for r in finals], "val_end": [r["val_accuracy"][-1] for r in finals]},
         "runs": runs, "reused_runs": [f"{r['arm']} seed {r['seed']}" for r in runs if r["reused"]],
     }

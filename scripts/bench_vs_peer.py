@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_async import fmt as f, mean_std, times  # noqa: E402  (the 2x2 benchmark's table helpers)
+from bench_async import experiment_of, fmt as f, mean_std, times  # noqa: E402  (the 2x2 benchmark's helpers)
 
 PEER = "TRL GRPOTrainer"  # the reference every ratio is taken against
 PEER_VLLM = "TRL GRPOTrainer + vLLM colocate"
@@ -60,27 +60,6 @@ RUN_FLAGS = ["trainer.checkpoint_every=0", "trainer.save_final=false", "logging.
 
 
 # ---------------------------------------------------------------- the peer: TRL, in a subprocess
-
-def compose_cfg(overrides: list[str]):
-    """rlspec's config exactly as `python -m rlspec.train <overrides>` composes it."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from rlspec.config import register_configs
-    from rlspec.train import with_default_experiment
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return OmegaConf.to_object(compose("config", overrides=with_default_experiment(overrides)))
-
-
-def experiment_of(overrides: list[str]) -> str:
-    """The experiment `python -m rlspec.train <overrides>` runs (the default where they name none)."""
-    from rlspec.train import with_default_experiment
-
-    return [o.split("=", 1)[1] for o in with_default_experiment(list(overrides))
-            if o.lstrip("+~").startswith("experiment=")][-1]
-
 
 def heldout_accuracy(model, tok, prompts, max_new_tokens: int, reward: str, temperature: float,
                      batch: int = 128) -> float:
@@ -133,9 +112,9 @@ def trl_worker(a) -> None:
     from rlspec.data.templates import apply_template
     from rlspec.models import load_tokenizer, resolve_checkpoint
     from rlspec.rewards import REWARDS
-    from rlspec.train import load_data
+    from rlspec.train import compose_config, load_data
 
-    cfg = compose_cfg([*a.set, f"trainer.seed={a.seed}", f"trainer.max_steps={a.steps}"])
+    cfg = compose_config([*a.set, f"trainer.seed={a.seed}", f"trainer.max_steps={a.steps}"])
     g, t, algo, steps = cfg.generation, cfg.trainer, cfg.algo, a.steps
     if algo.advantage != "grpo" or algo.dynamic_sampling or algo.kl_coef:
         raise SystemExit("the peer run maps only GRPO advantages without dynamic sampling or KL")
@@ -504,7 +483,9 @@ def main() -> None:
                 raise SystemExit('TRL is not installed: pip install -c constraints.txt -e ".[peer]" '
                                  f"(or leave the peers out: --modes {' '.join(repr(m) for m in MODES if m not in PEERS)})")
         if a.steps is None or a.val_every is None:
-            t = compose_cfg(a.set).trainer
+            from rlspec.train import compose_config
+
+            t = compose_config(a.set).trainer
             a.steps, a.val_every = a.steps or t.max_steps, a.val_every or t.val_every
         work = Path(a.work).resolve()
         os.environ.setdefault("PYTHONWARNINGS", "ignore")

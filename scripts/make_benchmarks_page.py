@@ -38,6 +38,11 @@ ROLLOUT = {
                                          "--extra-layers 0 --batch-sizes 1 --repeats 15 --methods none draft_model:3 "
                                          "history:5 history:8 history:12 history:auto "
                                          "--out docs/bench/rollout_chain_replay_batch1.json"),
+    "rollout_chain_eagle3.json": ("The same policy with its EAGLE-3 head (rlspec/assets/chain/eagle3, trained on the "
+                                  "policy's own answers) at k = 1, 3, 5, beside its draft model and history drafting",
+                                  "python scripts/bench_rollout.py --experiment chain_cpu --widen 1 --extra-layers 0 "
+                                  "--batch-sizes 1 8 48 --methods none eagle3:1 eagle3:3 eagle3:5 draft_model:3 "
+                                  "history:5 --out docs/bench/rollout_chain_eagle3.json"),
     "rollout_chain_tail.json": ("The default experiment's policy at its rollout batch (12 prompts x 4 answers), "
                                 "timed by running batch size: the shrinking tail of each call",
                                 "python scripts/bench_rollout.py --experiment chain_cpu --widen 1 --extra-layers 0 "
@@ -177,9 +182,12 @@ def rollout_section(paths: list[Path]) -> list[str]:
     return out
 
 
-def pinned(overrides: list[str]) -> list[str]:
-    """A benchmark's overrides with its experiment named: one whose overrides name none ran tiny_cpu."""
-    return overrides if any("experiment=" in o for o in overrides) else ["+experiment=tiny_cpu", *overrides]
+def pinned(overrides: list[str], experiment: str | None = None) -> list[str]:
+    """A benchmark's overrides with its experiment named: the one its file records, else (files from
+    before the default experiment moved) tiny_cpu."""
+    if any("experiment=" in o for o in overrides):
+        return overrides
+    return [f"+experiment={experiment or 'tiny_cpu'}", *overrides]
 
 
 def default_run_section(paths: list[Path]) -> list[str]:
@@ -230,7 +238,7 @@ def default_run_lines(path: Path) -> list[str]:
 
 def async_command(r: dict, path: Path) -> str:
     cmd = ["python", "scripts/bench_async.py", "--steps", str(r["steps"]), "--seeds", *map(str, r["seeds"])]
-    cmd += ["--set", *pinned(r["overrides"])]
+    cmd += ["--set", *pinned(r["overrides"], r.get("experiment"))]
     if r.get("async_overrides"):
         cmd += ["--async-set", *r["async_overrides"]]
     if list(r["cells"]) != list(bench_async.CELLS):
@@ -252,14 +260,15 @@ def async_section(paths: list[Path]) -> list[str]:
 
 
 def draft_section(paths: list[Path]) -> list[str]:
-    out = ["## Draft initialisation x online adaptation (EAGLE-3, k=3)", "",
+    out = ["## Draft initialisation x online adaptation (EAGLE-3)", "",
            "Mean ± std over seeds. Acceptance = tokens per verification in the run's own rollouts; speedup = "
            "rollout tokens/s over a no-speculation run of the same seed.", ""]
     for p in paths:
         r = json.loads(p.read_text())
-        cmd = (f"python scripts/bench_draft.py --seeds {' '.join(map(str, r['seeds']))} --steps {r['steps']} "
-               f"--out {p.relative_to(ROOT)}")
-        out += [f"### `{p.relative_to(ROOT)}` (at {r['version']}, {r['wall_seconds'] / 60:.0f} min)", "",
+        cmd = (f"python scripts/bench_draft.py --set {' '.join(pinned(r.get('overrides', []), r.get('experiment')))} "
+               f"--seeds {' '.join(map(str, r['seeds']))} --steps {r['steps']} --out {p.relative_to(ROOT)}")
+        out += [f"### `{p.relative_to(ROOT)}` ({r.get('experiment', 'tiny_cpu')}, k={r.get('k', 3)}; at "
+                f"{r['version']}, {r['wall_seconds'] / 60:.0f} min)", "",
                 "```bash", cmd, "```", "", bench_draft.report(r), "",
                 f"![acceptance by step]({p.with_suffix('.png').relative_to(ROOT / 'docs')})", ""]
     return out
