@@ -342,6 +342,10 @@ def summarise(runs: list[dict], target: float | None) -> dict:
         r["step_to_target"] = hit and hit["step"]
         if peer is not None:
             r["step_time_ratio_vs_peer"] = peer["steady_step_seconds"] / r["steady_step_seconds"]
+            # the same ratio seed by seed (each seed's runs interleaved: machine drift between seeds cancels)
+            theirs = {x["seed"]: x["steady_step_seconds"] for x in runs if x["mode"] == PEER}
+            r["step_time_ratio_by_seed"] = {str(x["seed"]): theirs[x["seed"]] / x["steady_step_seconds"]
+                                            for x in runs if x["mode"] == r["mode"] and x["seed"] in theirs}
             r["time_to_target_ratio_vs_peer"] = (peer["time_to_target"] / r["time_to_target"]
                                                  if r["time_to_target"] and peer.get("time_to_target") else None)
     rlspec = [r for r in rows if r["mode"] not in PEERS and r["time_to_target"] is not None]
@@ -366,6 +370,12 @@ def peer_better_at(peer: dict, best: dict) -> list[str]:
     return out
 
 
+def spread(by_seed: dict | None) -> str:
+    """' (a-b by seed)': the range of a ratio over seeds, where there are several."""
+    v = sorted((by_seed or {}).values())
+    return f" ({v[0]:.2f}-{v[-1]:.2f} by seed)" if len(v) > 1 else ""
+
+
 def table(s: dict) -> str:
     head = ("| trainer / mode | step s | vs TRL | gen / prep / logprob / train s | rollout tok/s | peak mem GiB | "
             "held-out acc | to target s | vs TRL |")
@@ -374,7 +384,7 @@ def table(s: dict) -> str:
         st = r["stage_seconds"]
         stages = " / ".join(f(st.get(k), p=1) for k in ("generation", "prep", "logprob", "train"))
         lines.append(f"| {r['mode']} | {f(r['steady_step_seconds'], r['steady_step_seconds_std'])} | "
-                     f"{times(r.get('step_time_ratio_vs_peer'))} | {stages} | {f(r['tokens_per_second'], p=0)} | "
+                     f"{times(r.get('step_time_ratio_vs_peer'))}{spread(r.get('step_time_ratio_by_seed'))} | {stages} | {f(r['tokens_per_second'], p=0)} | "
                      f"{f(r['peak_memory_gib'], r['peak_memory_gib_std'])} | "
                      f"{f(r['step0_accuracy'], p=3)} → {f(r['final_accuracy'], r['final_accuracy_std'], 3)} | "
                      f"{f(r['time_to_target'], p=0)} (step {r['step_to_target']}) | "

@@ -41,6 +41,7 @@ def test_time_to_target_and_ratios():
     assert rows[fast]["time_to_target"] == 45 and rows[fast]["step_to_target"] == 4
     assert rows[fast]["time_to_target_ratio_vs_peer"] == pytest.approx(60 / 45)
     assert rows[fast]["step_time_ratio_vs_peer"] == pytest.approx(2.0)
+    assert rows[fast]["step_time_ratio_by_seed"] == {"0": pytest.approx(2.0), "1": pytest.approx(2.0)}
     assert s["best_rlspec_mode"] == fast
     # the peer is better at memory and start-up; not at step time or time-to-accuracy
     assert any(x.startswith("peak memory") for x in s["peer_better_at"][bvp.PEER])
@@ -49,7 +50,7 @@ def test_time_to_target_and_ratios():
     # a target nobody reaches: no time, no ratio, no best mode
     s = bvp.summarise(runs, target=1.01)
     assert all(r["time_to_target"] is None for r in s["rows"]) and s["best_rlspec_mode"] is None
-    assert "| rlspec sync / spec |" in bvp.table(s)
+    assert "| rlspec sync / spec | 2.50 ± 0.00 | 2.00x (2.00-2.00 by seed) |" in bvp.table(s)
 
 
 def test_trls_vllm_path_is_a_peer_not_an_rlspec_mode():
