@@ -103,6 +103,8 @@ def run_arm(arm: str, head: Path | None, seed: int, steps: int, overrides: list[
            f"trainer.val_every={steps}", f"trainer.save_final={arm == 'none'}", *RUN_FLAGS, f"hydra.run.dir={run_dir}"]
     kept = run_dir / "bench_command.json"  # the command whose finished run the directory holds
     reused = resume and kept.exists() and json.loads(kept.read_text()) == cmd and (run_dir / "summary.json").exists()
+    if not reused:
+        kept.unlink(missing_ok=True)
     t0 = time.time()
     p = None if reused else subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if p is not None and p.returncode != 0:
