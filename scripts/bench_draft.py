@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -57,20 +58,29 @@ def generic_text(path: Path, lines: int) -> Path:
 
 
 def leaves(d: dict, prefix: str) -> list[str]:
-    """`key=value` Hydra overrides for every leaf of a recorded config section."""
+    """`key=value` Hydra overrides for every leaf of a recorded config section (strings quoted, so
+    a value is never read as a sweep, an interpolation or another type)."""
     out = []
     for k, v in d.items():
         if isinstance(v, dict):
             out += leaves(v, f"{prefix}{k}.")
+        elif isinstance(v, str):  # Hydra: backslashes escape only before a quote or the end
+            v = re.sub(r"(\\+)('|$)", lambda m: m.group(1) * 2 + m.group(2), v)
+            out.append(f"{prefix}{k}='" + v.replace("'", "\\'").replace("${", "\\${") + "'")
         else:
             out.append(f"{prefix}{k}=" + ("null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)))
     return out
 
 
 def generic_head_command(domain_log: dict, text: Path, head: Path, work: Path) -> list[str]:
-    """The draft trainer's command the domain head's train_log.json records, on unrelated text."""
+    """The draft trainer's command rebuilt from the config the domain head's train_log.json
+    records, on unrelated text: same target, data, generation and training budget."""
     c = domain_log["config"]
-    recorded = [f"assets={c.get('assets', 'tiny')}", f"model.max_model_len={c['model']['max_model_len']}",
+    model = c["model"]
+    # a shipped policy by its family (its recorded path is the machine's that trained it); any other by path
+    target = ([] if "rlspec/assets/" in model["path"] else
+              leaves({k: model[k] for k in ("path", "tokenizer", "revision", "trust_remote_code") if k in model}, "model."))
+    recorded = [f"assets={c.get('assets', 'tiny')}", *target, f"model.max_model_len={model['max_model_len']}",
                 *leaves(c["data"], "data."), *leaves(c["generation"], "generation."),
                 *[o for o in leaves(c["draft"], "draft.")
                   if o.split("=", 1)[0] not in ("draft.corpus", "draft.text_file", "draft.out_dir")]]
@@ -80,16 +90,18 @@ def generic_head_command(domain_log: dict, text: Path, head: Path, work: Path) -
 
 
 def train_generic_head(work: Path, domain_log: dict, text_lines: int, timeout: int, resume: bool) -> dict:
-    """The generic head under work/generic_head; with `resume`, one trained there by the same command."""
+    """The generic head under work/generic_head; with `resume`, one trained there by the same command
+    on as many lines of text."""
     head, kept = work / "generic_head", work / "generic_head_command.json"
     cmd = generic_head_command(domain_log, work / "generic.txt", head, work)
-    if not (resume and kept.exists() and json.loads(kept.read_text()) == cmd and (head / "train_log.json").exists()):
+    made = {"command": cmd, "text_lines": text_lines}
+    if not (resume and kept.exists() and json.loads(kept.read_text()) == made and (head / "train_log.json").exists()):
         kept.unlink(missing_ok=True)
         generic_text(work / "generic.txt", text_lines)
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
             raise SystemExit(f"generic head training failed: {' '.join(cmd)}\n{p.stderr[-3000:]}")
-        kept.write_text(json.dumps(cmd) + "\n")
+        kept.write_text(json.dumps(made) + "\n")
     return json.loads((head / "train_log.json").read_text())
 
 
@@ -101,8 +113,10 @@ def run_arm(arm: str, head: Path | None, seed: int, steps: int, overrides: list[
         f"speculation.online.enabled={'true' if arm.endswith('/ on') else 'false'}"]
     cmd = [sys.executable, "-m", "rlspec.train", *overrides, *spec, f"trainer.max_steps={steps}", f"trainer.seed={seed}",
            f"trainer.val_every={steps}", f"trainer.save_final={arm == 'none'}", *RUN_FLAGS, f"hydra.run.dir={run_dir}"]
-    kept = run_dir / "bench_command.json"  # the command whose finished run the directory holds
-    reused = resume and kept.exists() and json.loads(kept.read_text()) == cmd and (run_dir / "summary.json").exists()
+    # what the directory's finished run was made by: the command and its head's training log
+    made = {"command": cmd, "head": None if head is None else (head / "train_log.json").read_text()}
+    kept = run_dir / "bench_made.json"
+    reused = resume and kept.exists() and json.loads(kept.read_text()) == made and (run_dir / "summary.json").exists()
     if not reused:
         kept.unlink(missing_ok=True)
     t0 = time.time()
@@ -110,7 +124,7 @@ def run_arm(arm: str, head: Path | None, seed: int, steps: int, overrides: list[
     if p is not None and p.returncode != 0:
         raise SystemExit(f"{arm} seed {seed} failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
     if not reused:
-        kept.write_text(json.dumps(cmd) + "\n")
+        kept.write_text(json.dumps(made) + "\n")
     s = json.loads((run_dir / "summary.json").read_text())
     recs = s["records"]
     q = max(1, len(recs) // 4)
@@ -211,7 +225,7 @@ def report(result: dict) -> str:
             f"Policy drift over {result['steps']} steps (no-speculation runs, seeds {result['seeds']}): per-token "
             f"KL(final || initial) {fmt(*mean_std(d['kl']), p=3)} nats on the final policy's samples of 64 held-out "
             f"prompts; held-out accuracy {fmt(*mean_std(d['val_start']), p=3)} -> {fmt(*mean_std(d['val_end']), p=3)}.",
-            f"Heads at the start, in vLLM on 128 held-out prompts x 8 (T=1, k={result.get('k', 3)}): generic "
+            f"Heads at the start, in vLLM on 128 held-out prompts x 8 (T=1, k={g.get('vllm_k', 3)}): generic "
             f"{g['vllm_acceptance']:.3f}, domain-aligned {result['domain_head']['vllm_acceptance']:.3f}."]
     return "\n".join(text)
 
@@ -257,9 +271,11 @@ def main() -> None:
         "version": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                                   text=True).stdout.strip(),
         "generic_head": {"train_sequences": glog["train_sequences"], "vllm_acceptance": glog["vllm"]["acceptance_length"],
+                         "vllm_k": glog["vllm"]["k"],
                          "proxy": glog["evals"][-1]["acceptance_length_proxy"]},
         "domain_head": {"path": str(domain.relative_to(ROOT) if domain.is_relative_to(ROOT) else domain),
                         "train_sequences": dlog["train_sequences"], "vllm_acceptance": dlog["vllm"]["acceptance_length"],
+                        "vllm_k": dlog["vllm"]["k"],
                         "proxy": dlog["evals"][-1]["acceptance_length_proxy"]},
         "drift": {"kl": [drift(str(Path(r["run_dir"]) / "final"), cfg, seed=r["seed"]) for r in finals],
                   "val_start": [r["val_accuracy"][0] for r in finals], "val_end": [r["val_accuracy"][-1] for r in finals]},

@@ -42,3 +42,16 @@ def test_the_pages_command_names_the_experiment_a_file_ran():
     assert page.pinned([], "chain_cpu") == ["+experiment=chain_cpu"]
     assert page.pinned(["trainer.lr=1e-5"]) == ["+experiment=tiny_cpu", "trainer.lr=1e-5"]  # older files: tiny_cpu
     assert page.pinned(["+experiment=chain_cpu", "x=1"], "tiny_cpu") == ["+experiment=chain_cpu", "x=1"]
+
+
+def test_recorded_strings_reach_hydra_as_they_were(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import rlspec.draft.train  # noqa: F401
+
+    odd = "a,b=c ${x} it's [1] \\' a\\b \\"  # a sweep, an interpolation, quotes, a list, backslashes
+    over = bench_draft.leaves({"template": odd, "max_prompt_tokens": 40, "train": {"limit": None}}, "data.")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        c = OmegaConf.to_object(compose("draft_train", overrides=over))
+    assert (c.data.template, c.data.max_prompt_tokens, c.data.train.limit) == (odd, 40, None)
