@@ -170,7 +170,9 @@ def main() -> None:
             extra = a.async_set if name.startswith("async") else []
             runs.append(run_cell(name, [*a.overrides, *cell, *extra], seed, a.steps, work, a.timeout))
     rows = summarise(runs)
-    result = {"experiment": experiment_of(a.overrides), "steps": a.steps, "seeds": a.seeds, "overrides": a.overrides, "async_overrides": a.async_set,
+    version = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.strip()  # "-dirty": it ran with uncommitted changes
+    result = {"experiment": experiment_of(a.overrides), "version": version, "steps": a.steps, "seeds": a.seeds, "overrides": a.overrides, "async_overrides": a.async_set,
               "cells": {n: CELLS[n] for n in a.cells}, "cpu_count": os.cpu_count(), "rows": rows, "runs": runs}
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows))

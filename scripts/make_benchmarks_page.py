@@ -256,7 +256,8 @@ def async_section(paths: list[Path]) -> list[str]:
            ""]
     for p in paths:
         r = json.loads(p.read_text())
-        out += [f"### `{p.relative_to(ROOT)}`", "", "```bash", async_command(r, p), "```", "",
+        at = f" ({r['experiment']}, at {r['version']})" if "version" in r else ""
+        out += [f"### `{p.relative_to(ROOT)}`{at}", "", "```bash", async_command(r, p), "```", "",
                 bench_async.table(bench_async.summarise(r["runs"])), ""]
     return out
 
