@@ -55,6 +55,7 @@ MODES = {  # name -> rlspec overrides; None: a peer
     "rlspec async lag 1 / spec": ["async_grpo.enabled=true", "async_grpo.max_policy_lag=1",
                                   "cluster.generator_threads=1"],
 }
+SAME_BLOCK_S = 3600  # two runs of a seed finished this close ran in one block of its interleaved runs (~40 min)
 RUN_FLAGS = ["trainer.checkpoint_every=0", "trainer.save_final=false", "logging.plot=false",
              "logging.wandb_mode=disabled", "logging.progress_bar=false"]
 
@@ -282,6 +283,7 @@ def run_one(mode: str, seed: int, a, work: Path) -> dict:
     kept = run_dir / "bench_row.json"
     if a.resume and kept.exists():
         row = json.loads(kept.read_text())
+        row.setdefault("finished_at", kept.stat().st_mtime)  # rows kept before the field existed
         if row["command"] == cmd:
             print(f"  {mode:<26} seed {seed}: kept from {kept}", flush=True)
             return row
@@ -305,6 +307,7 @@ def run_one(mode: str, seed: int, a, work: Path) -> dict:
                              for k in ("generation", "prep", "logprob", "train") if f"{k}_seconds" in steady[0]},
            "curve": curve(val, launched)}
     out["final_accuracy"] = out["curve"][-1]["accuracy"]
+    out["finished_at"] = time.time()
     out["time_to_last_step"] = out["curve"][-1]["seconds"]
     print(f"  {mode:<26} seed {seed}: step {out['steady_step_seconds']:.2f}s, {tps:.0f} tok/s, peak "
           f"{out['peak_memory_gib']:.2f} GiB, held-out {out['curve'][0]['accuracy']:.3f} -> "
@@ -342,10 +345,14 @@ def summarise(runs: list[dict], target: float | None) -> dict:
         r["step_to_target"] = hit and hit["step"]
         if peer is not None:
             r["step_time_ratio_vs_peer"] = peer["steady_step_seconds"] / r["steady_step_seconds"]
-            # the same ratio seed by seed (each seed's runs interleaved: machine drift between seeds cancels)
-            theirs = {x["seed"]: x["steady_step_seconds"] for x in runs if x["mode"] == PEER}
-            r["step_time_ratio_by_seed"] = {str(x["seed"]): theirs[x["seed"]] / x["steady_step_seconds"]
-                                            for x in runs if x["mode"] == r["mode"] and x["seed"] in theirs}
+            # the same ratio seed by seed, where the two runs ran in one block of that seed's interleaved
+            # runs (finished within SAME_BLOCK_S of each other): drift in the machine's speed between
+            # blocks, as when --resume kept a seed's other runs, cancels in it
+            theirs = {x["seed"]: x for x in runs if x["mode"] == PEER}
+            r["step_time_ratio_by_seed"] = {
+                str(x["seed"]): theirs[x["seed"]]["steady_step_seconds"] / x["steady_step_seconds"]
+                for x in runs if x["mode"] == r["mode"] and x["seed"] in theirs and
+                abs(x.get("finished_at", 0) - theirs[x["seed"]].get("finished_at", 1e18)) <= SAME_BLOCK_S}
             r["time_to_target_ratio_vs_peer"] = (peer["time_to_target"] / r["time_to_target"]
                                                  if r["time_to_target"] and peer.get("time_to_target") else None)
     rlspec = [r for r in rows if r["mode"] not in PEERS and r["time_to_target"] is not None]
@@ -370,10 +377,11 @@ def peer_better_at(peer: dict, best: dict) -> list[str]:
     return out
 
 
-def spread(by_seed: dict | None) -> str:
-    """' (a-b by seed)': the range of a ratio over seeds, where there are several."""
+def spread(by_seed: dict | None, seeds: int) -> str:
+    """The same ratio seed by seed: its range, or its one value, and on how many of the seeds."""
     v = sorted((by_seed or {}).values())
-    return f" ({v[0]:.2f}-{v[-1]:.2f} by seed)" if len(v) > 1 else ""
+    of = "" if len(v) == seeds else f", {len(v)} of {seeds} seeds"
+    return "" if not v else f" ({v[0]:.2f}-{v[-1]:.2f} by seed{of})" if len(v) > 1 else f" ({v[0]:.2f} on seed {next(iter(by_seed))}{of})"
 
 
 def table(s: dict) -> str:
@@ -383,11 +391,12 @@ def table(s: dict) -> str:
     for r in s["rows"]:
         st = r["stage_seconds"]
         stages = " / ".join(f(st.get(k), p=1) for k in ("generation", "prep", "logprob", "train"))
+        to = "not reached" if r["time_to_target"] is None else f"{f(r['time_to_target'], p=0)} (step {r['step_to_target']})"
         lines.append(f"| {r['mode']} | {f(r['steady_step_seconds'], r['steady_step_seconds_std'])} | "
-                     f"{times(r.get('step_time_ratio_vs_peer'))}{spread(r.get('step_time_ratio_by_seed'))} | {stages} | {f(r['tokens_per_second'], p=0)} | "
+                     f"{times(r.get('step_time_ratio_vs_peer'))}{spread(r.get('step_time_ratio_by_seed'), len(r['seeds']))} | {stages} | {f(r['tokens_per_second'], p=0)} | "
                      f"{f(r['peak_memory_gib'], r['peak_memory_gib_std'])} | "
                      f"{f(r['step0_accuracy'], p=3)} → {f(r['final_accuracy'], r['final_accuracy_std'], 3)} | "
-                     f"{f(r['time_to_target'], p=0)} (step {r['step_to_target']}) | "
+                     f"{to} | "
                      f"{times(r.get('time_to_target_ratio_vs_peer'))} |")
     return "\n".join(lines)
 
@@ -477,6 +486,10 @@ def main() -> None:
         return trl_worker(a)
     if a.report:
         result = json.loads(Path(a.report).read_text())
+        for r in result["runs"]:  # files written before runs recorded when they finished
+            kept = Path(r["run_dir"]) / "bench_row.json"
+            if "finished_at" not in r and kept.exists():
+                r["finished_at"] = kept.stat().st_mtime
         result["summary"] = summarise(result["runs"], a.target)
         if "experiment" not in result:  # older files: what the rlspec runs' Hydra recorded, where still on disk
             import yaml

@@ -117,8 +117,10 @@ def peer_section(path: Path) -> list[str]:
                    "different random draws).")
         out.append("")
     out += ["Columns: step s = mean wall time of steps 2..N (± std over seeds); vs TRL = TRL's step time over the "
-            "mode's, of the seed means (in brackets the range of the same ratio seed by seed: each seed's runs are "
-            "interleaved, so drift in the machine's speed between seeds cancels in it); the stage split is TRL's "
+            "mode's, of the seed means (in brackets the same ratio seed by seed, over the seeds whose two runs ran in "
+            "one block of that seed's interleaved runs, finished within an hour of each other: drift in the "
+            "machine's speed between blocks, as when `--resume` kept a seed's earlier runs, cancels in it); "
+            "the stage split is TRL's "
             "generation (transformers `generate`), reward + advantages, and the rest of the step, and "
             "rlspec's generation (what the learner waited for), prep, log-prob recompute (0 when skipped) "
             "and update + refit; tokens/s = generated tokens over generation time; peak memory = PSS summed "

@@ -20,8 +20,9 @@ def test_curve_takes_validation_time_out_of_the_time_axis():
     assert [x["seconds"] for x in c] == [10.0, 26.0, 44.0]  # 30 - 4; 50 - 4 - 2
 
 
-def run(mode, seed, accs, secs, step_s, mem=1.0, tps=1000.0):
+def run(mode, seed, accs, secs, step_s, mem=1.0, tps=1000.0, finished_at=None):
     return {"mode": mode, "seed": seed, "steady_step_seconds": step_s, "tokens_per_second": tps,
+            "finished_at": 3600.0 * seed if finished_at is None else finished_at,  # one block per seed
             "peak_memory_gib": mem, "final_accuracy": accs[-1], "time_to_last_step": secs[-1], "wall_seconds": 0.0,
             "stage_seconds": {"generation": 1.0},
             "curve": [{"step": 4 * i, "accuracy": a, "seconds": s} for i, (a, s) in enumerate(zip(accs, secs))]}
@@ -51,6 +52,18 @@ def test_time_to_target_and_ratios():
     s = bvp.summarise(runs, target=1.01)
     assert all(r["time_to_target"] is None for r in s["rows"]) and s["best_rlspec_mode"] is None
     assert "| rlspec sync / spec | 2.50 ± 0.00 | 2.00x (2.00-2.00 by seed) |" in bvp.table(s)
+
+
+def test_a_seeds_ratio_counts_only_runs_of_one_block():
+    # seed 1 of the rlspec mode ran hours after TRL's seed 1 (--resume kept TRL's), on a slower machine
+    late = "rlspec sync / no spec"
+    runs = [run(bvp.PEER, 0, [0.3, 0.9], [20, 60], 6.0), run(bvp.PEER, 1, [0.3, 0.9], [20, 60], 6.0),
+            run(late, 0, [0.3, 0.9], [20, 60], 3.0), run(late, 1, [0.3, 0.9], [20, 60], 4.0, finished_at=86400.0)]
+    s = bvp.summarise(runs, target=None)
+    row = next(r for r in s["rows"] if r["mode"] == late)
+    assert row["step_time_ratio_by_seed"] == {"0": pytest.approx(2.0)}
+    assert row["step_time_ratio_vs_peer"] == pytest.approx(6.0 / 3.5)  # the ratio of seed means keeps both
+    assert f"| {late} | 3.50 ± 0.71 | 1.71x (2.00 on seed 0, 1 of 2 seeds) |" in bvp.table(s)
 
 
 def test_trls_vllm_path_is_a_peer_not_an_rlspec_mode():
