@@ -42,6 +42,12 @@ def experiment_of(overrides: list[str]) -> str:
             if o.lstrip("+~").startswith("experiment=")][-1]
 
 
+def rlspec_version() -> str:
+    """The commit the benchmark ran at, "-dirty" when it ran with uncommitted changes."""
+    return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def read_run(name: str, seed: int, run_dir: Path) -> dict:
     """One cell's figures from its run's summary.json (steady state: steps 2..N)."""
     s = json.loads((run_dir / "summary.json").read_text())
@@ -170,9 +176,8 @@ def main() -> None:
             extra = a.async_set if name.startswith("async") else []
             runs.append(run_cell(name, [*a.overrides, *cell, *extra], seed, a.steps, work, a.timeout))
     rows = summarise(runs)
-    version = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
-                             text=True).stdout.strip()  # "-dirty": it ran with uncommitted changes
-    result = {"experiment": experiment_of(a.overrides), "version": version, "steps": a.steps, "seeds": a.seeds, "overrides": a.overrides, "async_overrides": a.async_set,
+    result = {"experiment": experiment_of(a.overrides), "version": rlspec_version(), "steps": a.steps,
+              "seeds": a.seeds, "overrides": a.overrides, "async_overrides": a.async_set,
               "cells": {n: CELLS[n] for n in a.cells}, "cpu_count": os.cpu_count(), "rows": rows, "runs": runs}
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows))

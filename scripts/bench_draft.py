@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_async import experiment_of, fmt, mean_std, times  # noqa: E402
+from bench_async import experiment_of, fmt, mean_std, rlspec_version, times  # noqa: E402
 
 ARMS = ("none", "generic / off", "generic / on", "domain / off", "domain / on")
 RUN_FLAGS = ["trainer.checkpoint_every=0", "logging.plot=false", "logging.wandb_mode=disabled",
@@ -268,8 +268,7 @@ def main() -> None:
     result = {
         "experiment": experiment_of(args.set), "overrides": args.set, "k": cfg.speculation.num_speculative_tokens,
         "steps": steps, "seeds": args.seeds, "wall_seconds": time.time() - t0,
-        "version": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                                  text=True).stdout.strip(),
+        "version": rlspec_version(),
         "generic_head": {"train_sequences": glog["train_sequences"], "vllm_acceptance": glog["vllm"]["acceptance_length"],
                          "vllm_k": glog["vllm"]["k"],
                          "proxy": glog["evals"][-1]["acceptance_length_proxy"]},

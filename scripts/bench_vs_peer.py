@@ -269,6 +269,13 @@ def curve(val: list[dict], launched: float) -> list[dict]:
     return out
 
 
+def with_finished_at(row: dict, kept: Path) -> dict:
+    """A run's row with when it finished: rows from before the field existed take their kept file's time."""
+    if "finished_at" not in row and kept.exists():
+        row["finished_at"] = kept.stat().st_mtime
+    return row
+
+
 def run_one(mode: str, seed: int, a, work: Path) -> dict:
     """One trainer's run, its row kept in the run directory (bench_row.json): with --resume a run
     whose row is there, made by the same command, is taken as it stands."""
@@ -282,8 +289,7 @@ def run_one(mode: str, seed: int, a, work: Path) -> dict:
         cmd = [sys.executable, "-m", "rlspec.train", *common, *MODES[mode], *RUN_FLAGS, f"hydra.run.dir={run_dir}"]
     kept = run_dir / "bench_row.json"
     if a.resume and kept.exists():
-        row = json.loads(kept.read_text())
-        row.setdefault("finished_at", kept.stat().st_mtime)  # rows kept before the field existed
+        row = with_finished_at(json.loads(kept.read_text()), kept)
         if row["command"] == cmd:
             print(f"  {mode:<26} seed {seed}: kept from {kept}", flush=True)
             return row
@@ -486,10 +492,7 @@ def main() -> None:
         return trl_worker(a)
     if a.report:
         result = json.loads(Path(a.report).read_text())
-        for r in result["runs"]:  # files written before runs recorded when they finished
-            kept = Path(r["run_dir"]) / "bench_row.json"
-            if "finished_at" not in r and kept.exists():
-                r["finished_at"] = kept.stat().st_mtime
+        result["runs"] = [with_finished_at(r, Path(r["run_dir"]) / "bench_row.json") for r in result["runs"]]
         result["summary"] = summarise(result["runs"], a.target)
         if "experiment" not in result:  # older files: what the rlspec runs' Hydra recorded, where still on disk
             import yaml
