@@ -24,7 +24,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
+
+from bench_async import rlspec_version  # noqa: E402
 
 
 def overrides(setting: str) -> list[str]:
@@ -200,9 +203,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     per_epoch = epoch_steps(a.overrides)
-    # "-dirty": the runs saw uncommitted changes
-    version = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
-                             capture_output=True, text=True).stdout.strip()
+    version = rlspec_version()
     runs = [run_one(s, seed, a.overrides, work, per_epoch, a.timeout) for seed in a.seeds for s in a.settings]
     rows = summarise(runs)
     result = {"version": version, "settings": a.settings, "seeds": a.seeds, "overrides": a.overrides,

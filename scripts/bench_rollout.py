@@ -18,14 +18,16 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
+
+from bench_async import rlspec_version  # noqa: E402
 
 
 def widen(src: str, dst: str, factor: int, extra_layers: int) -> str:
@@ -248,8 +250,7 @@ def run(args) -> list[dict]:
             model=ModelConfig(max_model_len=exp.model.max_model_len if exp else 256), generation=gen,
             speculation=spec, seed=args.seed, threads=args.threads)
     records = []
-    version = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
-                             text=True).stdout.strip()  # "-dirty": it ran with uncommitted changes
+    version = rlspec_version()
     for b in args.batch_sizes:
         n = min(b, args.group)
         runs = {name: [] for name in actors}
