@@ -14,17 +14,8 @@ import torch
 from rlspec.cluster.ray_cluster import free_port
 from rlspec.engines import vllm_transfer
 from rlspec.engines.weight_sync import LearnerSource
-
-
-class Recorder(torch.nn.Module):
-    """Stands for a vLLM model: remembers what load_weights got, call by call."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def load_weights(self, weights):
-        self.calls.append([(n, t.clone()) for n, t in weights])
+from transfer_engine import Recorder
+from transfer_engine import transfer_engine as engine
 
 
 def update(e, info: dict) -> None:
@@ -33,24 +24,13 @@ def update(e, info: dict) -> None:
     e.receive_weights(e.parse_update_info(info))
 
 
-def engine(dtype=torch.float32, rank=0, tied=False):
-    from vllm.config import WeightTransferConfig
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    vllm_transfer.register()
-    vllm_transfer.register()  # idempotent
-    cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=rank),
-                          model_config=SimpleNamespace(dtype=dtype, hf_config=SimpleNamespace(tie_word_embeddings=tied)))
-    return WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="rlspec"), cfg, torch.device("cpu"),
-                                                     Recorder())
-
-
 WEIGHTS = {"model.embed_tokens.weight": torch.randn(50, 8), "model.layers.0.w": torch.randn(8, 8),
            "model.norm.weight": torch.randn(8)}
 
 
 def test_a_tensors_round_loads_as_given_and_ties_the_head():
     e = engine()
+    vllm_transfer.register()  # registering again is a no-op
     update(e, {"mode": "tensors", "names": list(WEIGHTS), "tensors": list(WEIGHTS.values())})
     (got,) = e.model.calls
     assert [n for n, _ in got] == list(WEIGHTS) and all(torch.equal(dict(got)[k], v) for k, v in WEIGHTS.items())

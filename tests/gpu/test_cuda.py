@@ -108,27 +108,9 @@ def _ipc_receiver(conn) -> None:
     """A receiving process on the same GPU: rlspec's engine backend, built by vLLM's factory with
     the engine's bfloat16, hosting vLLM's own IPC engine; it serves the client protocol over a pipe
     and records what load_weights gets."""
-    from types import SimpleNamespace
+    from transfer_engine import transfer_engine
 
-    from vllm.config import WeightTransferConfig
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    from rlspec.engines import vllm_transfer
-
-    class Recorder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def load_weights(self, weights):
-            self.calls.append([(n, t.detach().cpu().clone()) for n, t in weights])
-
-    vllm_transfer.register()
-    cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
-                          model_config=SimpleNamespace(dtype=torch.bfloat16,
-                                                       hf_config=SimpleNamespace(tie_word_embeddings=True)))
-    e = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="rlspec"), cfg,
-                                                  torch.device("cuda", 0), Recorder())
+    e = transfer_engine(torch.bfloat16, tied=True, device=torch.device("cuda", 0))
     calls = {"init": lambda info: e.init_transfer_engine(e.parse_init_info({"transport": "ipc", "inner": info})),
              "start": lambda: e.start_weight_update(),
              "update": lambda info: e.receive_weights(e.parse_update_info({"mode": "ipc", "inner": info})),
