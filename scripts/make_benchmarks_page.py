@@ -273,7 +273,7 @@ def draft_section(paths: list[Path]) -> list[str]:
         cmd = (f"python scripts/bench_draft.py --set {' '.join(pinned(r.get('overrides', []), r.get('experiment')))} "
                f"--seeds {' '.join(map(str, r['seeds']))} --steps {r['steps']} --out {p.relative_to(ROOT)}")
         out += [f"### `{p.relative_to(ROOT)}` ({r.get('experiment', 'tiny_cpu')}, k={r.get('k', 3)}; at "
-                f"{r['version']}, {r['wall_seconds'] / 60:.0f} min)", "",
+                f"{r['version']}; its runs took {sum(x['wall_seconds'] for x in r['runs']) / 60:.0f} min)", "",
                 "```bash", cmd, "```", "", bench_draft.report(r), "",
                 f"![acceptance by step]({p.with_suffix('.png').relative_to(ROOT / 'docs')})", ""]
     return out
