@@ -98,6 +98,7 @@ def peer_section(path: Path) -> list[str]:
     if peer is not None and best is not None and peer["time_to_target"] is not None:
         start = best["curve"][0]["seconds"] - peer["curve"][0]["seconds"]
         gap = best["time_to_target"] - peer["time_to_target"]
+        d_step = best["steady_step_seconds"] - peer["steady_step_seconds"]
         when = lambda d: ("within 1 s of TRL (a tie)" if abs(d) < 1 else  # noqa: E731
                           f"{abs(d):.0f} s {'later' if d > 0 else 'earlier'} than TRL")
         share = (f"{min(max(start / gap, 0.0), 1.0) * 100:.0f}% of the gap is start-up" if gap >= 1 else
@@ -106,8 +107,7 @@ def peer_section(path: Path) -> list[str]:
         out += [f"Reading: rlspec's best mode ({best['mode']}) reached the target {when(gap)} "
                 f"({best['time_to_target_ratio_vs_peer']:.2f}x TRL's speed to it), at step {best['step_to_target']} "
                 f"against TRL's step {peer['step_to_target']}. Its first validation came {when(start)} (start-up) "
-                f"and its steps took {best['steady_step_seconds'] - peer['steady_step_seconds']:+.2f} s each "
-                f"against TRL's: {share}.", ""]
+                f"and its steps took {abs(d_step):.2f} s {'less' if d_step < 0 else 'more'} each than TRL's: {share}.", ""]
     if peer is not None:
         others = [x for x in s["rows"] if x is not peer]
         out.append(f"Evaluation parity: at step 0 (the same initial weights) TRL's `generate` scored "
