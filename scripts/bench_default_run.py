@@ -133,8 +133,11 @@ def summarise(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def pm(v: tuple[float, float] | None, p: int = 2, unit: str = "") -> str:
-    return "-" if v is None else f"{v[0]:.{p}f}{unit} ± {v[1]:.{p}f}"
+def pm(v: tuple[float, float] | None, p: int = 2, unit: str = "", spread: bool = True) -> str:
+    """mean ± std; the mean alone where `spread` is off (one seed has no spread to show)."""
+    if v is None:
+        return "-"
+    return f"{v[0]:.{p}f}{unit}" + (f" ± {v[1]:.{p}f}" if spread else "")
 
 
 def label(row: dict) -> str:
@@ -152,14 +155,15 @@ def table(rows: list[dict]) -> str:
     vals = " | ".join(f"held-out @{s}" for s in rows[0]["val_steps"])
     out = [f"| setting | wall min | step s | generation share | validation s | {vals} | "
            "response p50 / p90 / max (step 1) |", "|---|---|---|---|---|" + "---|" * len(rows[0]["val_steps"]) + "---|"]
+    spread = any(len(r["seeds"]) > 1 for r in rows)
     for r in rows:
-        v = " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in zip(r["val_accuracy"], r["val_accuracy_std"]))
+        v = " | ".join(pm(x, 3, spread=spread) for x in zip(r["val_accuracy"], r["val_accuracy_std"]))
         ln = r["response_length_first"]
-        out.append(f"| {label(r)} | {r['wall_minutes']:.2f} ± {r['wall_minutes_std']:.2f} | "
-                   f"{r['step_seconds']:.2f} ± {r['step_seconds_std']:.2f} | "
-                   f"{r['generation_share']:.1%} ± {r['generation_share_std']:.1%} | "
-                   f"{pm((r['val_seconds'], r['val_seconds_std'])) if 'val_seconds' in r else '-'} | {v} | "
-                   f"{ln['p50']:.0f} / {ln['p90']:.0f} / {ln['max']:.0f} |")
+        share = f"{r['generation_share']:.1%}" + (f" ± {r['generation_share_std']:.1%}" if spread else "")
+        out.append(f"| {label(r)} | {pm((r['wall_minutes'], r['wall_minutes_std']), spread=spread)} | "
+                   f"{pm((r['step_seconds'], r['step_seconds_std']), spread=spread)} | {share} | "
+                   f"{pm((r['val_seconds'], r['val_seconds_std']), spread=spread) if 'val_seconds' in r else '-'} | "
+                   f"{v} | {ln['p50']:.0f} / {ln['p90']:.0f} / {ln['max']:.0f} |")
     eps = rows[0]["epochs"]
     out += ["", "| setting | " + " | ".join(f"epoch {i + 1} (steps {e['steps'][0]}-{e['steps'][1]})"
                                             for i, e in enumerate(eps)) + " |",
@@ -167,9 +171,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         cells = []
         for e in r["epochs"]:
-            sp = "" if r["setting"] == "none" or not e["speedup_vs_none"] else f", {pm(e['speedup_vs_none'], unit='x')}"
+            sp = ("" if r["setting"] == "none" or not e["speedup_vs_none"] else
+                  f", {pm(e['speedup_vs_none'], unit='x', spread=spread)}")
             acc = "" if e["acceptance_length"] is None else f", {e['acceptance_length']:.2f} tok/verif."
-            cells.append(f"{pm(e['generation_seconds'])} s{sp}{acc}")
+            cells.append(f"{pm(e['generation_seconds'], spread=spread)} s{sp}{acc}")
         out.append(f"| {label(r)} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -61,6 +61,15 @@ def test_epochs_speedups_and_acceptance(tmp_path):
     assert "| history (k=8) |" in text and "| none |" in text and "2.00x ± 0.00" in text and "epoch 2 (steps 3-4)" in text
 
 
+def test_one_seed_shows_no_spread(tmp_path):
+    runs = [bdr.read_run("none", 0, write_run(tmp_path / "n", [2.0, 2.0, 2.0, 2.0]), per_epoch=2),
+            bdr.read_run("history", 0, write_run(tmp_path / "h", [2.0, 2.0, 1.0, 1.0],
+                                                 spec=[(10, 5), (10, 15), (4, 12), (0, 0)]), per_epoch=2)]
+    text = bdr.table(bdr.summarise(runs))
+    assert "±" not in text  # a standard deviation of one seed would read as a measured 0
+    assert "| 1.00 s, 2.00x, 4.00 tok/verif. |" in text and "| 0.300 | 0.500 | 0.800 |" in text
+
+
 def test_label_names_the_k_a_setting_ran_with():
     spec = {"method": "history", "num_speculative_tokens": "auto", "max_speculative_tokens": 8}
     assert bdr.label({"setting": "history:auto", "speculation": spec}) == "history:auto (k <= 8)"
