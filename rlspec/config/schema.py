@@ -197,8 +197,9 @@ class HistoryConfig:
     # Each drafted token must be the continuation of at least this share of the matches still
     # agreeing with the draft so far: drafts stop where the history disagrees.
     min_prob: float = 0.5
-    # Bounds: responses kept per prompt (oldest dropped), and tokens kept over all prompts (least
-    # recently seen prompts evicted first).
+    # Bounds: responses kept per prompt (oldest dropped), and tokens kept over all prompts (over
+    # it the prompts holding the most responses drop their oldest; whole prompts go, least
+    # recently seen first, only once every prompt is down to one).
     max_rollouts_per_prompt: int = 32
     max_tokens: int = 2_000_000
     # Draft for validation calls too. Held-out prompts have no history and one answer each (no

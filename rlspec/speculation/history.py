@@ -118,12 +118,17 @@ class PromptHistory:
 
     def add(self, response: list[int]) -> None:
         if len(self.responses) == self.cap:
-            old = self.responses.popleft()
-            self.table.add(*self._seq(old), sign=-1)
-            self.tokens -= len(old)
+            self.drop_oldest()
         self.responses.append(response)
         self.table.add(*self._seq(response))
         self.tokens += len(response)
+
+    def drop_oldest(self) -> int:
+        """Forget the oldest response (its counts taken back); its token count."""
+        old = self.responses.popleft()
+        self.table.add(*self._seq(old), sign=-1)
+        self.tokens -= len(old)
+        return len(old)
 
 
 class HistoryIndex:
@@ -167,8 +172,7 @@ class HistoryIndex:
                             prompts=len(self.prompts), history_tokens=self.total)
 
     def record(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
-        """Finished rollouts join their prompt's history; least recently seen prompts go first when
-        the store holds more than max_tokens."""
+        """Finished rollouts join their prompt's history, then the store is cut to max_tokens (`_fit`)."""
         for p, r in zip(prompt_ids, response_ids):
             key = tuple(p)
             h = self.prompts.get(key)
@@ -179,7 +183,25 @@ class HistoryIndex:
                 self.total -= h.tokens
                 h.add(list(r))
                 self.total += h.tokens
-        while self.total > self.cfg.max_tokens and self.prompts:
+        self._fit()
+
+    def _fit(self) -> None:
+        """Over max_tokens, the prompts holding the most responses drop their oldest first (least
+        recently seen first among equals); whole prompts go, least recently seen first, only once
+        every prompt is down to one response. RL visits each prompt once an epoch: evicting whole
+        prompts by recency would drop exactly those the epoch has yet to bring back, while a few
+        recent answers per prompt draft nearly as well as many."""
+        limit = self.cfg.max_tokens
+        while self.total > limit:
+            most = max((len(h.responses) for h in self.prompts.values()), default=0)
+            if most <= 1:
+                break
+            for h in self.prompts.values():
+                if len(h.responses) == most:
+                    self.total -= h.drop_oldest()
+                    if self.total <= limit:
+                        return
+        while self.total > limit and self.prompts:
             self.total -= self.prompts.popitem(last=False)[1].tokens
 
     def tokens(self) -> int:

@@ -1,6 +1,8 @@
 """Rollout-history drafting: the index on hand-made rows (what each source drafts, where drafts
 stop, the bounds, the counters), then through real vLLM (token-for-token under greedy; the
 two-sample tests are in test_lossless.py)."""
+import random
+
 import numpy as np
 import pytest
 
@@ -174,7 +176,7 @@ def test_accepted_tokens_are_attributed_to_the_source_that_drafted_them():
     assert h.stats.accepted == [2, 0, 0]
 
 
-def test_bounds_per_prompt_and_over_all_prompts_evict_the_least_recently_seen():
+def test_bounds_per_prompt_then_the_fullest_prompts_then_the_least_recently_seen():
     h = index(max_rollouts_per_prompt=2, max_tokens=10)
     h.record([PROMPT] * 3, [[1, 1], [2, 2], [3, 3]])
     kept = h.prompts[tuple(PROMPT)]
@@ -183,12 +185,29 @@ def test_bounds_per_prompt_and_over_all_prompts_evict_the_least_recently_seen():
     for r in kept.responses:
         fresh.add(r)
     assert kept.table.next == fresh.table.next  # the dropped response's counts were taken back
-    other, third = [5, 5], [6, 6]
+    other, third, fourth = [5, 5], [6, 6], [4, 4]
     h.record([other], [[7, 7, 7]])
     h.begin_call([PROMPT])   # PROMPT is now the most recently seen
-    h.record([third], [[8, 8, 8, 8]])   # 4 + 3 + 4 = 11 > 10: `other` goes
-    assert list(h.prompts) == [tuple(PROMPT), tuple(third)]
-    assert h.tokens() == 8
+    h.record([third], [[8, 8, 8, 8]])   # 4 + 3 + 4 = 11 > 10: PROMPT, holding the most, drops its oldest
+    assert list(h.prompts) == [tuple(other), tuple(PROMPT), tuple(third)]
+    assert list(h.prompts[tuple(PROMPT)].responses) == [[3, 3]] and h.tokens() == 9
+    h.record([fourth], [[9, 9, 9]])   # 12 > 10 with one response each: the least recently seen goes
+    assert list(h.prompts) == [tuple(PROMPT), tuple(third), tuple(fourth)] and h.tokens() == 9
+
+
+def test_a_budget_under_the_store_keeps_every_prompt_of_a_revisited_set():
+    """Epochs over 10 prompts, 4 answers of 5 tokens a visit, a budget of 2 answers a prompt: every
+    prompt keeps its latest answers when it comes back (by recency alone, each epoch's revisits
+    would find the prompts it has yet to visit evicted)."""
+    h = index(max_rollouts_per_prompt=32, max_tokens=100)
+    prompts = [[50 + i, 60 + i] for i in range(10)]
+    for epoch in range(3):
+        for i in random.Random(epoch).sample(range(10), 10):
+            h.begin_call([prompts[i]])
+            h.record([prompts[i]] * 4, [[epoch, i, 1, 2, 3]] * 4)
+            assert h.tokens() <= 100
+    assert len(h.prompts) == 10
+    assert all(len(x.responses) == 2 and x.responses[-1][0] == 2 for x in h.prompts.values())
 
 
 def test_state_round_trip_keeps_the_drafts():
