@@ -37,19 +37,24 @@ def overrides(setting: str) -> list[str]:
 
 
 def epoch_steps(extra: list[str]) -> int:
-    """Steps per pass over the training set in the default experiment (with `extra` applied)."""
+    """Steps per pass over the training set in the default experiment (with `extra` applied); a
+    fraction where the set does not divide into steps (the sampler runs on into the next epoch)."""
     from rlspec.train import compose_config
 
     cfg = compose_config(extra)
-    return max(1, cfg.data.train.num_rows // cfg.generation.num_prompts_per_step)
+    per_epoch = cfg.data.train.num_rows / cfg.generation.num_prompts_per_step
+    return int(per_epoch) if per_epoch.is_integer() else per_epoch
 
 
-def read_run(setting: str, seed: int, run_dir: Path, per_epoch: int) -> dict:
+def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
+    """A run's figures; a step belongs to the epoch its first prompt was drawn in."""
     s = json.loads((run_dir / "summary.json").read_text())
     recs = s["records"]
+    parts: dict[int, list[dict]] = {}
+    for r in recs:
+        parts.setdefault(int((r["step"] - 1) / per_epoch + 1e-9), []).append(r)
     epochs = []
-    for e in range(0, len(recs), per_epoch):
-        part = recs[e: e + per_epoch]
+    for part in parts.values():
         drafts = sum((r["spec"] or {}).get("drafts", 0) for r in part)
         accepted = sum((r["spec"] or {}).get("accepted_tokens", 0) for r in part)
         epochs.append({"steps": [part[0]["step"], part[-1]["step"]],

@@ -235,7 +235,7 @@ def default_run_lines(path: Path) -> list[str]:
             f"speculation group, the seed and logging switched{sets and ' (and' + sets[6:] + ')'}; "
             + (f"mean ± std over seeds {r['seeds']}, settings interleaved per seed" if len(r["seeds"]) > 1 else
                f"one seed ({r['seeds'][0]}), settings one after the other") + ". An epoch is one pass over the training problems "
-            f"({r['steps_per_epoch']} steps); speedups are against no speculation of the same seed.", "",
+            f"({r['steps_per_epoch']:.4g} steps); speedups are against no speculation of the same seed.", "",
             "```bash", f"python scripts/bench_default_run.py --settings {' '.join(settings)} --seeds "
             f"{' '.join(map(str, r['seeds']))}{sets} --out {path.relative_to(ROOT)}", "```", "",
             bench_default_run.table(r["rows"]), ""]

@@ -61,6 +61,13 @@ def test_epochs_speedups_and_acceptance(tmp_path):
     assert "| history (k=8) |" in text and "| none |" in text and "2.00x ± 0.00" in text and "epoch 2 (steps 3-4)" in text
 
 
+def test_a_step_belongs_to_the_epoch_of_its_first_prompt(tmp_path):
+    # 3 problems, 2 prompts a step: step 2 draws the first epoch's last and the second's first
+    run = bdr.read_run("none", 0, write_run(tmp_path / "n", [1.0, 2.0, 3.0, 4.0]), per_epoch=1.5)
+    assert [e["steps"] for e in run["epochs"]] == [[1, 2], [3, 3], [4, 4]]
+    assert [e["generation_seconds"] for e in run["epochs"]] == [1.5, 3.0, 4.0]
+
+
 def test_one_seed_shows_no_spread(tmp_path):
     runs = [bdr.read_run("none", 0, write_run(tmp_path / "n", [2.0, 2.0, 2.0, 2.0]), per_epoch=2),
             bdr.read_run("history", 0, write_run(tmp_path / "h", [2.0, 2.0, 1.0, 1.0],
