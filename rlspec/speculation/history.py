@@ -189,8 +189,8 @@ class HistoryIndex:
         """Over max_tokens, the prompts holding the most responses drop their oldest first (least
         recently seen first among equals); whole prompts go, least recently seen first, only once
         every prompt is down to one response. RL visits each prompt once an epoch: evicting whole
-        prompts by recency would drop exactly those the epoch has yet to bring back, while a few
-        recent answers per prompt draft nearly as well as many."""
+        prompts by recency would drop exactly those the epoch has yet to bring back, while what
+        each prompt keeps are its latest answers, the nearest to the policy its drafts serve."""
         limit = self.cfg.max_tokens
         while self.total > limit:
             most = max((len(h.responses) for h in self.prompts.values()), default=0)
