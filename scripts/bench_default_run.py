@@ -138,11 +138,11 @@ def summarise(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def pm(v: tuple[float, float] | None, p: int = 2, unit: str = "", spread: bool = True) -> str:
-    """mean ± std; the mean alone where `spread` is off (one seed has no spread to show)."""
+def pm(v: tuple[float, float] | None, spec: str = ".2f", unit: str = "", spread: bool = True) -> str:
+    """mean ± std in format `spec`; the mean alone where `spread` is off (one seed has no spread)."""
     if v is None:
         return "-"
-    return f"{v[0]:.{p}f}{unit}" + (f" ± {v[1]:.{p}f}" if spread else "")
+    return f"{v[0]:{spec}}{unit}" + (f" ± {v[1]:{spec}}" if spread else "")
 
 
 def label(row: dict) -> str:
@@ -162,11 +162,11 @@ def table(rows: list[dict]) -> str:
            "response p50 / p90 / max (step 1) |", "|---|---|---|---|---|" + "---|" * len(rows[0]["val_steps"]) + "---|"]
     spread = any(len(r["seeds"]) > 1 for r in rows)
     for r in rows:
-        v = " | ".join(pm(x, 3, spread=spread) for x in zip(r["val_accuracy"], r["val_accuracy_std"]))
+        v = " | ".join(pm(x, ".3f", spread=spread) for x in zip(r["val_accuracy"], r["val_accuracy_std"]))
         ln = r["response_length_first"]
-        share = f"{r['generation_share']:.1%}" + (f" ± {r['generation_share_std']:.1%}" if spread else "")
         out.append(f"| {label(r)} | {pm((r['wall_minutes'], r['wall_minutes_std']), spread=spread)} | "
-                   f"{pm((r['step_seconds'], r['step_seconds_std']), spread=spread)} | {share} | "
+                   f"{pm((r['step_seconds'], r['step_seconds_std']), spread=spread)} | "
+                   f"{pm((r['generation_share'], r['generation_share_std']), '.1%', spread=spread)} | "
                    f"{pm((r['val_seconds'], r['val_seconds_std']), spread=spread) if 'val_seconds' in r else '-'} | "
                    f"{v} | {ln['p50']:.0f} / {ln['p90']:.0f} / {ln['max']:.0f} |")
     eps = rows[0]["epochs"]
