@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    WeightTransferUpdateInfo)
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from rlspec.cluster.calls import PeerDied, first_line
 from rlspec.engines.weight_sync import RefitGroup, metas_from_lists, recv_state, send_state
 
 BACKEND = "rlspec"
@@ -253,12 +254,28 @@ class RLSpecTrainerEngine(TrainerWeightTransferEngine[RLSpecTrainerInitInfo]):
             received = exe.submit(self.client.update_weights, dict(
                 names=[m.name for m in meta], dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
                 shapes=[list(m.shape) for m in meta]))
-            send_state(self.group, meta, self.source, self.bucket_bytes)
+            try:
+                send_state(self.group, meta, self.source, self.bucket_bytes)
+            except Exception:
+                # a receiver that died mid-round breaks the group: name it, not the broken pipe
+                if isinstance(died := _failure_within(received, 10.0), PeerDied):
+                    raise died from None
+                raise
             received.result()
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:
         self.group = None
+
+
+def _failure_within(future, seconds: float) -> BaseException | None:
+    """What `future` raised, if it ends within `seconds` (None: it succeeded or still runs)."""
+    from concurrent.futures import TimeoutError as StillRunning
+
+    try:
+        return future.exception(timeout=seconds)
+    except StillRunning:
+        return None
 
 
 def trainer_init_info(transport: str, *, rank: int, address: str, port: int, world_size: int, bucket_bytes: int,
@@ -292,14 +309,23 @@ class ActorClient:
         self.draft, self.version = False, 0
 
     def _all(self, method: str, args_of) -> list:
+        """Results in receiver order. The first receiver found dead raises PeerDied naming it (the
+        driver reports that receiver's death, not a failure of the learner that called it)."""
         import ray
+        from ray.exceptions import RayActorError
 
         refs = [getattr(h, method).remote(*args_of(first)) for _, h, first in self.receivers]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
-        if pending:
-            names = [name for (name, _, _), r in zip(self.receivers, refs) if r in pending]
-            raise TimeoutError(f"weight refit: {', '.join(names)} did not answer {method} within "
-                               f"{self.timeout_s:.0f}s (cluster.actor_timeout_s)")
+        name_of = {r: name for (name, _, _), r in zip(self.receivers, refs)}
+        pending, deadline = list(refs), time.monotonic() + self.timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise TimeoutError(f"weight refit: {', '.join(name_of[r] for r in pending)} did not answer "
+                                   f"{method} within {self.timeout_s:.0f}s (cluster.actor_timeout_s)")
+            try:
+                ray.get(ready[0], timeout=0)
+            except RayActorError as e:
+                raise PeerDied(name_of[ready[0]], method, first_line(e)) from None
         return ray.get(refs)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:

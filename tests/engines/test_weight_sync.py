@@ -106,3 +106,46 @@ def test_a_receiver_that_does_not_answer_is_named(ray_session):
     with pytest.raises(TimeoutError, match=r"generator\[3\] did not answer start_weight_update within 1s"):
         client.start_weight_update()
     ray.kill(stuck)
+
+
+class Dying(Sink):
+    """A receiver whose process ends as the weights start to arrive (a Generator killed mid-refit)."""
+
+    def update_weights(self, update_info):
+        import os
+        os._exit(1)
+
+
+def relay_round(receivers: list[tuple[str, type, int]], addr, port, timeout_s=60):
+    """Learner rank 0's refit into `receivers` (name, class, seed), waited on by the driver as the
+    loop waits on Learner.send_weights."""
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    from rlspec.cluster.calls import Call, wait
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    actors = [ray.remote(cls).options(num_cpus=0).remote(seed) for _, cls, seed in receivers]
+    named = [(name, a, i + 1) for i, ((name, _, _), a) in enumerate(zip(receivers, actors))]
+    src = ray.remote(Source).options(num_cpus=0).remote(7, named, addr, port, len(named) + 1, 1 << 20)
+    try:
+        return wait(Call("learner[0]", "send_weights", src.send.remote(1)), timeout_s)
+    finally:
+        for a in (*actors, src):
+            ray.kill(a)
+
+
+def test_a_receiver_that_dies_mid_round_is_named_by_the_driver(ray_session):
+    """The learner notices the dead Generator (its refit call fails), yet the driver's ActorFailure
+    names the Generator, as it does when its own call to the Generator fails."""
+    import ray
+
+    from rlspec.cluster.calls import ActorFailure
+    from rlspec.engines.weight_sync import endpoint
+
+    addr, port = ray.get(ray.remote(endpoint).options(num_cpus=0).remote())
+    with pytest.raises(ActorFailure, match=r"^generator\[1\] died during update_weights "
+                                           r"\(seen by learner\[0\]\.send_weights\): \w+Error"):
+        relay_round([("generator[0]", Sink, 1), ("generator[1]", Dying, 2)], addr, port)
