@@ -1,4 +1,5 @@
-"""Typed messages between the driver and the actors. Every rollout carries its policy version."""
+"""Typed messages between the driver and the actors (and the error one actor passes up when another
+it called has died). Every rollout carries its policy version."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -198,3 +199,23 @@ class StepRecord:
     # step_moments() of every engine decode step this step (what `rlspec.sim calibrate` fits the
     # engine's per-sequence cost from)
     decode_step_moments: list[float] | None = None
+
+
+class PeerDied(RuntimeError):
+    """Raised inside an actor whose call to another actor found that one dead (a learner's refit
+    reaching a Generator), so the driver names the dead actor rather than the one that noticed."""
+
+    def __init__(self, actor: str, method: str, detail: str):
+        super().__init__(actor, method, detail)  # args: what unpickling in the driver rebuilds it from
+        self.actor, self.method, self.detail = actor, method, detail
+
+    def __str__(self) -> str:
+        return f"{self.actor} died during {self.method}: {self.detail}"
+
+
+def error_line(e: BaseException) -> str:
+    """An exception's type and the line of its message that says the cause."""
+    text = str(e).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    # Ray's messages start with context; the cause is usually the last non-empty line.
+    return f"{type(e).__name__}: {lines[-1] if lines else text}"

@@ -15,18 +15,6 @@ class ActorFailure(RuntimeError):
     """An actor died, raised, or did not answer in time; the message names it."""
 
 
-class PeerDied(RuntimeError):
-    """Raised inside an actor whose call to another actor found that one dead (a learner's refit
-    reaching a Generator), so the driver names the dead actor rather than the one that noticed."""
-
-    def __init__(self, actor: str, method: str, detail: str):
-        super().__init__(actor, method, detail)  # args: what unpickling in the driver rebuilds it from
-        self.actor, self.method, self.detail = actor, method, detail
-
-    def __str__(self) -> str:
-        return f"{self.actor} died during {self.method}: {self.detail}"
-
-
 @dataclass
 class Call:
     actor: str    # role name, e.g. "learner[0]"
@@ -55,6 +43,8 @@ def wait(calls: Call | list[Call], timeout_s: float, abort: Callable[[], bool] |
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+    from rlspec.messages import PeerDied, error_line
+
     single = isinstance(calls, Call)
     calls = [calls] if single else calls
     leaves = [p for c in calls for p in (c.parts or [c])]
@@ -77,22 +67,15 @@ def wait(calls: Call | list[Call], timeout_s: float, abort: Callable[[], bool] |
         try:
             ray.get(ready[0], timeout=0)
         except RayActorError as e:
-            raise ActorFailure(f"{c.actor} died during {c.method}: {first_line(e)}") from None
+            raise ActorFailure(f"{c.actor} died during {c.method}: {error_line(e)}") from None
         except RayTaskError as e:
             cause = e.cause or e
             if isinstance(cause, PeerDied):
                 raise ActorFailure(f"{cause.actor} died during {cause.method} (seen by {c.actor}.{c.method}): "
                                    f"{cause.detail}") from None
-            raise ActorFailure(f"{c.actor} raised in {c.method}: {first_line(cause)}") from None
+            raise ActorFailure(f"{c.actor} raised in {c.method}: {error_line(cause)}") from None
         except GetTimeoutError:
             raise ActorFailure(f"{c.actor}.{c.method} did not answer") from None
     got = dict(zip(by_ref, ray.get(list(by_ref))))
     results = [c.combine([got[p.ref] for p in c.parts]) if c.parts else got[c.ref] for c in calls]
     return results[0] if single else results
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    # Ray's messages start with context; the cause is usually the last non-empty line.
-    return f"{type(e).__name__}: {lines[-1] if lines else text}"

@@ -35,8 +35,8 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    WeightTransferUpdateInfo)
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from rlspec.cluster.calls import PeerDied, first_line
 from rlspec.engines.weight_sync import RefitGroup, metas_from_lists, recv_state, send_state
+from rlspec.messages import PeerDied, error_line
 
 BACKEND = "rlspec"
 TRANSPORTS = ("group", "nccl", "ipc")  # what init_weight_transfer_engine sets up
@@ -325,7 +325,7 @@ class ActorClient:
             try:
                 ray.get(ready[0], timeout=0)
             except RayActorError as e:
-                raise PeerDied(name_of[ready[0]], method, first_line(e)) from None
+                raise PeerDied(name_of[ready[0]], method, error_line(e)) from None
         return ray.get(refs)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
