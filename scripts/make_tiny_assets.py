@@ -4,6 +4,8 @@ Writes, in Hugging Face format (config.json, model.safetensors, tokenizer.json +
   <out>/policy : a small Qwen3-architecture policy pre-trained on a synthetic task's written
                  solutions, which forget a carry with probability --slip (so it starts partly right)
   <out>/draft  : a smaller Qwen3 draft model with the same tokenizer, trained on the same text
+                 (the chain assets' is then fine-tuned on the policy's own answers by
+                 rlspec.draft.train: docs/operations.md has the commands)
 Both load through rlspec's normal model path (a local directory, exactly like a hub checkpoint).
 Tasks: `addition` (rlspec/data/synthetic.py, short answers) and `chain` (rlspec/data/
 synthetic_chain.py: every partial sum of a long-tailed chain written out, reasoning-length answers).
