@@ -32,8 +32,7 @@ ROLLOUT = {
                                   "--out docs/bench/rollout_chain_replay.json"),
     "rollout_chain_replay_batch1.json": ("The same policy at batch 1 alone, 15 timed calls per method, 4 engines "
                                          "resident instead of 7 (batch-1 calls are the noisiest on two shared "
-                                         "cores: the file above's batch-1 baseline ran at a quarter of this one's "
-                                         "tokens/s; compare ratios within a file)",
+                                         "cores; compare ratios within a file)",
                                          "python scripts/bench_rollout.py --experiment chain_cpu --widen 1 "
                                          "--extra-layers 0 --batch-sizes 1 --repeats 15 --methods none draft_model:3 "
                                          "history:5 history:8 history:12 history:auto "
