@@ -48,6 +48,18 @@ def rlspec_version() -> str:
                           text=True).stdout.strip()
 
 
+def cpu_model() -> str:
+    """This machine's CPU as the kernel names it (timings move with it, not only with the core count)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown"
+
+
 def read_run(name: str, seed: int, run_dir: Path) -> dict:
     """One cell's figures from its run's summary.json (steady state: steps 2..N)."""
     s = json.loads((run_dir / "summary.json").read_text())

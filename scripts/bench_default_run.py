@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_async import rlspec_version  # noqa: E402
+from bench_async import cpu_model, rlspec_version  # noqa: E402
 
 
 def overrides(setting: str) -> list[str]:
@@ -217,7 +217,7 @@ def main() -> None:
     runs = [run_one(s, seed, a.overrides, work, per_epoch, a.timeout) for seed in a.seeds for s in a.settings]
     rows = summarise(runs)
     result = {"version": version, "settings": a.settings, "seeds": a.seeds, "overrides": a.overrides,
-              "steps_per_epoch": per_epoch, "cpu_count": os.cpu_count(), "rows": rows, "runs": runs}
+              "steps_per_epoch": per_epoch, "cpu_count": os.cpu_count(), "cpu": cpu_model(), "rows": rows, "runs": runs}
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows))
     print(f"wrote {a.out}")
