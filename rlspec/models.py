@@ -63,6 +63,24 @@ def resolve_checkpoint(name: str, key: str, revision: str | None = None) -> str:
             f"{key}=/path/to/checkpoint.") from None
 
 
+def check_context(path: str, max_model_len: int) -> None:
+    """model.max_model_len within the positions the checkpoint's config.json gives it
+    (max_position_embeddings, times a rope_scaling factor where one is set): vLLM refuses more, but
+    only inside the Generator, whose death then says little. A config without the field passes."""
+    import json
+
+    cfg = json.loads((Path(path) / "config.json").read_text()) if (Path(path) / "config.json").is_file() else {}
+    cfg = cfg.get("text_config") or cfg
+    limit = cfg.get("max_position_embeddings")
+    if not isinstance(limit, int):
+        return
+    factor = (cfg.get("rope_scaling") or {}).get("factor") or 1.0
+    if max_model_len > limit * factor:
+        scaled = f" x rope_scaling factor {factor:g}" if factor != 1.0 else ""
+        raise ModelError(f"model.max_model_len={max_model_len} is longer than the {int(limit * factor)} positions "
+                         f"{path}/config.json allows (max_position_embeddings {limit}{scaled})")
+
+
 def load_tokenizer(path: str, key: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 

@@ -25,7 +25,7 @@ from rlspec.cluster.calls import ActorFailure
 from rlspec.config import ConfigError, RLSpecConfig, register_configs, resolve_auto, validate
 from rlspec.data.loading import DataError, PromptSet, load_split
 from rlspec.loops.preemption import EXIT_NUMERICAL, EXIT_PREEMPTED, NumericalDivergence, Preempted
-from rlspec.models import ModelError, ModelPaths, load_tokenizer, resolve_checkpoint
+from rlspec.models import ModelError, ModelPaths, check_context, load_tokenizer, resolve_checkpoint
 from rlspec.rewards import preload as preload_reward
 from rlspec.speculation.checks import check_draft
 
@@ -70,6 +70,7 @@ def load_data(cfg: RLSpecConfig, tokenizer) -> tuple[PromptSet, PromptSet]:
 def resolve_paths(cfg: RLSpecConfig) -> ModelPaths:
     """Every checkpoint the run needs as a local directory; the draft checked against the target."""
     model = resolve_checkpoint(cfg.model.path, "model.path", cfg.model.revision)
+    check_context(model, cfg.model.max_model_len)
     tokenizer = resolve_checkpoint(cfg.model.tokenizer, "model.tokenizer") if cfg.model.tokenizer else model
     draft = resolve_checkpoint(cfg.speculation.model, "speculation.model") if cfg.speculation.model else None
     check_draft(cfg.speculation, model, draft)

@@ -1,6 +1,7 @@
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +52,27 @@ def test_a_checkpoint_a_node_cannot_read_is_named_with_the_node(tmp_path):
     with pytest.raises(ModelError, match=rf"Generator on node {socket.gethostname()} cannot read "
                                          rf"speculation.model: {missing} \(resolved on the driver's node\)"):
         ModelPaths(ok, ok, missing).check_visible("Generator")
+
+
+def test_a_context_longer_than_the_checkpoint_allows_is_named(tmp_path, tiny_policy):
+    """vLLM refuses it only inside the Generator; rlspec refuses it before any actor starts."""
+    import json
+    import shutil
+
+    from rlspec.models import check_context
+
+    limit = json.loads((Path(tiny_policy) / "config.json").read_text())["max_position_embeddings"]
+    check_context(tiny_policy, limit)
+    with pytest.raises(ModelError, match=rf"model\.max_model_len={limit + 1} is longer than the {limit} positions "
+                                         rf".*config\.json allows \(max_position_embeddings {limit}\)"):
+        check_context(tiny_policy, limit + 1)
+    scaled = tmp_path / "scaled"
+    shutil.copytree(tiny_policy, scaled)
+    cfg = json.loads((scaled / "config.json").read_text())
+    (scaled / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    check_context(str(scaled), 4 * limit)
+    with pytest.raises(ModelError, match=r"x rope_scaling factor 4\)"):
+        check_context(str(scaled), 4 * limit + 1)
+    p = subprocess.run([sys.executable, "-m", "rlspec.train", f"model.max_model_len={limit + 64}",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and f"model.max_model_len={limit + 64} is longer than" in p.stderr, p.stderr[-2000:]

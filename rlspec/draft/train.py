@@ -43,7 +43,7 @@ from rlspec.data.loading import DataError, load_split
 from rlspec.draft.eagle3 import head_step
 from rlspec.loops.runlog import open_wandb, progress_bar
 from rlspec.messages import Sampling
-from rlspec.models import ModelError, load_causal_lm, load_tokenizer, local_device, resolve_checkpoint
+from rlspec.models import ModelError, check_context, load_causal_lm, load_tokenizer, local_device, resolve_checkpoint
 
 
 @dataclass
@@ -328,6 +328,7 @@ def train(cfg: DraftTrainConfig, run_dir: str) -> dict:
     torch.manual_seed(d.seed)
     torch.set_num_threads(d.threads)
     target = resolve_checkpoint(cfg.model.path, "model.path", cfg.model.revision)
+    check_context(target, cfg.model.max_model_len)
     tokenizer = load_tokenizer(resolve_checkpoint(cfg.model.tokenizer, "model.tokenizer") if cfg.model.tokenizer
                                else target, "model.path", cfg.model.trust_remote_code)
     out_dir = Path(d.out_dir or os.path.join(run_dir, "head" if d.kind == "eagle3" else "draft"))
