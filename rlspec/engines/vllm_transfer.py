@@ -316,17 +316,17 @@ class ActorClient:
 
         refs = [getattr(h, method).remote(*args_of(first)) for _, h, first in self.receivers]
         name_of = {r: name for (name, _, _), r in zip(self.receivers, refs)}
-        pending, deadline = list(refs), time.monotonic() + self.timeout_s
+        pending, deadline, got = list(refs), time.monotonic() + self.timeout_s, {}
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
             if not ready:
                 raise TimeoutError(f"weight refit: {', '.join(name_of[r] for r in pending)} did not answer "
                                    f"{method} within {self.timeout_s:.0f}s (cluster.actor_timeout_s)")
             try:
-                ray.get(ready[0], timeout=0)
+                got[ready[0]] = ray.get(ready[0], timeout=0)
             except RayActorError as e:
                 raise PeerDied(name_of[ready[0]], method, error_line(e)) from None
-        return ray.get(refs)
+        return [got[r] for r in refs]
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         def payload(first: int) -> tuple:
