@@ -81,3 +81,16 @@ def make_engine(model: torch.nn.Module, t: TrainerConfig, samples_per_step: int,
     engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                                config=ds_config(t, samples_per_step, world_size))
     return engine, sched
+
+
+def begin_micro_batch(engine) -> None:
+    """What DeepSpeedEngine.forward does before the module runs, for a micro-batch whose forward
+    calls the module's parts directly (sequence_logprobs runs the decoder and the output layer
+    apart, to bound the logits it holds): a ZeRO optimizer closes the last micro-batch's backward
+    there. ZeRO-3 counts its micro-batches at that point; without it each micro-batch's gradient
+    partition replaces the one before instead of adding to it, and only the last micro-batch of an
+    optimizer step would train."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    if isinstance(engine.optimizer, ZeROOptimizer):
+        engine.optimizer.clear_backward_seen_flag()

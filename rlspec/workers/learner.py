@@ -13,7 +13,7 @@ from rlspec.algo.batching import micro_batches
 from rlspec.algo.logprobs import prompt_cache_supported, prompt_plan, sequence_logprobs
 from rlspec.algo.losses import LossInputs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
-from rlspec.engines.deepspeed_engine import init_distributed, make_engine
+from rlspec.engines.deepspeed_engine import begin_micro_batch, init_distributed, make_engine
 from rlspec.engines.weight_sync import LearnerSource, endpoint
 from rlspec.messages import MiniBatch, TrainBatch
 from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
@@ -123,6 +123,7 @@ class Learner:
         batch, num_tokens, num_seqs = part.batch, part.num_tokens, part.num_seqs
         sums, chunks = defaultdict(float), micro_batches(batch.attention_mask, self.trainer.micro_batch_size)
         for idx, width in chunks:
+            begin_micro_batch(self.engine)
             host = batch.rows(idx, width)
             mb = host.to(self.device)
             shared = self.shared_prompts and host.prompt_lengths is not None

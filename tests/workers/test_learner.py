@@ -174,3 +174,42 @@ def test_four_mini_batches_match_a_hand_computed_reference():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "4 mini-batches" in r.stdout, (r.stdout + r.stderr)[-3000:]
     print(r.stdout.strip().splitlines()[-1])
+
+
+def zero_stage_run(zero_stage: int, port: int, out: str) -> None:
+    """One step over rows(8) in 4 micro-batches of 2 under `zero_stage`; saves the weights after
+    it and the step's stats."""
+    t = TrainerConfig(micro_batch_size=2, zero_stage=zero_stage, dtype="float32", lr=1e-3)
+    learner = learner_of(t, port)
+    b = rows()
+    _, stats = learner.train_step([MiniBatch(b, float(b.loss_mask.sum()), float(len(b)))])
+    torch.save({"weights": learner.full_weights(), "stats": stats}, out)
+
+
+def test_every_micro_batch_adds_to_the_gradient_under_each_zero_stage(tmp_path):
+    """The same 4-micro-batch step under ZeRO 0 and ZeRO 3, each in its own process: the gradient
+    norm and the update agree. ZeRO-3 counts micro-batches in DeepSpeedEngine.forward, which the
+    learner's split forward (decoder, then the output layer by chunks) does not call; without
+    deepspeed_engine.begin_micro_batch each micro-batch's gradient replaced the one before, and
+    ZeRO-3 trained on the last micro-batch alone."""
+    from rlspec.models import load_causal_lm
+
+    procs = [subprocess.Popen([sys.executable, "-c", f"from test_learner import zero_stage_run as f; "
+                               f"f({stage}, {29660 + stage}, {str(tmp_path / str(stage))!r})"],
+                              cwd=Path(__file__).parent, env=child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for stage in (0, 3)]
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=300)
+        finally:
+            p.kill()
+        assert p.returncode == 0, out[-3000:]
+    z0, z3 = (torch.load(tmp_path / str(stage)) for stage in (0, 3))
+    init = {k: v.detach() for k, v in load_causal_lm(tiny_paths().model).named_parameters()}
+    update = torch.cat([(z0["weights"][k] - init[k]).reshape(-1) for k in init])
+    off = torch.cat([(z3["weights"][k] - z0["weights"][k]).reshape(-1) for k in init])
+    assert z0["stats"]["micro_batches"] == z3["stats"]["micro_batches"] == 4
+    assert math.isclose(z3["stats"]["grad_norm"], z0["stats"]["grad_norm"], rel_tol=1e-4), (z0["stats"], z3["stats"])
+    assert float(off.norm() / update.norm()) < 1e-3, float(off.norm() / update.norm())
+    print(f"ZeRO-3 against ZeRO 0 over 4 micro-batches: gradient norm {z3['stats']['grad_norm']:.6f} / "
+          f"{z0['stats']['grad_norm']:.6f}, update off by {float(off.norm() / update.norm()):.1e} of its norm")
