@@ -168,6 +168,12 @@ class MiniBatch:
     batch: TrainBatch
     num_tokens: float
     num_seqs: float
+    # Micro-batches every rank runs for this step (0: as many as the rows need).
+    micro_batches: int = 0
+    # Loss-carrying tokens and sequences of the rows trained, over all ranks, where rows with zero
+    # gradient were left out (None: every row is trained): the denominators of the step's metrics.
+    trained_tokens: float | None = None
+    trained_seqs: float | None = None
 
 
 @dataclass

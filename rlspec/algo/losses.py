@@ -17,11 +17,18 @@ import torch
 
 LOSSES: dict[str, Callable] = {}
 LOSS_AGGREGATIONS: dict[str, Callable] = {}
+# Losses whose every term has zero gradient where the advantage is 0 or the loss mask is (without
+# the KL term): such a row cannot move the weights, so the learner may leave it out
+# (trainer.skip_zero_gradient_rows).
+INERT_AT_ZERO_ADVANTAGE: set[str] = set()
 
 
-def register_loss(name: str):
+def register_loss(name: str, inert_at_zero_advantage: bool = False):
+    """inert_at_zero_advantage: declare that a row with advantage 0, or loss mask 0 everywhere,
+    gets zero gradient from this loss when kl_coef is 0."""
     def deco(fn):
         LOSSES[name] = fn
+        (INERT_AT_ZERO_ADVANTAGE.add if inert_at_zero_advantage else INERT_AT_ZERO_ADVANTAGE.discard)(name)
         return fn
     return deco
 
@@ -68,7 +75,7 @@ class LossInputs:
     weight: torch.Tensor | None = None
 
 
-@register_loss("grpo")
+@register_loss("grpo", inert_at_zero_advantage=True)
 def ppo_clip_loss(x: LossInputs, clip_low: float, clip_high: float, kl_coef: float, agg: str,
                   num_tokens: float, num_seqs: float,
                   clip_ratio_c: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

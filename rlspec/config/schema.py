@@ -352,6 +352,12 @@ class TrainerConfig:
     mini_batch_size: Optional[int] = None
     # Passes over the rollout batch's mini-batches per RL step.
     ppo_epochs: int = 1
+    # Leave out of the learner's forward and backward the rows that cannot move the weights: every
+    # sample of a group whose rewards all agree (advantage 0) and samples of weight 0, when the loss
+    # gives them zero gradient (rlspec.algo.losses.INERT_AT_ZERO_ADVANTAGE; kl_coef 0). The loss's
+    # denominators still count them, so the loss and the update are the same; the step's metrics
+    # (entropy, ratio, clip fractions, sampler mismatch) are then means over the rows trained.
+    skip_zero_gradient_rows: bool = True
     # Forward each distinct prompt of a micro-batch once and the responses against its KV cache
     # (rlspec.algo.logprobs.shared_prompt_forward): the same log-probs and gradients for the
     # compute of one prompt per group. Off, or a model with sliding-window or recurrent layers:

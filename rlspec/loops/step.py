@@ -13,7 +13,7 @@ import time
 import torch
 
 from rlspec.algo import compute_advantages, merge_weight_sums, overlong_mask, weight_stats, zero_variance_groups
-from rlspec.algo.batching import build_train_batch
+from rlspec.algo.batching import build_train_batch, gradient_rows, shard_rows
 from rlspec.cluster.calls import Call, wait
 from rlspec.data.loading import PromptSampler
 from rlspec.loops.queue import RolloutQueue
@@ -61,16 +61,30 @@ def collect_groups(run: Run, sampler: PromptSampler, step: int, timer: StageTime
     return ro, torch.stack([c[1] for c in chosen]), weight, stats
 
 
-def mini_batches(batch: TrainBatch, weight: torch.Tensor, size: int | None, world: int) -> list[list[MiniBatch]]:
+def mini_batches(batch: TrainBatch, weight: torch.Tensor, size: int | None, world: int,
+                 live: torch.Tensor | None = None, micro_batch_size: int | None = None) -> list[list[MiniBatch]]:
     """Per learner rank, the rollout batch's mini-batches of `size` consecutive samples (None: one),
-    each sharded over the ranks with its own loss denominators (over all ranks)."""
+    each sharded over the ranks with its own loss denominators (over all ranks). live: [N] bool,
+    the rows whose loss can move the weights (batching.gradient_rows; None: all): the others stay
+    in the denominators but are not sent, save the few that keep every rank's micro-batch count
+    equal (batching.shard_rows), whose loss mask is zeroed so they add to no sum."""
     size = size or len(batch)
+    live = torch.ones(len(batch), dtype=torch.bool) if live is None else live
     out: list[list[MiniBatch]] = [[] for _ in range(world)]
     for lo in range(0, len(batch), size):
-        part, w = batch.rows(slice(lo, lo + size)), weight[lo:lo + size]
+        part, w, ok = batch.rows(slice(lo, lo + size)), weight[lo:lo + size], live[lo:lo + size]
         tokens, seqs = float(part.loss_mask.sum()), float((w > 0).sum())
+        if ok.all():
+            for r in range(world):
+                out[r].append(MiniBatch(part.shard(r, world), tokens, seqs))
+            continue
+        per_rank = len(part) // world
+        rows, pads, m = shard_rows(ok, part.attention_mask.sum(dim=1), world, micro_batch_size or per_rank)
+        trained_tokens, trained_seqs = float(part.loss_mask[ok].sum()), float((w[ok] > 0).sum())
         for r in range(world):
-            out[r].append(MiniBatch(part.shard(r, world), tokens, seqs))
+            mine = part.rows(rows[r])
+            mine.loss_mask[len(rows[r]) - len(pads[r]):] = 0.0
+            out[r].append(MiniBatch(mine, tokens, seqs, m, trained_tokens, trained_seqs))
     return out
 
 
@@ -97,14 +111,17 @@ def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
         # it trains while the learner does
         draft_call = actors.draft_trainer.update(cfg.speculation.online.steps_per_rl_step,
                                                  actors.logprobs.take_features())
+    live = (gradient_rows(batch.advantages, weight, cfg.algo.loss, cfg.algo.kl_coef)
+            if cfg.trainer.skip_zero_gradient_rows else torch.ones(len(batch), dtype=torch.bool))
     with timer("train"):
-        per_rank = wait(actors.learners.train_step(mini_batches(batch, weight, cfg.trainer.mini_batch_size,
-                                                                len(actors.learners)), cfg.trainer.ppo_epochs),
-                        actors.timeout_s)
+        parts = mini_batches(batch, weight, cfg.trainer.mini_batch_size, len(actors.learners), live,
+                             cfg.trainer.micro_batch_size)
+        per_rank = wait(actors.learners.train_step(parts, cfg.trainer.ppo_epochs), actors.timeout_s)
         metrics = {}
         for r in per_rank:  # partial sums over global denominators
             metrics = merge_weight_sums(metrics, r[0])
         metrics.update(per_rank[0][1])
+        metrics["rows_skipped"] = 1.0 - float(live.float().mean())
     version = step
     if queue is not None:
         queue.before_refit(timer)

@@ -78,7 +78,7 @@ class Learner:
         if steps > 1:
             # Every step's ratio is taken against the weights before the first one: without a
             # recompute, this rank's own no-grad pass over its rows now.
-            parts = [MiniBatch(replace(p.batch, old_logprobs=self._logprobs(p.batch)), p.num_tokens, p.num_seqs)
+            parts = [replace(p, batch=replace(p.batch, old_logprobs=self._logprobs(p.batch, p.micro_batches)))
                      if p.batch.old_logprobs is None else p for p in parts]
         self.engine.train()
         sums, norms, applied, micro = defaultdict(float), [], True, 0
@@ -106,10 +106,11 @@ class Learner:
         return dict(sums), stats
 
     @torch.no_grad()
-    def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[N, T] this rank's current log-probs of the batch's tokens, on the host."""
+    def _logprobs(self, batch: TrainBatch, count: int = 0) -> torch.Tensor:
+        """[N, T] this rank's current log-probs of the batch's tokens, on the host, in `count`
+        micro-batches (0: as many as the rows need), as many forward passes as every other rank's."""
         out = torch.zeros(batch.loss_mask.shape)
-        for idx, width in micro_batches(batch.attention_mask, self.trainer.micro_batch_size):
+        for idx, width in micro_batches(batch.attention_mask, self.trainer.micro_batch_size, count or None):
             mb = batch.rows(idx, width).to(self.device)
             out[idx, : width - 1] = sequence_logprobs(self.engine, mb.input_ids, mb.attention_mask, self.temperature,
                                                       chunk_tokens=self.trainer.logit_chunk_tokens).cpu()
@@ -121,8 +122,17 @@ class Learner:
         step's loss and metrics, each divided by `steps` (so the run reports their mean over the
         steps), and how many micro-batches ran."""
         batch, num_tokens, num_seqs = part.batch, part.num_tokens, part.num_seqs
-        sums, chunks = defaultdict(float), micro_batches(batch.attention_mask, self.trainer.micro_batch_size)
-        for idx, width in chunks:
+        sums = defaultdict(float)
+        chunks = micro_batches(batch.attention_mask, self.trainer.micro_batch_size, part.micro_batches or None)
+        # Where rows with zero gradient were left out, the metrics are means over the rows trained
+        # (the loss's denominators stay the whole mini-batch's: the loss and gradient are unchanged).
+        trained_tokens = num_tokens if part.trained_tokens is None else part.trained_tokens
+        trained_seqs = num_seqs if part.trained_seqs is None else part.trained_seqs
+        rescale = (num_seqs / max(trained_seqs, 1.0) if self.algo.loss_agg == "seq_mean"
+                   else num_tokens / max(trained_tokens, 1.0))
+        for i, (idx, width) in enumerate(chunks):
+            # The optimizer steps after the last micro-batch, however many this step has.
+            self.engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
             begin_micro_batch(self.engine)
             host = batch.rows(idx, width)
             mb = host.to(self.device)
@@ -158,8 +168,8 @@ class Learner:
             self.engine.step()
             sums["loss"] += loss.item() / steps
             for k, v in metrics.items():
-                sums[k] += float(v) / steps
-            sums["entropy"] += float((ent * x.mask.float()).sum() / max(num_tokens, 1.0)) / steps
+                sums[k] += float(v) * (1.0 if k == "pg_loss" else rescale) / steps
+            sums["entropy"] += float((ent * x.mask.float()).sum() / max(trained_tokens, 1.0)) / steps
         return sums, len(chunks)
 
     def save_checkpoint(self, path: str) -> None:

@@ -110,3 +110,66 @@ def test_prompt_cache_supported_refuses_sliding_window_layers():
                           sliding_window=8, max_window_layers=0)
     assert prompt_cache_supported(Stub(full))
     assert not prompt_cache_supported(Stub(sliding))
+
+
+def test_gradient_rows_are_those_with_an_advantage_and_a_weight_under_an_inert_loss_only():
+    from rlspec.algo.batching import gradient_rows
+
+    adv, w = torch.tensor([0.0, 1.2, -0.7, 0.0, 0.5]), torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0])
+    assert gradient_rows(adv, w, "grpo", 0.0).tolist() == [False, True, True, False, False]
+    # the KL term moves a row whatever its advantage; an unregistered loss is not assumed inert
+    assert gradient_rows(adv, w, "grpo", 0.01).all() and gradient_rows(adv, w, "my_loss", 0.0).all()
+
+
+def test_shard_rows_gives_every_rank_the_same_micro_batch_count_and_pads_with_the_shortest():
+    from rlspec.algo.batching import shard_rows
+
+    lengths = torch.tensor([30, 5, 40, 7, 9, 60, 3, 11, 20, 8, 6, 50, 2, 12, 4, 15])
+    live = torch.zeros(16, dtype=torch.bool)
+    # every row live: the plain contiguous split, 16 / (2 ranks x 4) = 2 micro-batches each
+    rows, pads, m = shard_rows(~live, lengths, 2, 4)
+    assert m == 2 and [r.tolist() for r in rows] == [list(range(8)), list(range(8, 16))] and not any(map(len, pads))
+    # 5 live rows over 2 ranks: 1 micro-batch each, split 2 / 3, nothing to pad
+    live[[0, 2, 5, 11, 15]] = True
+    rows, pads, m = shard_rows(live, lengths, 2, 4)
+    assert m == 1 and [r.tolist() for r in rows] == [[0, 2], [5, 11, 15]]
+    # 1 live row over 2 ranks: the other rank runs the shortest row that is not live, and 9 live
+    # rows over 2 ranks of micro-batches of 4: 2 micro-batches each, so the 4-row rank gets none
+    live[:] = False
+    live[5] = True
+    rows, pads, m = shard_rows(live, lengths, 2, 4)
+    assert m == 1 and [r.tolist() for r in rows] == [[12], [5]] and [p.tolist() for p in pads] == [[12], []]
+    live[:9] = True
+    rows, pads, m = shard_rows(live, lengths, 2, 4)
+    assert m == 2 and [len(r) for r in rows] == [4, 5] and not any(map(len, pads))
+    # no live row at all: each rank still runs one micro-batch (the optimizer steps as before)
+    rows, pads, m = shard_rows(torch.zeros(16, dtype=torch.bool), lengths, 2, 4)
+    assert m == 1 and [r.tolist() for r in rows] == [[12], [6]] and rows[0].tolist() == pads[0].tolist()
+    for r in rows:
+        assert 1 <= len(r) <= m * 4 and len(micro_batches(torch.ones(len(r), 3), 4, m)) == m
+
+
+def test_mini_batches_keep_the_whole_batch_denominators_and_zero_the_padding_rows_loss():
+    from rlspec.loops.step import mini_batches
+
+    b = ragged_batch(2, n=16)
+    b.advantages[:] = 0.0
+    b.advantages[[3, 9]] = torch.tensor([1.0, -1.0])
+    live = b.advantages != 0
+    (r0,), (r1,) = mini_batches(b, torch.ones(16), None, 2, live, 4)
+    tokens = float(b.loss_mask.sum())
+    for part in (r0, r1):
+        assert (part.num_tokens, part.num_seqs, part.micro_batches) == (tokens, 16.0, 1)
+        assert part.trained_tokens == float(b.loss_mask[[3, 9]].sum()) and part.trained_seqs == 2.0
+    assert torch.equal(r0.batch.input_ids, b.rows(torch.tensor([3])).input_ids)
+    assert torch.equal(r1.batch.input_ids, b.rows(torch.tensor([9])).input_ids)
+    # one live row: the other rank runs the shortest row, its loss mask zeroed, the batch's intact
+    (r0,), (r1,) = mini_batches(b, torch.ones(16), None, 2, b.advantages > 0, 4)
+    shortest = int(torch.argmin(b.attention_mask.sum(1)))
+    assert torch.equal(r0.batch.input_ids, b.rows(torch.tensor([shortest])).input_ids)
+    assert r0.batch.loss_mask.sum() == 0 and b.loss_mask[shortest].sum() > 0 and r0.trained_seqs == 1.0
+    assert torch.equal(r1.batch.loss_mask, b.rows(torch.tensor([3])).loss_mask)
+    # every row live: the contiguous shards of before, no count, no trained denominators
+    (a0,), (a1,) = mini_batches(b, torch.ones(16), None, 2)
+    assert torch.equal(a1.batch.input_ids, b.shard(1, 2).input_ids) and a1.micro_batches == 0
+    assert a1.trained_tokens is None

@@ -198,18 +198,62 @@ def test_every_micro_batch_adds_to_the_gradient_under_each_zero_stage(tmp_path):
                                f"f({stage}, {29660 + stage}, {str(tmp_path / str(stage))!r})"],
                               cwd=Path(__file__).parent, env=child_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for stage in (0, 3)]
+def zero_gradient_rows_run(world: int, rank: int, zero_stage: int, skip: bool, port: int, out: str) -> None:
+    """One learner rank's step over rows(16) where only row 5 has an advantage (every other group
+    agreed): with `skip`, the rows of zero gradient are left out (mini_batches' live rows) and
+    every rank runs 1 micro-batch (one of them a padding row when there are 2), where training
+    every row runs 16 / (world x 2). Saves the weights after the step, and this rank's sums."""
+    from rlspec.algo.batching import gradient_rows
+    from rlspec.loops.step import mini_batches
+    from rlspec.workers.learner import Learner
+
+    t = TrainerConfig(micro_batch_size=2, zero_stage=zero_stage, dtype="float32", lr=1e-3)
+    learner = Learner(paths=tiny_paths(), model=ModelConfig(), algo=AlgoConfig(off_policy_correction="none"),
+                      trainer=t, generation=GenerationConfig(num_prompts_per_step=4, num_generations_per_prompt=4),
+                      rank=rank, world_size=world, rendezvous=("127.0.0.1", port), threads=1)
+    b = rows(16)
+    b.advantages[torch.arange(16) != 5] = 0.0
+    live = gradient_rows(b.advantages, torch.ones(16), "grpo", 0.0) if skip else None
+    sums, stats = learner.train_step(mini_batches(b, torch.ones(16), None, world, live, 2)[rank])
+    weights = learner.full_weights()  # a collective under ZeRO-3: every rank takes part
+    torch.save({"weights": weights, "sums": dict(sums), "stats": stats}, f"{out}.{rank}")
+
+
+def test_leaving_out_zero_gradient_rows_gives_the_same_update(tmp_path):
+    """The same step four ways, each in its own processes: every row trained and the zero-gradient
+    rows left out, on 1 rank (ZeRO 0) and on 2 ranks under ZeRO-3, where each rank runs 1
+    micro-batch instead of 4 and one of them only a padding row (ZeRO-3 gathers parameters in
+    every forward: a rank running fewer micro-batches than the other would hang). The loss over
+    the ranks, the gradient norm and the weights after the step agree to float32 rounding on 1
+    rank; under ZeRO-3 the update agrees to 1e-4 of its norm (Adam turns the last bits of
+    near-zero gradients into steps of up to lr either way)."""
+    from rlspec.models import load_causal_lm
+
+    runs = {"all": (1, 0), "skip": (1, 0), "all_zero3": (2, 3), "skip_zero3": (2, 3)}
+    procs = []
+    for i, (name, (world, stage)) in enumerate(runs.items()):
+        for rank in range(world):
+            code = (f"from test_learner import zero_gradient_rows_run as f; "
+                    f"f({world}, {rank}, {stage}, {name.startswith('skip')}, {29650 + i}, {str(tmp_path / name)!r})")
+            procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent, env=child_env(),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
         try:
             out, _ = p.communicate(timeout=300)
         finally:
             p.kill()
         assert p.returncode == 0, out[-3000:]
-    z0, z3 = (torch.load(tmp_path / str(stage)) for stage in (0, 3))
+    got = {name: [torch.load(f"{tmp_path / name}.{r}") for r in range(world)] for name, (world, _) in runs.items()}
     init = {k: v.detach() for k, v in load_causal_lm(tiny_paths().model).named_parameters()}
-    update = torch.cat([(z0["weights"][k] - init[k]).reshape(-1) for k in init])
-    off = torch.cat([(z3["weights"][k] - z0["weights"][k]).reshape(-1) for k in init])
-    assert z0["stats"]["micro_batches"] == z3["stats"]["micro_batches"] == 4
-    assert math.isclose(z3["stats"]["grad_norm"], z0["stats"]["grad_norm"], rel_tol=1e-4), (z0["stats"], z3["stats"])
-    assert float(off.norm() / update.norm()) < 1e-3, float(off.norm() / update.norm())
-    print(f"ZeRO-3 against ZeRO 0 over 4 micro-batches: gradient norm {z3['stats']['grad_norm']:.6f} / "
-          f"{z0['stats']['grad_norm']:.6f}, update off by {float(off.norm() / update.norm()):.1e} of its norm")
+    flat = lambda w: torch.cat([w[k].reshape(-1) for k in init])  # noqa: E731
+    for full, skip in (("all", "skip"), ("all_zero3", "skip_zero3")):
+        want, have = got[full][0], got[skip][0]
+        update, off = flat(want["weights"]) - flat(init), flat(have["weights"]) - flat(want["weights"])
+        assert float(update.abs().max()) > 1e-4  # the step moved the weights
+        loss = [sum(r["sums"]["loss"] for r in got[name]) for name in (full, skip)]
+        assert math.isclose(loss[1], loss[0], rel_tol=1e-5), loss
+        assert math.isclose(have["stats"]["grad_norm"], want["stats"]["grad_norm"], rel_tol=1e-5)
+        assert have["stats"]["micro_batches"] == 1 and want["stats"]["micro_batches"] == 8 // len(got[full])
+        assert float(off.abs().max()) < 1e-6 if full == "all" else float(off.norm() / update.norm()) < 1e-4
+        print(f"{skip}: {have['stats']['micro_batches']:.0f} micro-batch a rank against "
+              f"{want['stats']['micro_batches']:.0f}, update off by {float(off.norm() / update.norm()):.1e} of its norm")
