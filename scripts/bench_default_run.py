@@ -31,9 +31,11 @@ from bench_async import cpu_model, rlspec_version  # noqa: E402
 
 
 def overrides(setting: str) -> list[str]:
-    """'none', 'history', 'draft_model:3' -> the Hydra overrides that select it."""
-    method, _, k = setting.partition(":")
-    return [f"speculation={method}", *([f"speculation.num_speculative_tokens={k}"] if k else [])]
+    """'none', 'history', 'draft_model:3' -> the Hydra overrides that select it; each '+KEY=VALUE'
+    after it adds that override to the setting's runs alone ('none+trainer.skip_zero_gradient_rows=false')."""
+    head, *extra = setting.split("+")
+    method, _, k = head.partition(":")
+    return [f"speculation={method}", *([f"speculation.num_speculative_tokens={k}"] if k else []), *extra]
 
 
 def epoch_steps(extra: list[str]) -> int:
@@ -80,7 +82,7 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
 
 
 def run_one(setting: str, seed: int, extra: list[str], work: Path, per_epoch: int, timeout: int) -> dict:
-    run_dir = work / f"{setting.replace(':', '_k')}_seed{seed}"
+    run_dir = work / f"{setting.replace(':', '_k').replace('+', '__').replace('=', '-')}_seed{seed}"
     cmd = [sys.executable, "-m", "rlspec.train", *extra, *overrides(setting), f"trainer.seed={seed}",
            "trainer.checkpoint_every=0", "trainer.save_final=false", "logging.plot=false",
            "logging.wandb_mode=disabled", "logging.progress_bar=false", f"hydra.run.dir={run_dir}"]
