@@ -212,7 +212,11 @@ def default_run_section(paths: list[Path]) -> list[str]:
            "`make demo`'s 240 stand in within its 10 minutes. `default_run_epyc.json` is "
            "`default_run_auto.json`'s two fixed settings on another two-core machine: the same seeds train "
            "to the same held-out accuracies, but there the engine runs faster against the learner, so "
-           "generation is a smaller share of the step and history drafting wins back less of it.", ""]
+           "generation is a smaller share of the step and history drafting wins back less of it. "
+           "`default_run_skip_rows.json` is the version whose learner leaves out the rows that cannot move "
+           "the weights (`trainer.skip_zero_gradient_rows`, docs/architecture.md), on the same kind of machine, "
+           "with the setting that trains every row beside it: the same seeds train to the same held-out "
+           "accuracies, and the train stage shrinks by the share of samples whose group agreed.", ""]
     for p in paths:
         out += default_run_lines(p)
     return out
