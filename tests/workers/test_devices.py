@@ -42,16 +42,21 @@ class EagerEngine(torch.nn.Module):
     def __init__(self, module):
         super().__init__()
         self.module = module
-        self.opt = torch.optim.SGD(module.parameters(), lr=0.0)
+        self.opt = self.optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
+        self.boundary = True
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        self.boundary = is_boundary
 
     def backward(self, loss, scale_wrt_gas=False):
         loss.backward()
 
     def step(self):
-        self.opt.step()
+        if self.boundary:
+            self.opt.step()
 
     def get_global_grad_norm(self):
         return 0.0
