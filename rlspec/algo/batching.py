@@ -30,18 +30,21 @@ def build_train_batch(rollouts: RolloutBatch, advantages: torch.Tensor, sample_w
                       prompt_lengths=torch.tensor([len(p) for p in rollouts.prompt_ids]))
 
 
-def micro_batches(attention_mask: torch.Tensor, size: int, count: int | None = None) -> list[tuple[torch.Tensor, int]]:
+def micro_batches(attention_mask: torch.Tensor, size: int,
+                  count: int | None = None) -> list[tuple[torch.Tensor, int]]:
     """Row indices of each micro-batch of `size` rows, longest rows first, and the width (input
     positions) its longest row needs; with `count`, exactly that many micro-batches of at most
-    `size` rows, as even as the rows allow (count <= rows <= count * size). A right-padded row's positions before that width attend to
-    the same tokens whatever follows, so cutting the padding changes no log-prob; it only stops
-    every micro-batch from paying for the step's single longest rollout. The losses' denominators
-    are the whole step's, so how rows are grouped does not change the summed loss or gradient."""
+    `size` rows, as even as the rows allow (count <= rows <= count * size). A right-padded row's
+    positions before that width attend to the same tokens whatever follows, so cutting the padding
+    changes no log-prob; it only stops every micro-batch from paying for the step's single longest
+    rollout. The losses' denominators are the whole step's, so how rows are grouped does not change
+    the summed loss or gradient."""
     lengths = attention_mask.sum(dim=1)
     order = torch.argsort(lengths, descending=True, stable=True)
     if count is not None and not count <= len(order) <= count * size:
         raise ValueError(f"{len(order)} rows cannot make {count} micro-batches of at most {size}")
-    return [(idx, int(lengths[idx].max())) for idx in (order.split(size) if count is None else order.tensor_split(count))]
+    parts = order.split(size) if count is None else order.tensor_split(count)
+    return [(idx, int(lengths[idx].max())) for idx in parts]
 
 
 def gradient_rows(advantages: torch.Tensor, weight: torch.Tensor, loss: str, kl_coef: float) -> torch.Tensor:
@@ -53,7 +56,8 @@ def gradient_rows(advantages: torch.Tensor, weight: torch.Tensor, loss: str, kl_
     return (advantages != 0) & (weight > 0)
 
 
-def shard_rows(live: torch.Tensor, lengths: torch.Tensor, world: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+def shard_rows(live: torch.Tensor, lengths: torch.Tensor, world: int,
+               size: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
     """Split one mini-batch's rows over `world` learner ranks so that every rank runs the same
     number m of micro-batches of at most `size` rows (each rank's collectives, ZeRO-3's gathers in
     every forward among them, must pair up): the live rows in order, contiguous and even, the
@@ -68,7 +72,7 @@ def shard_rows(live: torch.Tensor, lengths: torch.Tensor, world: int, size: int)
     rows, pads = [], []
     for r in range(world):
         mine = keep[r * len(keep) // world: (r + 1) * len(keep) // world]
-        pad = torch.tensor([spare.pop(0) for _ in range(m - len(mine))] if len(mine) < m else [], dtype=torch.long)
+        pad = torch.tensor([spare.pop(0) for _ in range(m - len(mine))], dtype=torch.long)
         rows.append(torch.cat([mine, pad]))
         pads.append(pad)
     return rows, pads, m
