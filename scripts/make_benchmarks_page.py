@@ -228,9 +228,11 @@ def pinned_settings(r: dict) -> tuple[list[str], list[str]]:
     spec = {row["setting"]: row.get("speculation") for row in r["rows"]}
     if not all(spec.values()):
         return r["settings"], r["overrides"]
-    settings = [s if ":" in s or spec[s]["method"] == "none" else
-                "+".join([f"{s.split('+')[0]}:{spec[s]['num_speculative_tokens']}", *s.split("+")[1:]])
-                for s in r["settings"]]
+    def with_k(s: str) -> str:  # 'history+a=1' -> 'history:5+a=1'
+        head, plus, rest = s.partition("+")
+        return f"{head}:{spec[s]['num_speculative_tokens']}{plus}{rest}"
+
+    settings = [s if ":" in s or spec[s]["method"] == "none" else with_k(s) for s in r["settings"]]
     top = {v["max_speculative_tokens"] for v in spec.values() if v["num_speculative_tokens"] == "auto"}
     return settings, [*r["overrides"], *(f"speculation.max_speculative_tokens={k}" for k in top)]
 

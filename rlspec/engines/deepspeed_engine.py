@@ -83,14 +83,16 @@ def make_engine(model: torch.nn.Module, t: TrainerConfig, samples_per_step: int,
     return engine, sched
 
 
-def begin_micro_batch(engine) -> None:
-    """What DeepSpeedEngine.forward does before the module runs, for a micro-batch whose forward
-    calls the module's parts directly (sequence_logprobs runs the decoder and the output layer
-    apart, to bound the logits it holds): a ZeRO optimizer closes the last micro-batch's backward
-    there. ZeRO-3 counts its micro-batches at that point; without it each micro-batch's gradient
-    partition replaces the one before instead of adding to it, and only the last micro-batch of an
-    optimizer step would train."""
+def begin_micro_batch(engine, last: bool) -> None:
+    """Open a micro-batch; `last`: the optimizer steps after it (the step's micro-batch count varies,
+    so the boundary is set by hand rather than counted by DeepSpeed). Then what
+    DeepSpeedEngine.forward does before the module runs, for a forward that calls the module's parts
+    directly (sequence_logprobs runs the decoder and the output layer apart, to bound the logits it
+    holds): a ZeRO optimizer closes the last micro-batch's backward there. ZeRO-3 counts its
+    micro-batches at that point; without it each micro-batch's gradient partition replaces the one
+    before instead of adding to it, and only the last micro-batch of an optimizer step would train."""
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
+    engine.set_gradient_accumulation_boundary(last)
     if isinstance(engine.optimizer, ZeROOptimizer):
         engine.optimizer.clear_backward_seen_flag()

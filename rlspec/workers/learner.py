@@ -131,9 +131,7 @@ class Learner:
         rescale = (num_seqs / max(trained_seqs, 1.0) if self.algo.loss_agg == "seq_mean"
                    else num_tokens / max(trained_tokens, 1.0))
         for i, (idx, width) in enumerate(chunks):
-            # The optimizer steps after the last micro-batch, however many this step has.
-            self.engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
-            begin_micro_batch(self.engine)
+            begin_micro_batch(self.engine, last=i == len(chunks) - 1)
             host = batch.rows(idx, width)
             mb = host.to(self.device)
             shared = self.shared_prompts and host.prompt_lengths is not None
