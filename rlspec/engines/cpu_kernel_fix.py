@@ -9,6 +9,8 @@ speculation is then not lossless. We register plain-torch kernels through vLLM's
 from __future__ import annotations
 
 import logging
+import sys
+from contextlib import contextmanager
 
 import torch
 
@@ -162,41 +164,101 @@ def needs_fix() -> bool:
     return False
 
 
+@contextmanager
+def _rebind_scan_guard():
+    """vLLM's register_kernels rebinds every module attribute holding an overridden kernel, and on
+    the way reads `vars(value).get("kernel")` of every module attribute that answers to __dict__.
+    An object whose __getattr__ answers it with something else (llvmlite's library proxy, present
+    once numba has compiled anything, e.g. after an n-gram engine) makes it raise, and the engine
+    fails to start. Such attributes cannot be kernels: they are hidden for the scan, then put back."""
+    hidden = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            try:
+                if not hasattr(value, "__dict__"):
+                    continue
+                bad = not callable(getattr(vars(value), "get", None))
+            except Exception:
+                bad = True
+            if bad:
+                hidden.append((namespace, attr, value))
+    for namespace, attr, _ in hidden:
+        namespace[attr] = None
+    try:
+        yield
+    finally:
+        for namespace, attr, value in hidden:
+            namespace[attr] = value
+
+
+def _host(name: str):
+    """(object, attribute) holding the kernel `name` (a module, or a class for Class.kernel)."""
+    import importlib
+
+    module, attr = name.rsplit(".", 1)
+    parts = module.split(".")
+    if parts[-1][:1].isupper():
+        return getattr(importlib.import_module(".".join(parts[:-1])), parts[-1]), attr
+    return importlib.import_module(module), attr
+
+
+def _live(stand_ins: dict) -> bool:
+    """Every kernel the platform registers is overridden already, by ours where we replace it: a
+    later engine in the same process finds them so, and registering again would change nothing."""
+    for name, impl in stand_ins.items():
+        host, attr = _host(name)
+        if getattr(getattr(host, attr, None), "func", None) is not _OURS.get(name, impl):
+            return False
+    return all(getattr(getattr(*_host(name)), "func", None) is impl for name, impl in _OURS.items())
+
+
 def _register_ours(force: bool) -> None:
     """Register our kernels (unless, without `force`, they are the live ones already)."""
-    import importlib
     import warnings
 
     from vllm.triton_utils import dispatcher
     stale = {}
     for name, impl in _OURS.items():
-        module, attr = name.rsplit(".", 1)
-        if force or getattr(getattr(importlib.import_module(module), attr), "func", None) \
-                is not impl:
+        if force or getattr(getattr(*_host(name)), "func", None) is not impl:
             stale[name] = impl
     if stale:
         log = logging.getLogger(dispatcher.__name__)   # silence "already registered" warnings
         level = log.level
         log.setLevel(logging.ERROR)
         try:
-            with warnings.catch_warnings():  # vLLM's rebinding scan touches deprecated attrs
-                warnings.simplefilter("ignore", FutureWarning)
+            with warnings.catch_warnings(), _rebind_scan_guard():
+                warnings.simplefilter("ignore", FutureWarning)  # the scan touches deprecated attrs
                 dispatcher.register_kernels(stale)
         finally:
             log.setLevel(level)
 
 
+def register_platform_kernels(klass, original) -> None:
+    """The platform's own registration (`original`), then ours over it; nothing when a previous
+    engine in this process left exactly that state, so engines start one after another as often
+    as a script needs."""
+    if _live(_dry_run(lambda: original(klass))):
+        return
+    with _rebind_scan_guard():
+        original(klass)
+    _register_ours(force=True)
+
+
 def apply() -> None:
     """Register our kernels now, and make the platform's start-up hook (which the engine's
-    worker calls, re-registering the C++ stand-ins) re-register ours right after. Idempotent."""
+    worker calls, re-registering the C++ stand-ins) register ours right after. Idempotent."""
     if not _cpu_without_triton():
         return
     cls, original = _platform_hook()
     if not hasattr(cls.register_triton_kernel_overrides.__func__, _MARK):
         def register_triton_kernel_overrides(klass) -> None:
-            original(klass)
             if _cpu_without_triton():
-                _register_ours(force=True)
+                register_platform_kernels(klass, original)
+            else:
+                original(klass)
         setattr(register_triton_kernel_overrides, _MARK, original)
         cls.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
     _register_ours(force=False)

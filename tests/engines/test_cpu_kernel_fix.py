@@ -6,6 +6,8 @@ documented semantics, and check that apply() survives the platform's own (re-)re
 The end-to-end statistical tests of losslessness are in tests/speculation/test_lossless.py.
 """
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ pytest.importorskip("vllm")
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.triton_utils import HAS_TRITON  # noqa: E402
 
+from conftest import child_env  # noqa: E402
 from rlspec.engines import cpu_kernel_fix as fix  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,7 +159,8 @@ def test_needs_fix_and_verify_detect_broken_stand_ins():
         pytest.skip("this vLLM's CPU stand-ins are not broken")
     fix.apply()
     _, original = fix._platform_hook()
-    original(type(current_platform))                # the platform's stand-ins only
+    with fix._rebind_scan_guard():
+        original(type(current_platform))            # the platform's stand-ins only
     try:
         with pytest.raises(RuntimeError, match="expand_kernel"):
             fix.verify()
@@ -175,3 +179,39 @@ def test_verify_refuses_spawned_engine_core(monkeypatch):
         fix.verify()
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     fix.verify()
+
+
+def engines_one_after_another() -> None:
+    """Five engines built in one process, each deleted before the next (none, n-gram, history,
+    none, n-gram), after numba has compiled a function (vLLM's n-gram drafter uses it; its
+    llvmlite library proxy broke vLLM's kernel registration scan). Each greedy-decodes the same
+    prompts: every engine gives the tokens of the first."""
+    import gc
+
+    import numba
+
+    from conftest import paths_of, resolved
+    from rlspec.engines.vllm_engine import VLLMEngine
+    from rlspec.messages import Sampling
+    from rlspec.speculation.vllm_config import vllm_speculative_config
+
+    numba.njit(lambda x: x + 1)(1)
+    prompts = [[5, 17, 30, 41, 9], [8, 8, 12, 60]]
+    outputs = []
+    for method in ("none", "ngram", "history", "none", "ngram"):
+        cfg = resolved([f"speculation={method}"])
+        paths = paths_of(cfg)
+        engine = VLLMEngine(paths.model, paths.tokenizer, cfg.generation, cfg.model.max_model_len, 0,
+                            vllm_speculative_config(cfg.speculation, paths.draft))
+        outputs.append(engine.generate(prompts, Sampling(1, 0.0, 12), 0).response_ids)
+        fix.verify()
+        del engine
+        gc.collect()
+    assert all(o == outputs[0] for o in outputs), outputs
+    print(f"{len(outputs)} engines started in one process, greedy outputs equal", flush=True)
+
+
+def test_five_engines_start_one_after_another_in_one_process():
+    r = subprocess.run([sys.executable, "-c", "from test_cpu_kernel_fix import engines_one_after_another as f; f()"],
+                       cwd=Path(__file__).parent, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "5 engines started" in r.stdout, (r.stdout + r.stderr)[-3000:]
