@@ -43,9 +43,14 @@ def experiment_of(overrides: list[str]) -> str:
 
 
 def rlspec_version() -> str:
-    """The commit the benchmark ran at, "-dirty" when it ran with uncommitted changes."""
-    return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
+    """The commit the benchmark ran at, "-dirty" when it ran with uncommitted changes ("unknown"
+    outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.strip()
+    except OSError:  # no git on this machine
+        out = ""
+    return out or "unknown"
 
 
 def cpu_model() -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -128,22 +127,11 @@ def peer_section(path: Path) -> list[str]:
     return out
 
 
-# The commit from which `auto` plans speculation=history per request row (fill, shadow measurement).
-HISTORY_AUTO_SINCE = "c07c998"
-
-
-def measured_since(version: str, commit: str) -> bool:
-    """Whether a record's rlspec version (git describe, maybe '-dirty') has `commit` in its history."""
-    rev = version.removesuffix("-dirty")
-    return subprocess.run(["git", "merge-base", "--is-ancestor", commit, rev], cwd=ROOT,
-                          capture_output=True).returncode == 0
-
-
 def auto_lines(records: list[dict]) -> list[str]:
     """Per batch size: 'auto' against no speculation and against the best fixed k of its method."""
     out = []
-    stale = any(r["method"] == "history" and r["k"] == "auto" for r in records) and \
-        not measured_since(records[0]["version"], HISTORY_AUTO_SINCE)
+    # records of `auto` measured before it planned speculation=history per request row say so
+    stale = any(r.get("history_auto_planner") == "per_draft" for r in records)
     for a in (r for r in records if r["k"] == "auto"):
         fixed = [r for r in records if r["method"] == a["method"] and r["batch_size"] == a["batch_size"]
                  and r["k"] != "auto"]

@@ -132,3 +132,24 @@ def child_env(*paths) -> dict:
     whatever PYTHONPATH this process already has (packages installed outside the venv stay seen)."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), *map(str, paths),
                                                          os.environ.get("PYTHONPATH", "")])}
+
+
+def rounding_bound(config: dict, layers: int, positions: int, tokens: int, extra: int = 0) -> float:
+    """A first-order bound on the relative difference between two float32 computations of one
+    result that take their sums in other orders (micro-batches, ranks, ZeRO's partitions, another
+    CPU's kernels): K units of rounding (2^-24), K the additions on the result's longest path: back
+    through `layers` decoder layers of this Hugging Face `config` (their matrix products' inner
+    dimensions: q/k/v/o over hidden_size, the MLP's intermediate_size, attention over `positions`),
+    the output layer's vocabulary, the batch's `tokens`, and `extra` (another layer's inner
+    dimension). Errors of independent sign add up to about sqrt(K) units instead, what a machine
+    shows; a lost micro-batch, a wrong denominator or a missed clip is off by 10% or more."""
+    per_layer = 3 * config["hidden_size"] + config["intermediate_size"] + positions
+    return (layers * per_layer + config["vocab_size"] + tokens + extra) * 2.0 ** -24
+
+
+def report(what: str, observed: float, bound: float) -> None:
+    """A comparison's observed difference printed beside its bound (the margin on this machine),
+    then asserted within it."""
+    margin = f"{bound / observed:.0f}x" if observed > 0 else "exact"
+    print(f"{what}: observed {observed:.1e}, bound {bound:.1e} ({margin})", flush=True)
+    assert observed <= bound, (what, observed, bound)

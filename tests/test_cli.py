@@ -97,10 +97,14 @@ def test_skipped_recompute_trains_like_the_recompute(tmp_path):
     the weights before step s-1's update, so its decoupled-PPO behaviour weights pi_prox / pi_behav
     are taken from that forward pass (here step 1 has no update, every group agreeing, so step 3 is
     the first off-policy one). decoupled_ppo is named: it is the correction that takes both the
-    ratio and the weight from the proximal policy."""
+    ratio and the weight from the proximal policy. Both train with SGD (linear in the gradient),
+    so the two paths' weights stay within float rounding of each other from step to step; Adam's
+    first step (about lr x sign(g)) would turn rounding in near-zero gradients into steps of up to
+    lr, and the later steps' losses would agree only to what one machine happened to give."""
     recs = {}
     for name, extra in (("skip", []), ("recompute", ["algo.recompute_logprobs=true"])):
         p = subprocess.run([sys.executable, "-m", "rlspec.train", *SMALL, "trainer.val_every=0", *extra,
+                            "trainer.optimizer=sgd", "trainer.lr=1.0",
                             "trainer.max_steps=3", "async_grpo.enabled=true", "algo.off_policy_correction=decoupled_ppo",
                             "trainer.save_final=false", "logging.plot=false",
                             "logging.wandb_mode=disabled", f"hydra.run.dir={tmp_path / name}"],

@@ -182,6 +182,7 @@ def _validate_run(cfg: RLSpecConfig) -> None:
     _check(c.max_restarts >= 0, "cluster.max_restarts", "must be >= 0")
     _check(t.val_every >= 0, "trainer.val_every", "must be >= 0")
     _check(t.lr > 0, "trainer.lr", "must be > 0")
+    _check(t.optimizer in ("adamw", "sgd"), "trainer.optimizer", "must be adamw or sgd")
     _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", "must be 0, 1, 2 or 3")
     _check(t.logit_chunk_tokens >= 1, "trainer.logit_chunk_tokens", "must be >= 1")
     _check(c.gpu_memory_gib is None or c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be > 0 or null")

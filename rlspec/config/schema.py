@@ -338,6 +338,11 @@ class TrainerConfig:
     dtype: Optional[str] = None
     # Validate every N steps (and before the first and after the last); 0 only at start and end.
     val_every: int = 10
+    # adamw (betas 0.9 / 0.999, eps 1e-8; fp32 state) or sgd (no momentum: the update is lr times the
+    # clipped gradient). Runs train with adamw; sgd is what comparisons of two training paths use,
+    # since Adam's first step, about lr x sign(g), turns float noise in a near-zero gradient into a
+    # step of up to lr.
+    optimizer: str = "adamw"
     lr: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0

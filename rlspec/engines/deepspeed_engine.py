@@ -34,7 +34,7 @@ def ds_config(t: TrainerConfig, samples_per_step: int, world_size: int) -> dict:
         "train_batch_size": samples_per_step,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": gas,
-        "gradient_clipping": t.grad_clip if t.zero_stage else 0.0,  # stage 0: SkippingAdamW clips
+        "gradient_clipping": t.grad_clip if t.zero_stage else 0.0,  # stage 0: the Skipping optimizer clips
         "zero_optimization": {"stage": t.zero_stage},
         "zero_allow_untested_optimizer": True,  # a client torch AdamW: no fused-op JIT build
         "steps_per_print": 10**9,
@@ -47,10 +47,10 @@ def ds_config(t: TrainerConfig, samples_per_step: int, world_size: int) -> dict:
     return cfg
 
 
-class SkippingAdamW(torch.optim.AdamW):
-    """AdamW for ZeRO stage 0 that clips (DeepSpeed's clipping is off then) and refuses a
-    non-finite gradient: no parameter, moment or step count moves, and `overflow` is set, which
-    DeepSpeed's engine reads to report the step as not applied and to hold the scheduler back.
+class _Skipping:
+    """For ZeRO stage 0, over a torch optimizer: clips (DeepSpeed's clipping is off then) and
+    refuses a non-finite gradient: no parameter, moment or step count moves, and `overflow` is set,
+    which DeepSpeed's engine reads to report the step as not applied and to hold the scheduler back.
     It also leaves the pre-clip norm where the engine picks it up (`_global_grad_norm`), which
     DeepSpeed does not compute without ZeRO. ZeRO 1-3 do all of this in their own optimizer."""
 
@@ -69,13 +69,30 @@ class SkippingAdamW(torch.optim.AdamW):
         return None if self.overflow else super().step(closure)
 
 
+class SkippingAdamW(_Skipping, torch.optim.AdamW):
+    pass
+
+
+class SkippingSGD(_Skipping, torch.optim.SGD):
+    pass
+
+
+# trainer.optimizer -> (torch optimizer under ZeRO 1-3, its stage-0 form, keyword arguments of it)
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, SkippingAdamW, lambda t: dict(lr=t.lr, weight_decay=t.weight_decay,
+                                                               betas=(0.9, 0.999), eps=1e-8)),
+    "sgd": (torch.optim.SGD, SkippingSGD, lambda t: dict(lr=t.lr, weight_decay=t.weight_decay, momentum=0.0)),
+}
+
+
 def make_engine(model: torch.nn.Module, t: TrainerConfig, samples_per_step: int, world_size: int):
-    """(engine, scheduler): AdamW as a client optimizer (no fused-op JIT build), linear warmup."""
+    """(engine, scheduler): the optimizer (trainer.optimizer) as a client optimizer (no fused-op JIT
+    build), linear warmup."""
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
-    kw = dict(lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999), eps=1e-8)
-    opt = SkippingAdamW(params, t.grad_clip, **kw) if t.zero_stage == 0 else torch.optim.AdamW(params, **kw)
+    plain, skipping, kwargs = OPTIMIZERS[t.optimizer]
+    opt = skipping(params, t.grad_clip, **kwargs(t)) if t.zero_stage == 0 else plain(params, **kwargs(t))
     warm = max(t.warmup_steps, 0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,

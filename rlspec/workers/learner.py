@@ -91,7 +91,7 @@ class Learner:
                 norms.append(float(self.engine.get_global_grad_norm() or 0.0))
                 applied = applied and self.engine.was_step_applied()
         # ZeRO 1-3 refuse a non-finite gradient themselves (the step is not applied); without ZeRO,
-        # SkippingAdamW does. Should an update with a non-finite gradient still have gone in under
+        # the Skipping optimizer does. Should an update with a non-finite gradient still have gone in under
         # stage 0 (an optimizer wrapper that ignores `overflow`), the weights are lost: end the run.
         finite = all(map(math.isfinite, norms)) and math.isfinite(sums["loss"])
         skipped = not applied or not finite

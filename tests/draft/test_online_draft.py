@@ -5,12 +5,13 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TEST_EXPERIMENT, compose, logprob_worker, tiny_paths
+from conftest import ROOT, TEST_EXPERIMENT, compose, logprob_worker, report, rounding_bound, tiny_paths
 
 SMALL = [TEST_EXPERIMENT, "speculation=eagle3", "trainer.max_steps=3", "trainer.val_every=0", "generation.num_prompts_per_step=4",
          "generation.num_generations_per_prompt=4", "trainer.micro_batch_size=8", "data.train.num_rows=64",
@@ -185,23 +186,31 @@ def test_capture_keeps_logprobs_and_the_draft_state_round_trips(tmp_path):
 def test_micro_batched_head_steps_equal_the_whole_batch_step():
     """speculation.online.micro_batch_size: gradients accumulated over micro-batches (each padded to
     its own longest row, each step's loss over the whole batch's count) give the whole batch's
-    loss, acceptance proxy and optimizer step."""
+    loss, acceptance proxy and optimizer step, to float rounding (conftest.rounding_bound: the
+    head's fc over 3 target layers, its decoder layer unrolled over k=3 steps). The step compared is
+    SGD's (linear in the gradient): the head trains with AdamW, whose first step (about lr x sign(g))
+    turns rounding in a near-zero gradient into a step of up to lr."""
     from rlspec.config import GenerationConfig, OnlineDraftConfig, SpeculationConfig
     from rlspec.workers.draft_trainer import DraftTrainer
 
     feats = _captured_batch(0)[2]
+    head = json.loads((Path(tiny_paths("eagle3").draft) / "config.json").read_text())
+    tokens = sum(int(f["mask"].sum()) for f in feats)
+    bound = rounding_bound(head, 3, positions=32, tokens=tokens, extra=3 * head["target_hidden_size"])
     out = {}
     for mb in (0, 3):
         spec = SpeculationConfig(method="eagle3", num_speculative_tokens=3,
                                  online=OnlineDraftConfig(enabled=True, batch_size=8, micro_batch_size=mb))
         t = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(dtype="float32"),
                          seed=0, threads=1)
+        t.opt = torch.optim.SGD(t.head.parameters(), lr=10.0)
         before = {k: v.clone() for k, v in t.weights().items()}  # (on the CPU these are the live tensors)
-        out[mb] = t.update(1, feats), t.weights()
+        out[mb] = t.update(1, feats), {k: v.clone() for k, v in t.weights().items()}
     (whole, w0), (micro, w3) = out[0], out[3]
-    assert any(not torch.equal(before[k], v) for k, v in w3.items())  # the step moved the head
-    assert whole["loss"] == pytest.approx(micro["loss"], rel=1e-6)
-    assert whole["accept_proxy"] == pytest.approx(micro["accept_proxy"], rel=1e-6)
-    for k, v in w0.items():
-        torch.testing.assert_close(w3[k], v, rtol=1e-5, atol=1e-5)  # a GPU sums the micro-batches in another order
+    flat = lambda w: torch.cat([w[k].reshape(-1).double() for k in before])  # noqa: E731
+    update = flat(w0) - flat(before)
+    assert float(update.abs().max()) > 0  # the step moved the head
+    report("micro-batched head step against the whole batch's, loss", abs(micro["loss"] / whole["loss"] - 1), bound)
+    report("... acceptance proxy", abs(micro["accept_proxy"] / whole["accept_proxy"] - 1), bound)
+    report("... SGD update", float((flat(w3) - flat(w0)).norm() / update.norm()), bound)
     assert whole["optimizer_steps"] == micro["optimizer_steps"] == 1
