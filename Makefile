@@ -5,7 +5,7 @@ EXTRA ?= cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlspec-$(EXTRA)-installed
 
-.PHONY: setup demo test test-all assets gpu-check slurm-check clean-venv
+.PHONY: setup demo test test-all assets gpu-check gpu-kit slurm-check clean-venv
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ test-all: setup
 # A first run on one GPU (CPU too): pass/fail table, figures in gpu_check.json.
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py --out gpu_check.json
+
+# vLLM's engine on a GPU machine without a package index: packs the kit in parts and prints the
+# calls that carry them and run scripts/gpu_vllm_check.py there (docs/gpu.md).
+gpu-kit: setup
+	bash scripts/gpu_carry.sh
 
 # slurm/multi_node.sbatch against a real slurmctld shaped like the paper's GB200 clusters
 # (sbatch --test-only; needs: apt-get install slurmctld slurm-client munge).

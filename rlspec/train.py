@@ -147,6 +147,7 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
                 stop.install()  # after ray.init, which installs handlers of its own
                 actors = launch_actors(cfg, paths)
                 runlog.notes["placement"] = actors.nodes  # actor -> Ray node ID, as Ray reports it
+                report_engines(runlog, wait(actors.generators.runner_info(), actors.timeout_s))
                 run_loop(Run(cfg, actors, tokenizer, train_set, val_set, runlog, ckpt_root, stop), resume, restarts)
                 if cfg.trainer.save_final:
                     final = os.path.join(run_dir, "final")
@@ -167,6 +168,16 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
     summary = runlog.finish(cfg.logging.plot)
     print(f"run directory: {run_dir}", flush=True)
     return summary
+
+
+def report_engines(runlog, infos: list[dict]) -> None:
+    """Each engine's model runner (vLLM falls back from V2 to V1 for drafters V2 lacks, and V1 turns
+    async scheduling off) into summary.json and the run's log."""
+    runlog.notes["engines"] = infos
+    kinds = sorted({(i["model_runner"], i["async_scheduling"], i["cuda_graphs"]) for i in infos})
+    runlog.write("engines: " + "; ".join(
+        f"{sum((i['model_runner'], i['async_scheduling'], i['cuda_graphs']) == k for i in infos)} on Model Runner "
+        f"{k[0]}, async scheduling {'on' if k[1] else 'off'}, CUDA graphs {'on' if k[2] else 'off'}" for k in kinds))
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -56,8 +56,9 @@ class Checks:
         return figures
 
     def table(self) -> str:
-        out = [f"{'check':<52}{'result':>8}{'seconds':>9}"]
-        out += [f"{r['check']:<52}{'pass' if r['passed'] else 'FAIL':>8}{r['seconds']:>9.1f}" for r in self.rows]
+        out = [f"{'check':<66}{'result':>8}{'seconds':>9}"]
+        out += [f"{r['check']:<66}{'not run' if r.get('not_run') else 'pass' if r['passed'] else 'FAIL':>8}"
+                f"{r['seconds']:>9.1f}" for r in self.rows]
         return "\n".join(out)
 
 

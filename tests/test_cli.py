@@ -27,6 +27,10 @@ def test_two_step_run_writes_summary_plot_and_final_policy(tmp_path):
         assert 1 <= e["response_length_p50"] <= e["response_length_p90"] <= e["response_length_max"]
         assert e["response_length_max"] <= 40 and e["response_length_max"] >= e["response_length"]
     assert [r["policy_version"] for r in s["records"]] == [1, 2]
+    # the engine's model runner as vLLM chose it: the CPU build runs V1, eager, without async scheduling
+    assert s["engines"] == [{"model_runner": "V1", "async_scheduling": False, "cuda_graphs": False,
+                             "speculation": "draft_model"}]
+    assert "engines: 1 on Model Runner V1, async scheduling off, CUDA graphs off" in p.stdout + p.stderr
     assert (tmp_path / "reward_and_stages.png").stat().st_size > 0
     assert "held-out accuracy" in p.stdout and "generation" in p.stdout
     assert list((tmp_path / "wandb").glob("offline-run-*"))

@@ -190,3 +190,25 @@ def test_dtype_policy_resolves_per_platform_and_corrects_low_precision_sampling(
     assert lagged.algo.off_policy_correction == "behaviour_ppo"
     with pytest.raises(ConfigError, match="^trainer.dtype:"):
         validate(compose(["trainer.dtype=float16"]))
+
+
+@pytest.mark.parametrize("env,method,refused", [
+    ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, "history", "VLLM_USE_V2_MODEL_RUNNER"),
+    ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, "suffix", "VLLM_USE_V2_MODEL_RUNNER"),
+    ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, "draft_model", None),   # V2 runs model drafters
+    ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, "history", None),
+    ({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "none", "VLLM_ENABLE_V1_MULTIPROCESSING"),
+    ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "history", None),
+])
+def test_engine_environment_that_would_break_an_engine_is_refused_naming_the_variable(env, method, refused,
+                                                                                        monkeypatch):
+    for k in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = compose([f"speculation={method}"] if method != "suffix" else ["speculation.method=suffix"])
+    if refused is None:
+        validate(cfg)
+    else:
+        with pytest.raises(ConfigError, match=f"^{refused}: is "):
+            validate(cfg)

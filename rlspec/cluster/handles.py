@@ -74,6 +74,10 @@ class Generators(Group):
     def ping(self) -> list[Call]:
         return self.all(Generator.ping)
 
+    def runner_info(self) -> list[Call]:
+        """Every engine's model runner, async scheduling and CUDA graphs, in engine order."""
+        return self.each(Generator.runner_info)
+
     def save_history(self, ckpt_dir: str) -> list[Call]:
         """speculation=history: every engine's store to ckpt_dir/history_E.pt."""
         return [self.one(e, Generator.save_history, f"{ckpt_dir}/history_{e}.pt") for e in range(len(self))]

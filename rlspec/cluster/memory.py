@@ -16,7 +16,12 @@ one layer's full set lives while it is recomputed.
 
 Engine: the fraction of the GPU vLLM is given (generation.gpu_memory_utilization), which holds its
 weights, KV cache and activations; under sleep mode an engine holds ENGINE_ASLEEP_GIB while
-others work. Log-prob worker: its weights (and the reference's), plus a forward's output-layer
+others work, and with CUDA graphs their memory pool too (vLLM does not offload it by default):
+estimated as a forward pass's peak over the largest captured batch (vLLM captures up to
+min(512, 2 x 256 sequences x (k + 1)) tokens), not yet measured on a GPU (scripts/gpu_vllm_check.py
+reports what a sleeping engine keeps). Learner, under the `ipc` refit: each rank's IPC buffer,
+as large as the engines' largest tensor (the embedding) or cluster.refit_bucket_mb if larger,
+kept from one refit to the next (the receivers map it until their update finishes). Log-prob worker: its weights (and the reference's), plus a forward's output-layer
 chunk. Colocated roles share a GPU one stage at a time, so a GPU's peak is its largest stage.
 
 DraftTrainer (online draft adaptation, on the last learner rank's GPU): the head in float32 with
@@ -41,12 +46,15 @@ ACT_ELEMENTS = (8, 4, 5, 5)  # per token and layer: x hidden, MLP width, query w
 FORWARD_ELEMENTS = (2, 3)
 FORWARD_HELD = 2
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GRAPH_MAX_TOKENS = 512       # vLLM 0.32's largest CUDA-graph batch by default (1024 on Blackwell data centre GPUs)
+GRAPH_MAX_SEQS = 256         # vLLM's default max_num_seqs on GPUs
 # EAGLE-3 head training, bytes per position and draft step: x hidden, MLP width, draft vocabulary,
 # query width (heads x head_dim), top-K soft labels
 DRAFT_STEP_BYTES = (40, 16, 4, 16, 65)
 SIM_MODELS = Path(__file__).resolve().parents[2] / "conf" / "sim" / "model"
 # Hub IDs whose shapes ship with the simulator (conf/sim/model), so a dry run needs no download.
 KNOWN_MODELS = {"Qwen/Qwen3-8B-Base": "qwen3_8b", "Qwen/Qwen3-8B": "qwen3_8b",
+                "Qwen/Qwen3-1.7B": "qwen3_1p7b", "Qwen/Qwen3-1.7B-Base": "qwen3_1p7b",
                 "Qwen/Qwen3-235B-A22B": "qwen3_235b_a22b", "Qwen/Qwen3-235B-A22B-Base": "qwen3_235b_a22b"}
 
 
@@ -124,6 +132,25 @@ def forward_bytes(m, tokens: int, chunk_tokens: int, dtype_bytes: int) -> float:
     return max(layer, head)
 
 
+def cuda_graph_pool_gib(cfg, m) -> float:
+    """What an engine's CUDA graphs keep while it sleeps: a forward pass's peak over the largest
+    captured batch (0 without graphs)."""
+    g = cfg.generation
+    if g.enforce_eager:
+        return 0.0
+    k = cfg.speculation.k_max if cfg.speculation.method != "none" else 0
+    tokens = min(GRAPH_MAX_TOKENS, 2 * GRAPH_MAX_SEQS * (k + 1))
+    return forward_bytes(m, tokens, tokens, DTYPE_BYTES[g.dtype]) / g.tensor_parallel_size / GIB
+
+
+def ipc_buffer_gib(cfg, m) -> float:
+    """A learner rank's IPC refit buffer (`ipc` transport only): the engines' largest tensor, the
+    embedding, or cluster.refit_bucket_mb if larger (rlspec/engines/vllm_transfer.trainer_init_info)."""
+    if cfg.cluster.refit != "ipc":
+        return 0.0
+    return max(cfg.cluster.refit_bucket_mb << 20, m.vocab_size * m.hidden_size * DTYPE_BYTES[cfg.generation.dtype]) / GIB
+
+
 @dataclass
 class RoleMemory:
     """GiB per GPU, by part."""
@@ -133,10 +160,11 @@ class RoleMemory:
     optimizer: float = 0.0
     activations: float = 0.0   # while it computes (training: for backward; engines: in their fraction)
     engine: float = 0.0        # vLLM's fraction of the GPU (weights, KV cache, activations)
+    buffers: float = 0.0       # held between stages: a learner's IPC refit buffer, an engine's graph pool asleep
 
     @property
     def resident(self) -> float:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.gradients + self.optimizer + (0.0 if self.engine else self.buffers)
 
     @property
     def total(self) -> float:
@@ -149,17 +177,21 @@ class GPUMemory:
     stages: dict[str, float]      # GiB on the busiest GPU at each stage it runs
     capacity: float | None        # GiB (cluster.gpu_memory_gib)
     shape: str
+    checkpointing: bool = False   # trainer.gradient_checkpointing
 
     @property
     def peak(self) -> tuple[str, float]:
         return max(self.stages.items(), key=lambda kv: kv[1])
 
     def describe(self) -> str:
-        head = f"{'per GPU, GiB':<16}{'weights':>9}{'grads':>8}{'optim':>8}{'activ.':>8}{'KV etc':>8}{'total':>8}"
+        head = (f"{'per GPU, GiB':<16}{'weights':>9}{'grads':>8}{'optim':>8}{'activ.':>8}{'KV etc':>8}{'buffers':>9}"
+                f"{'total':>8}")
         rows = [f"memory ({self.shape}, from its shapes; rlspec/cluster/memory.py)", head]
         for r in self.roles:
             rows.append(f"{r.role:<16}{r.weights:>9.1f}{r.gradients:>8.1f}{r.optimizer:>8.1f}{r.activations:>8.1f}"
-                        f"{r.engine:>8.1f}{r.total:>8.1f}")
+                        f"{r.engine:>8.1f}{r.buffers:>9.1f}{r.total:>8.1f}")
+        rows.append("(buffers: a learner's IPC refit buffer; an engine's CUDA-graph pool, kept while it sleeps "
+                    "and inside its share while awake)")
         stage, peak = self.peak
         cap = f" of {self.capacity:.0f} GiB ({'fits' if peak <= self.capacity else 'DOES NOT FIT'})" \
             if self.capacity else " (cluster.gpu_memory_gib not set: not checked)"
@@ -185,7 +217,8 @@ def gpu_memory(cfg, plan) -> GPUMemory | None:
     chunk = min(t.logit_chunk_tokens, tokens) * m.vocab_size * (2 * 4 + tb)  # fp32 logits and their grad, the head's output
     learner = RoleMemory("learner", weights=tb * P / shard(3) / GIB, gradients=tb * P / shard(2) / GIB,
                          optimizer=(12 if tb < 4 else 8) * P / shard(1) / GIB,
-                         activations=(tokens * tb * activation_elements(m, t.gradient_checkpointing) + chunk) / GIB)
+                         activations=(tokens * tb * activation_elements(m, t.gradient_checkpointing) + chunk) / GIB,
+                         buffers=ipc_buffer_gib(cfg, m))
     copies = 1 + (cfg.algo.kl_coef > 0)  # the policy, and the KL reference
     logprob = RoleMemory("logprob_worker", weights=copies * tb * P / GIB,
                          activations=forward_bytes(m, tokens, t.logit_chunk_tokens, tb) / GIB) \
@@ -195,10 +228,10 @@ def gpu_memory(cfg, plan) -> GPUMemory | None:
     # the engine's weights (sharded over its TP ranks) sit inside its fraction; the rest is KV cache
     engine_weights = DTYPE_BYTES[g.dtype] * P / g.tensor_parallel_size / GIB
     engine = RoleMemory(f"generator (TP {g.tensor_parallel_size})", weights=engine_weights,
-                        engine=engine_gib - engine_weights)
+                        engine=engine_gib - engine_weights, buffers=cuda_graph_pool_gib(cfg, m))
     draft = draft_trainer_memory(cfg, m) if cfg.speculation.online.enabled else None
     roles = [r for r in (engine, learner, logprob, draft) if r is not None]
-    asleep = ENGINE_ASLEEP_GIB if g.sleep_mode else engine_gib
+    asleep = ENGINE_ASLEEP_GIB + engine.buffers if g.sleep_mode else engine_gib
     # the DraftTrainer's GPU (a learner's) holds its state throughout and trains beside the learner
     shared_resident = (logprob.resident if logprob else 0.0) + (draft.resident + CONTEXT_GIB if draft else 0.0)
     head_act = draft.activations if draft else 0.0
@@ -214,7 +247,7 @@ def gpu_memory(cfg, plan) -> GPUMemory | None:
                   "train": learner.resident + shared_resident + learner.activations + head_act + ctx}
         if logprob:
             stages["logprob"] = learner.resident + shared_resident + logprob.activations + ctx
-    return GPUMemory(roles, stages, cap, f"{m.name}, {P / 1e9:.2f}B parameters")
+    return GPUMemory(roles, stages, cap, f"{m.name}, {P / 1e9:.2f}B parameters", t.gradient_checkpointing)
 
 
 def check_fits(mem: GPUMemory) -> tuple[str, str] | None:
@@ -231,6 +264,12 @@ def check_fits(mem: GPUMemory) -> tuple[str, str] | None:
     if peak <= mem.capacity:
         return None
     draft = next((r for r in mem.roles if r.role == "draft_trainer"), None)
+    learner = next((r for r in mem.roles if r.role == "learner"), None)
+    if learner is not None and learner.resident > mem.capacity:
+        return "cluster.learner_world_size", (
+            f"a learner's weights, gradients, optimizer state and buffers alone take {learner.resident:.0f} GiB per "
+            f"GPU, cluster.gpu_memory_gib is {mem.capacity:.0f} (more learner ranks under ZeRO shard them, or a "
+            f"smaller model)")
     key = "generation.gpu_memory_utilization" if stage == "generation" else \
         "trainer.micro_batch_size" if stage == "train" else "cluster.logprob_world_size"
     if stage == "train" and draft and peak - draft.activations <= mem.capacity:
@@ -240,7 +279,7 @@ def check_fits(mem: GPUMemory) -> tuple[str, str] | None:
             f"micro-batch, or speculation.online.max_positions, cut them)")
     return key, (f"the {stage} stage needs {peak:.0f} GiB on its busiest GPU, cluster.gpu_memory_gib is "
                  f"{mem.capacity:.0f}" + (" (trainer.gradient_checkpointing would cut the activations)"
-                                          if stage == "train" else ""))
+                                          if stage == "train" and not mem.checkpointing else ""))
 
 
 def measure_draft_head(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,

@@ -6,7 +6,7 @@ import copy
 
 from rlspec.cluster.plan import receivers_off_learner_gpus, shared_weight_group_gpus
 from rlspec.config.resolve import plan_of, recompute_logprobs, resolve_auto
-from rlspec.config.schema import ASSETS, SPEC_METHODS, ConfigError, RLSpecConfig
+from rlspec.config.schema import ASSETS, SPEC_METHODS, V1_ONLY_METHODS, ConfigError, RLSpecConfig
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -23,6 +23,17 @@ def validate(cfg: RLSpecConfig) -> None:
     _validate_speculation(cfg)
     _validate_run(cfg)
     _validate_memory(cfg)
+    _validate_environment(cfg)
+
+
+def _validate_environment(cfg: RLSpecConfig, environ=None) -> None:
+    """vLLM variables in the driver's environment (the actors inherit them) that would break an
+    engine, named as the key."""
+    import os
+
+    problem = engine_environment_problem(cfg.speculation.method, os.environ if environ is None else environ)
+    if problem is not None:
+        raise ConfigError(f"{problem[0]}: {problem[1]}")
 
 
 def _validate_memory(cfg: RLSpecConfig) -> None:
@@ -199,3 +210,23 @@ def _validate_run(cfg: RLSpecConfig) -> None:
            f"must divide the {per_rank} samples each learner rank gets per optimizer step")
     _check(cfg.logging.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
            "must be offline, online or disabled")
+
+
+def engine_environment_problem(method: str, environ) -> tuple[str, str] | None:
+    """(variable, message) when the process environment would break an engine rlspec builds, else
+    None. VLLM_ENABLE_V1_MULTIPROCESSING=1 moves the engine core into a process of its own, out of
+    reach of rlspec's step timing, history drafter and CPU kernel fix; VLLM_USE_V2_MODEL_RUNNER=1
+    forces Model Runner V2, which has no custom_class or suffix drafter (the engine would fail to
+    start). Ray actors inherit VLLM_* variables on clusters, so the driver checks its own."""
+    mp = environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if mp is not None and mp.strip().lower() not in ("", "0", "false"):
+        return "VLLM_ENABLE_V1_MULTIPROCESSING", (
+            f"is {mp!r}: rlspec runs vLLM's engine core inside the Generator's process (it reads its scheduler and "
+            "hosts the history drafter there); unset it or set it to 0")
+    v2 = environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    runs_v1_only = method in V1_ONLY_METHODS or method == "history"  # rlspec's name or vLLM's
+    if runs_v1_only and v2 is not None and v2.strip().lower() in ("1", "true"):
+        return "VLLM_USE_V2_MODEL_RUNNER", (
+            f"is {v2!r}, but speculation method {method} runs only on Model Runner V1 (vLLM 0.32's V2 has no "
+            "custom_class or suffix drafter): unset it")
+    return None

@@ -149,6 +149,10 @@ class GenerationConfig:
     # graphs on GPUs. Under speculation 'auto' every k the planner may pick is a captured shape
     # (rlspec/speculation/vllm_config.py).
     enforce_eager: Optional[bool] = None
+    # vLLM's attention backend by name (its AttentionBackendEnum: FLASH_ATTN, TRITON_ATTN,
+    # FLASHINFER, ...); null: vLLM's own choice. TRITON_ATTN needs no compiled attention kernels
+    # (the GPU kit carries none: docs/gpu.md).
+    attention_backend: Optional[str] = None
     # GPUs per vLLM engine (tensor parallel); an engine sits inside one node or spans whole nodes.
     tensor_parallel_size: int = 1
     # MoE targets: shard experts over the engine's GPUs (vLLM enable_expert_parallel) instead of
@@ -426,3 +430,5 @@ def register_configs() -> None:
 
 
 SPEC_METHODS = ("none", "draft_model", "eagle3", "mtp", "ngram", "suffix", "history")
+# vLLM methods Model Runner V2 lacks (vLLM falls back to V1 for them); rlspec's history is custom_class
+V1_ONLY_METHODS = ("suffix", "medusa", "mlp_speculator", "custom_class")

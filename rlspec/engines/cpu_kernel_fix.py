@@ -171,20 +171,24 @@ def _rebind_scan_guard():
     An object whose __getattr__ answers it with something else (llvmlite's library proxy, present
     once numba has compiled anything, e.g. after an n-gram engine) makes it raise, and the engine
     fails to start. Such attributes cannot be kernels: they are hidden for the scan, then put back."""
+    import warnings
+
     hidden = []
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for attr, value in list(namespace.items()):
-            try:
-                if not hasattr(value, "__dict__"):
-                    continue
-                bad = not callable(getattr(vars(value), "get", None))
-            except Exception:
-                bad = True
-            if bad:
-                hidden.append((namespace, attr, value))
+    with warnings.catch_warnings():  # reading some attributes warns of their deprecation
+        warnings.simplefilter("ignore")
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for attr, value in list(namespace.items()):
+                try:
+                    if not hasattr(value, "__dict__"):
+                        continue
+                    bad = not callable(getattr(vars(value), "get", None))
+                except Exception:
+                    bad = True
+                if bad:
+                    hidden.append((namespace, attr, value))
     for namespace, attr, _ in hidden:
         namespace[attr] = None
     try:

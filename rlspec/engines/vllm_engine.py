@@ -29,21 +29,12 @@ def engine_env(gen: GenerationConfig) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: int,
-             tokenizer: str | None = None, speculative_config: dict | None = None):
-    engine_env(gen)
+def engine_kwargs(model_path: str, gen: GenerationConfig, max_model_len: int, seed: int,
+                  tokenizer: str | None = None, speculative_config: dict | None = None) -> dict:
+    """The keyword arguments rlspec gives vLLM's LLM (and EngineArgs: `vllm_config_of`)."""
     if gen.enforce_eager is None:
         raise ValueError("generation.enforce_eager is unresolved: config.resolve_engine (or resolve_auto) first")
-    from vllm import LLM
-
     from rlspec.engines import vllm_transfer
-
-    vllm_transfer.register()
-
-    # Engine start-up runs gc.collect() seven times over the heap that vLLM's imports left (half
-    # of the start on a tiny CPU model). That heap lives as long as the process: take it out
-    # of the collector's sight first (vLLM freezes its own heap the same way once it is up).
-    gc.freeze()
 
     kwargs = dict(
         model=model_path, tokenizer=tokenizer or model_path, dtype=gen.dtype, seed=seed,
@@ -64,6 +55,43 @@ def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: i
         kwargs["distributed_executor_backend"] = "ray"
     if gen.expert_parallel:
         kwargs["enable_expert_parallel"] = True
+    if gen.attention_backend:
+        kwargs["attention_config"] = {"backend": gen.attention_backend}
+    if gen.sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    if speculative_config:
+        kwargs["speculative_config"] = speculative_config
+    return kwargs
+
+
+def vllm_config_of(model_path: str, gen: GenerationConfig, max_model_len: int, seed: int,
+                   tokenizer: str | None = None, speculative_config: dict | None = None):
+    """The VllmConfig vLLM would build this engine with, without building it (which model runner,
+    whether it schedules asynchronously): what `LLM(**engine_kwargs(...))` decides first."""
+    engine_env(gen)
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rlspec.engines import vllm_transfer
+
+    vllm_transfer.register()
+    return EngineArgs(**engine_kwargs(model_path, gen, max_model_len, seed, tokenizer,
+                                      speculative_config)).create_engine_config()
+
+
+def runner_of(vllm_config) -> dict:
+    """The model runner a VllmConfig selects (V2 wherever Triton runs, except for drafters V2 lacks),
+    whether it schedules asynchronously (V1 turns it off), and CUDA graphs."""
+    spec = vllm_config.speculative_config
+    return {"model_runner": "V2" if vllm_config.use_v2_model_runner else "V1",
+            "async_scheduling": bool(vllm_config.scheduler_config.async_scheduling),
+            "cuda_graphs": not vllm_config.model_config.enforce_eager,
+            "speculation": spec.method if spec is not None else "none"}
+
+
+def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: int,
+             tokenizer: str | None = None, speculative_config: dict | None = None):
+    engine_env(gen)
+    kwargs = engine_kwargs(model_path, gen, max_model_len, seed, tokenizer, speculative_config)
     if gen.sleep_mode:
         from vllm.platforms import current_platform
 
@@ -71,9 +99,16 @@ def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: i
             raise RuntimeError(f"generation.sleep_mode=true: vLLM has no sleep mode on this platform "
                                f"({current_platform.device_name}); it needs a CUDA or ROCm GPU "
                                "(set generation.sleep_mode=false)")
-        kwargs["enable_sleep_mode"] = True
-    if speculative_config:
-        kwargs["speculative_config"] = speculative_config
+    from vllm import LLM
+
+    from rlspec.engines import vllm_transfer
+
+    vllm_transfer.register()
+
+    # Engine start-up runs gc.collect() seven times over the heap that vLLM's imports left (half
+    # of the start on a tiny CPU model). That heap lives as long as the process: take it out
+    # of the collector's sight first (vLLM freezes its own heap the same way once it is up).
+    gc.freeze()
     return LLM(**kwargs)
 
 
@@ -97,6 +132,11 @@ class VLLMEngine:
         if threads:
             torch.set_num_threads(threads)
         self.gen, self.spec_config = generation, speculative_config
+        from rlspec.config.checks import engine_environment_problem
+
+        problem = engine_environment_problem((speculative_config or {}).get("method", "none"), os.environ)
+        if problem is not None:  # the actor's own environment (a node's may differ from the driver's)
+            raise RuntimeError(f"{problem[0]}: {problem[1]}")
         engine_env(generation)  # before the kernel check: it must see the in-process engine setting
         from rlspec.engines import cpu_kernel_fix
 
@@ -120,6 +160,10 @@ class VLLMEngine:
         self.step_log: list[tuple[int, int, float]] | None = None  # while set: (running, waiting, seconds)
         self.decode_steps: list[tuple[int, float]] = []  # the last generate call's (running batch, seconds)
         self._time_engine_steps()
+
+    def runner_info(self) -> dict:
+        """The model runner vLLM gave this engine, async scheduling and CUDA graphs (`runner_of`)."""
+        return runner_of(self.llm.llm_engine.vllm_config)
 
     @property
     def k_max(self) -> int:

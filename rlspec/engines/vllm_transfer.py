@@ -197,10 +197,21 @@ class HostedReceiver:
     def init(self, init_info: dict) -> None:
         self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
 
+    def start(self) -> None:
+        """Opens an update as a vLLM worker does: vLLM's own engine (nccl, ipc) starts its own."""
+        if self.engine.inner is not None:
+            self.engine.inner.start_weight_update()
+
     def update(self, update_info: dict) -> None:
         self.engine.receive_weights(self.engine.parse_update_info(update_info))
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
+
+    def finish(self) -> None:
+        """Closes it: under ipc vLLM's engine releases the learner's buffers this update mapped
+        (left open, the log-prob worker would hold them until the next update)."""
+        if self.engine.inner is not None:
+            self.engine.inner.finish_weight_update()
 
 
 # -- the trainer side ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from rlspec.config import SpeculationConfig
+from rlspec.config.schema import V1_ONLY_METHODS
 
 
 def vllm_speculative_config(spec: SpeculationConfig, draft_dir: str | None) -> dict | None:
@@ -39,7 +40,6 @@ def adaptive_schedule(k_max: int) -> list[list[int]]:
     return [[b, b, k_max + 1 - b] for b in range(1, k_max)] + [[k_max, 1 << 20, 1]]
 
 
-V1_ONLY_METHODS = ("suffix", "medusa", "mlp_speculator", "custom_class")
 
 
 def gpu_model_runner(spec: SpeculationConfig) -> str:
@@ -47,3 +47,4 @@ def gpu_model_runner(spec: SpeculationConfig) -> str:
     Triton runs, except for the methods V2 does not implement (vLLM's own rule, checked against
     the installed wheel by tests/speculation/test_runner_api.py). The CPU build always runs V1."""
     return "V1" if spec.method in V1_ONLY_METHODS or spec.method == "history" else "V2"
+

@@ -119,5 +119,9 @@ class Generator:
         """The last generate call's decode steps: (running batch, seconds) each, in order."""
         return list(self.engine.decode_steps)
 
+    def runner_info(self) -> dict:
+        """The model runner vLLM gave this engine, async scheduling, CUDA graphs (VLLMEngine.runner_info)."""
+        return self.engine.runner_info()
+
     def ping(self) -> int:
         return self.policy_version

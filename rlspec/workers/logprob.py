@@ -98,11 +98,13 @@ class LogprobWorker:
     def start_weight_update(self, draft: bool = False) -> None:
         if draft:
             raise RuntimeError("a log-prob worker holds no draft model")
+        self.receiver.start()
 
     def update_weights(self, update_info: dict) -> None:
         self.receiver.update(update_info)
 
     def finish_weight_update(self, version: int, draft: bool = False) -> float:
+        self.receiver.finish()
         self.policy_version = version
         return 0.0
 

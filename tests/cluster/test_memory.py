@@ -78,3 +78,38 @@ def test_online_draft_adaptation_fits_a_gb200_in_micro_batches_of_one_row():
 def test_cpu_runs_and_unknown_models_are_not_checked():
     assert gpu_memory(resolve_auto(compose()), plan_of(compose())) is None
     validate(compose(["+experiment=rl_zero_qwen3_8b", "model.path=someorg/unknown-model"], plain=False))
+
+
+def test_ipc_buffer_and_a_sleeping_engines_graph_pool_are_counted():
+    """Colocated 8B (refit over CUDA IPC, sleep mode, CUDA graphs): each learner GPU keeps an IPC
+    buffer as large as the bfloat16 embedding (vllm_transfer.trainer_init_info sizes it so; the
+    receivers map it until their update finishes), and a sleeping engine keeps its CUDA-graph pool
+    through the train stage. Over nccl there is no buffer; an eager engine has no pool."""
+    cfg = resolve_auto(compose(["+experiment=rl_zero_qwen3_8b"], plain=False))
+    assert cfg.cluster.refit == "ipc" and cfg.generation.sleep_mode and not cfg.generation.enforce_eager
+    mem = gpu_memory(cfg, plan_of(cfg))
+    learner, engine = next(r for r in mem.roles if r.role == "learner"), mem.roles[0]
+    assert learner.buffers == pytest.approx(151936 * 4096 * 2 / 2**30, rel=1e-6)
+    assert learner.resident == pytest.approx(learner.weights + learner.gradients + learner.optimizer + learner.buffers)
+    assert 0.1 < engine.buffers < 2.0 and engine.total == pytest.approx(engine.weights + engine.engine)
+    eager_cfg = resolve_auto(compose(["+experiment=rl_zero_qwen3_8b", "generation.enforce_eager=true"], plain=False))
+    eager = gpu_memory(eager_cfg, plan_of(eager_cfg))
+    assert eager.roles[0].buffers == 0.0
+    assert mem.stages["train"] - eager.stages["train"] == pytest.approx(engine.buffers)  # the pool, kept asleep
+    nccl_cfg = resolve_auto(compose(["+experiment=rl_zero_qwen3_8b", "cluster.refit=nccl"], plain=False))
+    assert next(r for r in gpu_memory(nccl_cfg, plan_of(nccl_cfg)).roles if r.role == "learner").buffers == 0.0
+    print(mem.describe())
+
+
+def test_the_one_gpu_experiment_fits_an_80gb_gpu_and_a_24gb_one_is_refused():
+    """+experiment=rl_think_qwen3_1p7b_1gpu: every role colocated on one GPU under sleep mode fits
+    79 GiB; on 22 GiB (a 24 GB card) the learner's state alone does not fit, and validation says so
+    naming the key."""
+    cfg = resolve_auto(compose(["+experiment=rl_think_qwen3_1p7b_1gpu"], plain=False))
+    validate(cfg)
+    mem = gpu_memory(cfg, plan_of(cfg))
+    stage, peak = mem.peak
+    assert cfg.generation.sleep_mode and cfg.cluster.refit == "ipc" and 40 < peak <= 79
+    print(mem.describe())
+    with pytest.raises(ConfigError, match=r"^cluster\.learner_world_size: a learner's weights"):
+        validate(compose(["+experiment=rl_think_qwen3_1p7b_1gpu", "cluster.gpu_memory_gib=22"], plain=False))

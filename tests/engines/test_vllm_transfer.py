@@ -210,3 +210,23 @@ def test_the_ipc_buffer_holds_the_largest_tensor():
     nccl = vllm_transfer.trainer_init_info("nccl", rank=0, address="127.0.0.1", port=1, world_size=2, bucket_bytes=64,
                                            source=source)
     assert nccl.packed_buffer_size_bytes == 64
+
+
+def test_the_logprob_worker_opens_and_closes_each_ipc_update_as_vllms_workers_do(monkeypatch):
+    """vLLM's IPC engine releases the learner buffers an update mapped in finish_weight_update; the
+    log-prob worker's receiver hosts that engine and now runs its start and finish around every
+    update, as the Generator's vLLM workers do (before, the buffers stayed mapped until the next
+    refit). The mapping itself needs a GPU; the calls are checked here on vLLM's own engine class."""
+    from conftest import logprob_worker
+
+    w = logprob_worker(4)
+    w.init_weight_transfer_engine({"transport": "ipc", "inner": {"packed": True}})
+    inner = w.receiver.engine.inner
+    assert type(inner).__name__ == "IPCWeightTransferEngine"
+    calls = []
+    monkeypatch.setattr(inner, "start_weight_update", lambda: calls.append("start"))
+    closed = inner._packed_importer.close
+    monkeypatch.setattr(inner._packed_importer, "close", lambda: (calls.append("close"), closed()))
+    w.start_weight_update()
+    w.finish_weight_update(3)
+    assert calls == ["start", "close"] and w.policy_version == 3
