@@ -145,6 +145,9 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
     _check(0 < h.min_prob <= 1, "speculation.history.min_prob", f"must be in (0, 1], got {h.min_prob}")
     for key in ("max_rollouts_per_prompt", "max_tokens"):
         _check(getattr(h, key) >= 1, f"speculation.history.{key}", "must be >= 1")
+    _check(h.max_candidates >= 1, "speculation.history.max_candidates", "must be >= 1")
+    _check(0 <= h.min_rollouts_per_prompt <= h.max_rollouts_per_prompt, "speculation.history.min_rollouts_per_prompt",
+           "must be in [0, speculation.history.max_rollouts_per_prompt]")
     _check(h.shadow_rows >= 0, "speculation.history.shadow_rows", f"must be >= 0, got {h.shadow_rows}")
     o = sp.online
     if o.enabled:

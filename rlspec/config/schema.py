@@ -193,7 +193,8 @@ class OnlineDraftConfig:
 @dataclass
 class HistoryConfig:
     """Rollout-history drafting (speculation.method=history, rlspec/speculation/history.py): drafts
-    read from earlier rollouts of the same prompt, the live siblings of its group and the prompt."""
+    read from earlier rollouts of the same prompt, the live siblings of its group, the prompt, and
+    where those give nothing, earlier rollouts of any prompt."""
     # A draft continues the longest context suffix (at least min_match tokens, at most max_match)
     # seen before; min_match is the length of the index key (1 to 3).
     min_match: int = 2
@@ -201,11 +202,18 @@ class HistoryConfig:
     # Each drafted token must be the continuation of at least this share of the matches still
     # agreeing with the draft so far: drafts stop where the history disagrees.
     min_prob: float = 0.5
-    # Bounds: responses kept per prompt (oldest dropped), and tokens kept over all prompts (over
-    # it the prompts holding the most responses drop their oldest; whole prompts go, least
-    # recently seen first, only once every prompt is down to one).
+    # Matches read per source and draft, newest first (bounds a lookup's work).
+    max_candidates: int = 16
+    # Draft from any prompt's history where the prompt's own history, its siblings and the prompt
+    # itself give nothing (a prompt seen for the first time).
+    global_source: bool = True
+    # Bounds: responses kept per prompt (oldest dropped), and response tokens kept over all
+    # prompts (about 20-40 bytes each). Over it the prompts holding the most responses drop their
+    # oldest, down to min_rollouts_per_prompt; then whole prompts go, a fixed subset of them kept
+    # (the prompts whose identity hashes lowest), so that every epoch comes back to the same ones.
     max_rollouts_per_prompt: int = 32
-    max_tokens: int = 2_000_000
+    min_rollouts_per_prompt: int = 4
+    max_tokens: int = 50_000_000
     # Draft for validation calls too. Held-out prompts have no history and one answer each (no
     # siblings), so only the prompt and the answer itself are left to draft from: off by default.
     draft_validation: bool = False

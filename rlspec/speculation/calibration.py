@@ -34,6 +34,8 @@ VLLM_SURFACE = {
     "propose_draft_token_ids": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner",   # V1 only
                                 "vllm.v1.worker.cpu_model_runner:CPUModelRunner"],
     "input_batch": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],          # V1 only
+    # the history drafter matches rows to requests as vLLM's suffix proposer does (V1 only)
+    **{m: ["vllm.v1.worker.gpu_input_batch:InputBatch"] for m in ("req_ids", "num_prompt_tokens")},
     "drafter": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],  # V1 (speculation=history runs there)
     "step": ["vllm.v1.engine.llm_engine:LLMEngine"],
     "has_unfinished_requests": ["vllm.v1.engine.llm_engine:LLMEngine"],

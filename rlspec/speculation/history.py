@@ -1,70 +1,52 @@
 """Rollout-history drafting (`speculation=history`): drafts that cost no model, read from what RL
 already generated. RL samples G answers per prompt and returns to the same prompts every epoch;
 RhymeRL (arXiv 2508.18588) drafts from a prompt's earlier answers, Seer (arXiv 2511.14617) from
-the siblings of its group. Here three sources serve each request:
+the siblings of its group, SuffixDecoding (vLLM's `suffix`) from earlier answers to any prompt.
+Four sources serve each request, in rlspec/speculation/store.py's arrays and compiled walks:
 
-- history: the prompt's responses from earlier calls (the most recent max_rollouts_per_prompt),
-- siblings: this call's responses to the same prompt as far as they got (finished ones whole,
-  the request's own answer so far included),
-- prompt: the prompt's own tokens (prompt lookup).
+- history: the prompt's stored responses (the most recent max_rollouts_per_prompt),
+- siblings: this call's responses to the same prompt as far as they got (the request's own
+  answer so far included),
+- prompt: the prompt's own tokens (prompt lookup),
+- global: stored responses to any prompt, read only where the first three give nothing (a prompt
+  seen for the first time).
 
-Each source keeps continuation counts: for every context of min_match .. max_match tokens it saw,
-how often each next token followed. A draft takes, token by token, the next token of the longest
-context suffix any source has seen (counts of all sources at that length summed) while that
-token's share of the counts is at least min_prob, up to k tokens: a consistent history drafts
-long, a split one drafts nothing, and a draft stops where the responses it follows ended. Drafts
-are deterministic (one-hot q), so vLLM's rejection sampling keeps the target's distribution
-whatever the history holds.
+The draft rule is store.py's: the longest context match decides, the candidates' majority token
+goes on while at least min_prob of them agree, and a draft stops where the responses it follows
+ended. Drafts are deterministic (one-hot q), so vLLM's rejection sampling keeps the target's
+distribution whatever the history holds.
+
+The store is bounded by max_tokens. Over it, the prompts holding the most responses drop their
+oldest first, down to min_rollouts_per_prompt; then whole prompts go, those whose identity hashes
+highest first, and a prompt hashing above the last one evicted is no longer admitted. The prompts
+kept are a fixed subset (a resident set) that every reshuffled epoch comes back to, where evicting
+the least recently seen would drop exactly the prompts the epoch has yet to revisit. Finished
+responses join the store in a background thread, while the learner trains; the next call waits
+for it.
 
 vLLM hosts the drafter as a custom proposer (speculative_config method 'custom_class', which
-Model Runner V1 runs: on a GPU vLLM falls back to V1 for it). It sees only the batch's token rows,
-so the Generator tells it through vLLM's collective_rpc which prompts a call runs (`begin_call`)
-and which responses the call returned (`record`); rows are told apart by their prompt prefix."""
+Model Runner V1 runs: on a GPU vLLM falls back to V1 for it). It reads each row's request id and
+prompt length from the runner's input batch (as vLLM's own suffix proposer does), so rows are
+matched to requests exactly; the Generator tells it through collective_rpc when a call begins
+(`begin_call`) and which responses the call returned (`record`)."""
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import threading
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from rlspec.config import HistoryConfig
+from rlspec.speculation import store as S
+from rlspec.speculation.store import SOURCES
 
-SOURCES = ("history", "siblings", "prompt")
 PROPOSER = "rlspec.speculation.history.HistoryProposer"
+WALK = 4  # chain links a lookup follows per candidate it may take (hash collisions and evicted text)
 
 
-class Table:
-    """Continuation counts: for every context of min_match .. max_match tokens seen, how often
-    each next token followed it (contexts keyed by their hash: a collision can only cost
-    acceptance, never correctness, since every draft is verified)."""
-
-    def __init__(self, orders: range):
-        self.orders = orders
-        self.next: dict[int, dict[int, int]] = {}
-
-    def add(self, seq: list[int], start: int, sign: int = 1) -> None:
-        """Count the continuations at positions start .. len(seq)-1 (sign -1 takes them back)."""
-        for p in range(max(start, self.orders.start), len(seq)):
-            t = seq[p]
-            for j in self.orders:
-                if j > p:
-                    break
-                key = hash(tuple(seq[p - j:p]))
-                d = self.next.get(key)
-                if d is None:
-                    if sign > 0:
-                        self.next[key] = {t: 1}
-                    continue
-                c = d.get(t, 0) + sign
-                if c > 0:
-                    d[t] = c
-                else:
-                    d.pop(t, None)
-                    if not d:
-                        del self.next[key]
-
-    def __len__(self) -> int:
-        return len(self.next)
+def _pow2(n: int) -> int:
+    return 1 << max(4, int(n - 1).bit_length())
 
 
 @dataclass
@@ -83,7 +65,7 @@ class HistoryStats:
     shadow_drafted_pos: list[int] = field(default_factory=list)
     shadow_accepted_pos: list[int] = field(default_factory=list)
     prompts: int = 0           # prompts with history at the call's start
-    history_tokens: int = 0    # tokens held over all prompts at the call's start
+    history_tokens: int = 0    # response tokens held over all prompts at the call's start
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -101,183 +83,389 @@ def per_pos(stats: dict, key: str, k_max: int) -> list[int]:
     return [stats.get(f"{key}_{i + 1}", 0) for i in range(k_max)]
 
 
-class PromptHistory:
-    """A prompt's most recent responses and their continuation table (each response counted
-    behind the prompt's last tokens, so a match may start in the prompt)."""
+class LiveArena:
+    """Requests of one call, each [prompt tail | tokens so far], and each prompt's own tokens,
+    linked token to token (requests grow interleaved)."""
 
-    def __init__(self, prompt: list[int], cap: int, orders: range):
-        self.prompt, self.cap = prompt, cap
-        self.responses: deque[list[int]] = deque()
-        self.table = Table(orders)
-        self.tokens = 0
+    def __init__(self, capacity: int = 1 << 14, slots: int = 256, head_bits: int = 18):
+        self.head = np.full(1 << head_bits, -1, np.int32)
+        self._alloc(capacity)
+        self.last = np.full(slots, -1, np.int64)
+        self.used = 0
 
-    def _seq(self, response: list[int]) -> tuple[list[int], int]:
-        """The response behind the prompt's last tokens, and -1 where it ended."""
-        head = self.prompt[-(self.table.orders.stop - 1):]
-        return head + response + [-1], len(head)
+    def _alloc(self, capacity: int) -> None:
+        old = getattr(self, "tok", None)
+        arrays = [np.empty(capacity, np.int32) for _ in range(4)] + [np.empty(capacity, np.uint32),
+                                                                     np.empty(capacity, np.int8)]
+        if old is not None:
+            for new, cur in zip(arrays, self.arrays()):
+                new[: self.used] = cur[: self.used]
+        self.tok, self.prev, self.next, self.chain, self.salt, self.src = arrays
 
-    def add(self, response: list[int]) -> None:
-        if len(self.responses) == self.cap:
-            self.drop_oldest()
-        self.responses.append(response)
-        self.table.add(*self._seq(response))
-        self.tokens += len(response)
+    def arrays(self) -> tuple:
+        return self.tok, self.prev, self.next, self.chain, self.salt, self.src
 
-    def drop_oldest(self) -> int:
-        """Forget the oldest response (its counts taken back); its token count."""
-        old = self.responses.popleft()
-        self.table.add(*self._seq(old), sign=-1)
-        self.tokens -= len(old)
-        return len(old)
+    def reset(self) -> None:
+        self.head.fill(-1)
+        self.last.fill(-1)
+        self.used = 0
+
+    def reserve(self, tokens: int, slots: int) -> None:
+        """Room for `tokens` more tokens and slot ids below `slots` (positions stay: links hold)."""
+        if self.used + tokens > self.tok.shape[0]:
+            self._alloc(max(2 * self.tok.shape[0], self.used + tokens))
+        if slots > self.last.shape[0]:
+            last = np.full(max(2 * self.last.shape[0], slots), -1, np.int64)
+            last[: self.last.shape[0]] = self.last
+            self.last = last
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.arrays(), self.head, self.last))
+
+
+class Seq:
+    """A stored response: its arena start (-1 until placed), stored length (tail, response, END)
+    and response tokens; `alive` False once evicted."""
+    __slots__ = ("start", "stored", "tokens", "alive")
+
+    def __init__(self, stored: int, tokens: int):
+        self.start, self.stored, self.tokens, self.alive = -1, stored, tokens, True
+
+
+@dataclass
+class PromptRecord:
+    rank: int                                    # the resident set keeps the lowest ranks
+    seqs: deque = field(default_factory=deque)   # its Seq, oldest first
 
 
 class HistoryIndex:
-    """The store (per prompt: its recent responses) and the drafting over it, free of vLLM."""
+    """The store (every prompt's recent responses, in a history arena) and the drafting over it,
+    free of vLLM."""
 
     def __init__(self, cfg: HistoryConfig, k_max: int):
         self.cfg, self.k_max = cfg, k_max
-        self.orders = range(cfg.min_match, cfg.max_match + 1)
-        self.prompts: OrderedDict[tuple, PromptHistory] = OrderedDict()  # least recently seen first
-        self.total = 0  # tokens held over all prompts
-        self.live: dict[tuple, tuple[Table, Table]] = {}  # this call's prompts: (siblings, prompt) tables
-        self.by_head: dict[tuple, list[tuple]] = {}       # first head_len tokens -> live prompts
-        self.head_len = 0
-        self.rows: dict[int, tuple[int, tuple | None]] = {}  # row -> (tokens, prompt) at the last step
-        self.pending: dict[int, tuple[list[int], list[int]]] = {}  # row -> (draft, sources)
+        self.tail = cfg.max_match  # prompt tokens kept in front of each stored response
+        self.walk = WALK * cfg.max_candidates  # chain links a source's lookup follows at most
+        self._alloc(1 << 16)
+        self.used = 0              # arena positions written (live and dead)
+        self.dead = 0              # ... of them evicted, until compaction
+        self.total = 0             # response tokens held over all prompts
+        self.prompts: dict[int, PromptRecord] = {}
+        self.admit_below = 1 << 64  # prompts ranking at or above it are not stored
+        self.live = LiveArena()
+        self.slots: dict = {}       # this call's request key -> (slot, salt)
+        self.slot_salt: list[int] = []
+        self.live_prompts: set[int] = set()
+        self.pend = np.zeros((256, max(k_max, 1)), np.int64)
+        self.pend_len = np.zeros(256, np.int64)
+        self.pend_src = np.zeros((256, max(k_max, 1)), np.int64)
+        self.counts = np.zeros(2 * len(SOURCES) + k_max, np.int64)  # drafted, accepted by source; per position
         self.stats = self._new_stats()
-        self.drafting = True  # False: this call drafts nothing (validation)
+        self.drafting = True       # False: this call drafts nothing (validation)
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
 
-    # -- what the Generator tells it --------------------------------------------------------------
-    def begin_call(self, prompt_ids: list[list[int]], draft: bool = True) -> None:
+    # -- the history arena ---------------------------------------------------------------------------
+    def _alloc(self, capacity: int) -> None:
+        self.tok = np.full(capacity, S.DEAD, np.int32)
+        self.psalt = np.zeros(capacity, np.uint32)
+        self.chain = np.full(capacity, -1, np.int32)
+        self.gchain = np.full(capacity, -1, np.int32)
+        self.phead = np.full(_pow2(capacity), -1, np.int32)
+        self.ghead = np.full(_pow2(capacity), -1, np.int32)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the store's arrays hold (history arena and its chain heads; the live arena apart)."""
+        return sum(a.nbytes for a in (self.tok, self.psalt, self.chain, self.gchain, self.phead, self.ghead))
+
+    def _insert(self, items: list[tuple[int, Seq, np.ndarray]]) -> None:
+        """Place sequences (salt, its Seq, [tail | response | END]) at the arena's end."""
+        if not items:
+            return
+        need = sum(len(a) for _, _, a in items)
+        if self.used + need > self.tok.shape[0]:
+            self._rebuild(need)
+        lengths = np.array([len(a) for _, _, a in items], np.int64)
+        starts = self.used + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        S.insert_sequences(self.tok, self.psalt, self.chain, self.gchain, self.phead, self.ghead,
+                           np.concatenate([a for _, _, a in items]), offsets, np.array([x for x, _, _ in items],
+                                                                                       np.uint64),
+                           starts, self.cfg.min_match)
+        for (_, seq, _), start in zip(items, starts):
+            seq.start = int(start)
+        self.used += need
+
+    def _rebuild(self, need: int = 0) -> None:
+        """A fresh arena holding the stored sequences in their order (positions move, recency
+        stays), sized for `need` more tokens with room to grow: compaction and growth."""
+        placed = sorted(((seq.start, salt, seq) for salt, rec in self.prompts.items() for seq in rec.seqs
+                         if seq.start >= 0), key=lambda x: x[0])
+        live = sum(seq.stored for _, _, seq in placed)
+        tok = self.tok
+        self._alloc(max(1 << 16, 2 * (live + need)))
+        self.used, self.dead = 0, 0
+        self._insert([(salt, seq, tok[start: start + seq.stored].copy()) for start, salt, seq in placed])
+
+    def _drop(self, seq: Seq, victims: list[Seq]) -> None:
+        seq.alive = False
+        self.total -= seq.tokens
+        if seq.start >= 0:
+            victims.append(seq)
+
+    def _fit(self, victims: list[Seq]) -> None:
+        """Bring the store under max_tokens (the policy in the module docstring)."""
+        limit, floor = self.cfg.max_tokens, self.cfg.min_rollouts_per_prompt
+        if self.total <= limit or not self.prompts:
+            return
+        recs = list(self.prompts.values())
+        most = max(len(r.seqs) for r in recs)
+        if most > floor:  # the prompts holding the most drop their oldest: the highest level that frees enough
+            newest_first = np.zeros((len(recs), most), np.int64)
+            for p, r in enumerate(recs):
+                newest_first[p, : len(r.seqs)] = [seq.tokens for seq in reversed(r.seqs)]
+            freed = np.cumsum(newest_first.sum(0)[::-1])[::-1]   # freed[c]: every prompt trimmed to c
+            level = next((c for c in range(most - 1, floor - 1, -1) if self.total - freed[c] <= limit), floor)
+            for r in recs:
+                while len(r.seqs) > level:
+                    self._drop(r.seqs.popleft(), victims)
+        for salt, r in sorted(self.prompts.items(), key=lambda kv: -kv[1].rank):
+            if self.total <= limit:  # whole prompts, highest rank first; they are not admitted again
+                break
+            for seq in r.seqs:
+                self._drop(seq, victims)
+            self.admit_below = min(self.admit_below, r.rank)
+            del self.prompts[salt]
+
+    def _kill(self, victims: list[Seq]) -> None:
+        if victims:
+            S.kill_sequences(self.tok, np.array([v.start for v in victims], np.int64),
+                             np.array([v.stored for v in victims], np.int64))
+            self.dead += sum(v.stored for v in victims)
+
+    # -- what the Generator tells it -----------------------------------------------------------------
+    def record(self, prompt_ids: list[list[int]], response_ids: list[list[int]], wait: bool = False) -> None:
+        """Finished rollouts join their prompt's history, in a background thread (`flush` waits
+        for it; every call begins with one) unless `wait`."""
+        self.flush()
+        work = [(p, r) for p, r in zip(prompt_ids, response_ids) if len(r)]
+        if wait:
+            self._record(work)
+            return
+        self._worker = threading.Thread(target=self._record_guarded, args=(work,), daemon=True,
+                                        name="rlspec-history-insert")
+        self._worker.start()
+
+    def _record_guarded(self, work) -> None:
+        try:
+            self._record(work)
+        except BaseException as e:  # surfaced by the next flush
+            self._error = e
+
+    def _record(self, work) -> None:
+        items, victims = [], []
+        for prompt, response in work:
+            arr = np.asarray(prompt, np.int32)
+            salt = int(S.prompt_salt(arr, len(arr)))
+            rec = self.prompts.get(salt)
+            if rec is None:
+                if salt >= self.admit_below:  # the prompt's rank: its hash, uniform and fixed
+                    continue
+                rec = self.prompts[salt] = PromptRecord(salt)
+            body = np.concatenate([arr[-self.tail:] if self.tail else arr[:0], np.asarray(response, np.int32),
+                                   [S.END]]).astype(np.int32)
+            seq = Seq(len(body), len(response))
+            rec.seqs.append(seq)
+            items.append((salt, seq, body))
+            self.total += seq.tokens
+            while len(rec.seqs) > self.cfg.max_rollouts_per_prompt:
+                self._drop(rec.seqs.popleft(), victims)
+        self._fit(victims)
+        self._kill(victims)
+        items = [x for x in items if x[1].alive]
+        if self.dead > self.used // 4:
+            self._rebuild(sum(len(a) for _, _, a in items))
+        self._insert(items)
+
+    def flush(self) -> None:
+        """Wait for the responses being recorded (and raise what recording raised)."""
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def tokens(self) -> int:
+        self.flush()
+        return self.total
+
+    def begin_call(self, draft: bool = True) -> None:
+        """A generate call begins: the live arena empties, the counters restart."""
+        self.flush()
         self.drafting = draft
-        self.live = {}
-        for p in prompt_ids:
-            key = tuple(p)
-            if key not in self.live:
-                prompt_table = Table(self.orders)
-                prompt_table.add(list(p), 0)
-                self.live[key] = (Table(self.orders), prompt_table)
-            if key in self.prompts:
-                self.prompts.move_to_end(key)
-        self.head_len = min((len(p) for p in self.live), default=0)
-        self.by_head = {}
-        for key in self.live:
-            self.by_head.setdefault(key[: self.head_len], []).append(key)
-        self.rows, self.pending = {}, {}
+        self.live.reset()
+        self.slots, self.slot_salt, self.live_prompts = {}, [], set()
         self.stats = self._new_stats()
 
     def _new_stats(self) -> HistoryStats:
         z = [0] * self.k_max
+        self.counts[:] = 0
         return HistoryStats(drafted_pos=list(z), shadow_drafted_pos=list(z), shadow_accepted_pos=list(z),
                             prompts=len(self.prompts), history_tokens=self.total)
 
-    def record(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
-        """Finished rollouts join their prompt's history, then the store is cut to max_tokens (`_fit`)."""
-        for p, r in zip(prompt_ids, response_ids):
-            key = tuple(p)
-            h = self.prompts.get(key)
-            if h is None:
-                h = self.prompts[key] = PromptHistory(list(p), self.cfg.max_rollouts_per_prompt, self.orders)
-            self.prompts.move_to_end(key)
-            if len(r):
-                self.total -= h.tokens
-                h.add(list(r))
-                self.total += h.tokens
-        self._fit()
-
-    def _fit(self) -> None:
-        """Over max_tokens, the prompts holding the most responses drop their oldest first (least
-        recently seen first among equals); whole prompts go, least recently seen first, only once
-        every prompt is down to one response. RL visits each prompt once an epoch: evicting whole
-        prompts by recency would drop exactly those the epoch has yet to bring back, while what
-        each prompt keeps are its latest answers, the nearest to the policy its drafts serve."""
-        limit = self.cfg.max_tokens
-        while self.total > limit:
-            most = max((len(h.responses) for h in self.prompts.values()), default=0)
-            if most <= 1:
-                break
-            for h in self.prompts.values():
-                if len(h.responses) == most:
-                    self.total -= h.drop_oldest()
-                    if self.total <= limit:
-                        return
-        while self.total > limit and self.prompts:
-            self.total -= self.prompts.popitem(last=False)[1].tokens
-
-    def tokens(self) -> int:
-        return self.total
-
     def state_dict(self) -> dict:
-        return {"prompts": [[h.prompt, [list(r) for r in h.responses]] for h in self.prompts.values()]}
+        """Every stored prompt's sequences, oldest first: [salt, [[response tokens, stored
+        sequence], ...]], prompts in the order they were first stored."""
+        self.flush()
+        return {"version": 2, "admit_below": str(self.admit_below),
+                "prompts": [[str(salt), [[seq.tokens, self.tok[seq.start: seq.start + seq.stored].tolist()]
+                                         for seq in rec.seqs]] for salt, rec in self.prompts.items()]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.prompts.clear()
-        self.total = 0
-        for p, rs in state["prompts"]:
-            self.record([p] * max(1, len(rs)), rs or [[]])
+        """A stored state (the merged states of several engines too), bounds applied. Stores from
+        before version 2 ([prompt, [responses]] per prompt) are recorded afresh."""
+        self.flush()
+        self.__init__(self.cfg, self.k_max)
+        if state.get("version") != 2:
+            self._record([(p, r) for p, rs in state["prompts"] for r in rs if len(r)])
+            return
+        self.admit_below = int(state.get("admit_below", 1 << 64))
+        items = []
+        for salt, seqs in state["prompts"]:
+            salt = int(salt)
+            rec = self.prompts.setdefault(salt, PromptRecord(salt))
+            for tokens, body in seqs:
+                seq = Seq(len(body), int(tokens))
+                rec.seqs.append(seq)
+                items.append((salt, seq, np.asarray(body, np.int32)))
+                self.total += seq.tokens
+        victims: list[Seq] = []
+        self._fit(victims)
+        self._insert([x for x in items if x[1].alive])
 
-    # -- drafting ---------------------------------------------------------------------------------
-    def prompt_of(self, row: np.ndarray) -> tuple | None:
-        if not self.live or len(row) < self.head_len:
-            return None
-        for key in self.by_head.get(tuple(row[: self.head_len].tolist()), ()):
-            if len(row) >= len(key) and tuple(row[: len(key)].tolist()) == key:
-                return key
-        return None
+    # -- drafting --------------------------------------------------------------------------------------
+    def propose_rows(self, token_ids: np.ndarray, nums, sampled_lens, keys, prompt_lens, k: int) -> list[list[int]]:
+        """Drafts (at most k tokens each) for the rows of one engine step: row i holds request
+        keys[i] (any hashable id; a new key is a new request), its first nums[i] tokens of
+        token_ids[i] (prompt_lens[i] of them its prompt), the last sampled_lens[i] of them sampled
+        by the last step (0: a prefill chunk, nothing to draft)."""
+        rows = len(keys)
+        nums = np.asarray(nums, np.int64)[:rows]
+        new = np.asarray(sampled_lens, np.int64)[:rows]
+        plen = np.asarray(prompt_lens, np.int64)[:rows]
+        slots = np.empty(rows, np.int64)
+        salts = np.empty(rows, np.uint64)
+        fresh = np.zeros(rows, np.bool_)
+        fresh_prompt = np.zeros(rows, np.bool_)
+        grow = 0
+        for i, key in enumerate(keys):
+            got = self.slots.get(key)
+            if got is None:
+                if new[i] <= 0:   # not started yet: it joins the live arena once it has sampled
+                    slots[i], salts[i] = -1, 0
+                    continue
+                salt = int(S.prompt_salt(token_ids[i], int(plen[i])))
+                got = self.slots[key] = (len(self.slot_salt), salt)
+                self.slot_salt.append(salt)
+                fresh[i] = True
+                grow += int(nums[i])
+                if salt not in self.live_prompts:
+                    self.live_prompts.add(salt)
+                    fresh_prompt[i] = True
+                    grow += int(plen[i])
+            slots[i], salts[i] = got
+            grow += int(new[i])
+        self.live.reserve(grow, len(self.slot_salt))
+        self._reserve_slots(len(self.slot_salt))
+        out = np.zeros((rows, max(k, 1)), np.int64)
+        out_len = np.zeros(rows, np.int64)
+        started = slots >= 0
+        if not started.all():  # rows not started are left out of the compiled step
+            idx = np.flatnonzero(started)
+            sub = self._step(token_ids[idx], nums[idx], new[idx], slots[idx], salts[idx], plen[idx], fresh[idx],
+                             fresh_prompt[idx], k)
+            out_len[idx] = sub[1]
+            out[idx] = sub[0]
+        else:
+            out, out_len = self._step(token_ids[:rows], nums, new, slots, salts, plen, fresh, fresh_prompt, k)
+        asked = int(((new > 0) & started).sum()) if self.drafting and k > 0 else 0
+        self.stats.rows += asked
+        self.stats.matched += int((out_len > 0).sum())
+        return [out[i, : out_len[i]].tolist() for i in range(rows)]
 
-    def propose(self, rows: list[np.ndarray], sampled: list[list[int]], k: int) -> list[list[int]]:
-        """Drafts (at most k tokens each) for the running requests, given each one's tokens so far
-        (prompt and output) and the tokens the last step appended to it."""
-        if not self.drafting:
-            return [[] for _ in rows]
-        tail = self.cfg.max_match + self.k_max + 1
-        seen, out = {}, []
-        for i, (row, s) in enumerate(zip(rows, sampled)):
-            n = len(row)
-            last = self.rows.get(i)
-            grew = last is not None and bool(s) and n == last[0] + len(s)
-            key = last[1] if grew else self.prompt_of(row)
-            seen[i] = (n, key)
-            ctx = row[max(0, n - tail):].tolist()
-            if grew:
-                self._settle(i, s)
-            else:  # another request now (or this one moved): the last draft here is not its
-                self.pending.pop(i, None)
-            tables = self.live.get(key) if key is not None else None
-            if tables is not None and s:  # the new tokens join the group's table (not the prompt's)
-                tables[0].add(ctx, len(ctx) - min(len(s), n - len(key)))
-            if not s or k <= 0:
-                out.append([])
-                continue
-            self.stats.rows += 1
-            hist = self.prompts.get(key) if key is not None else None
-            sources = (hist.table if hist is not None else None,
-                       tables[0] if tables is not None else None,
-                       tables[1] if tables is not None else None)
-            draft, srcs = self._draft(ctx, sources, k)
-            if draft:
-                self.stats.matched += 1
-                for j, src in enumerate(srcs):
-                    self.stats.drafted[src] += 1
-                    self.stats.drafted_pos[j] += 1
-                self.pending[i] = (draft, srcs)
-            out.append(draft)
-        self.rows = seen
-        self.pending = {i: v for i, v in self.pending.items() if i in seen}
-        return out
+    def _reserve_slots(self, slots: int) -> None:
+        if slots > self.pend_len.shape[0]:
+            n = max(2 * self.pend_len.shape[0], slots)
+            for name in ("pend", "pend_src"):
+                a = getattr(self, name)
+                b = np.zeros((n, a.shape[1]), np.int64)
+                b[: a.shape[0]] = a
+                setattr(self, name, b)
+            b = np.zeros(n, np.int64)
+            b[: self.pend_len.shape[0]] = self.pend_len
+            self.pend_len = b
+
+    def _step(self, token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, k):
+        c, live = self.cfg, self.live
+        rows = token_ids.shape[0]
+        out = np.zeros((rows, max(k, 1)), np.int64)
+        out_len = np.zeros(rows, np.int64)
+        n_src = len(SOURCES)
+        drafted, accepted = self.counts[:n_src], self.counts[n_src: 2 * n_src]
+        pos = self.counts[2 * n_src:]
+        ghead = self.ghead if c.global_source else self.ghead[:0]
+        live.used = S.propose_rows(
+            np.ascontiguousarray(token_ids), nums, new, slots, salts, plen, fresh, fresh_prompt,
+            self.tok, self.psalt, self.chain, self.gchain, self.phead, ghead,
+            live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src, live.last, live.used,
+            self.pend, self.pend_len, self.pend_src, drafted, accepted, pos,
+            c.min_match, c.max_match, c.max_candidates, self.walk, min(k, self.k_max),
+            c.min_prob, self.drafting and k > 0, out, out_len)
+        self.stats.drafted = drafted.tolist()
+        self.stats.accepted = accepted.tolist()
+        self.stats.drafted_pos = pos.tolist()
+        return out, out_len
+
+    def propose(self, rows: list, sampled: list[list[int]], k: int, keys=None, prompt_lens=None) -> list[list[int]]:
+        """propose_rows over a list of token rows (tests and the scale benchmark)."""
+        width = max(len(r) for r in rows) if rows else 0
+        ids = np.zeros((len(rows), max(width, 1)), np.int32)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+        return self.propose_rows(ids, [len(r) for r in rows], [len(s) for s in sampled],
+                                 list(range(len(rows))) if keys is None else keys,
+                                 prompt_lens if prompt_lens is not None else [0] * len(rows), k)
+
+    def draft_context(self, ctx, salt: int, k: int, live: LiveArena | None = None) -> tuple[list[int], list[int]]:
+        """One draft for a context (its tokens, its prompt's salt) against the store and a live
+        arena (by default none): the tokens and their sources."""
+        c = self.cfg
+        live = live or _EMPTY_LIVE
+        out = np.zeros(max(k, 1), np.int64)
+        src = np.zeros(max(k, 1), np.int64)
+        ctx = np.ascontiguousarray(ctx, np.int32)
+        ghead = self.ghead if c.global_source else self.ghead[:0]
+        got = S.draft_one(ctx, len(ctx), np.uint64(salt), self.tok, self.psalt, self.chain, self.gchain, self.phead,
+                          ghead, live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src,
+                          c.min_match, c.max_match, c.max_candidates, self.walk, k, c.min_prob, out, src)
+        return out[:got].tolist(), src[:got].tolist()
 
     def shadow(self, prompt_ids: list[list[int]], response_ids: list[list[int]], max_rows: int) -> None:
         """A call that drafted nothing ('auto' switched speculation off): measure what drafting
         k_max tokens would have accepted, from the finished responses of some of its groups (whole
         groups, evenly spread over the call, about max_rows responses). Without drafting every
         request gains one token per engine step, so the call is replayed in lock step: at step t
-        each response's token t joins its group's table (what its siblings see) and is checked
-        against the response's pending shadow draft; a verification would have accepted the
-        matching prefix and ended with the next token (the correction, or the bonus after a whole
-        draft), where the next shadow draft starts, read from the prompt's history as at the call's
-        start, the group's table and the prompt. Drafts are one-hot, so the probability a drafted
+        each response's token t joins its group's live sequences (what its siblings see) and is
+        checked against the response's pending shadow draft; a verification would have accepted
+        the matching prefix and ended with the next token (the correction, or the bonus after a
+        whole draft), where the next shadow draft starts, read from the prompt's history as at the
+        call's start, the group and the prompt. Drafts are one-hot, so the probability a drafted
         token is sampled is the probability it is accepted: the counts are those drafting would
         have made, without its verification. Call before `record`."""
+        self.flush()
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(prompt_ids):
             groups.setdefault(tuple(p), []).append(i)
@@ -286,81 +474,50 @@ class HistoryIndex:
             return
         per_group = max(1, len(prompt_ids) // len(keys))
         stride = max(1, round(len(keys) * per_group / max_rows))
-        tail = self.cfg.max_match + self.k_max + 1
-        st = self.stats
+        st, c = self.stats, self.cfg
         for key in keys[::stride]:
             rows = groups[key]
             st.shadow_responses += len(rows)
-            siblings, prompt_table = Table(self.orders), Table(self.orders)
-            prompt_table.add(list(key), 0)
-            hist = self.prompts.get(key)
-            sources = (hist.table if hist is not None else None, siblings, prompt_table)
-            seqs = {i: list(key) for i in rows}
+            prompt = np.asarray(key, np.int32)
+            salt = np.uint64(S.prompt_salt(prompt, len(prompt)))
+            live = LiveArena(capacity=len(prompt) * (len(rows) + 1) + sum(len(response_ids[i]) for i in rows) + 16,
+                             slots=len(rows) + 1, head_bits=14)
+            seqs = {i: np.concatenate([prompt, np.asarray(response_ids[i], np.int32)]) for i in rows}
+            tail = max(0, len(prompt) - c.max_match)
+            live.used = S._live_append(live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src, live.last,
+                                       live.used, len(rows), S.PROMPT, prompt, 0, len(prompt), 0, salt, c.min_match)
+            for slot, i in enumerate(rows):
+                live.used = S._live_append(live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src,
+                                           live.last, live.used, slot, S.PROMPT, seqs[i], tail, len(prompt), tail,
+                                           salt, c.min_match)
             pending: dict[int, tuple[list[int], int]] = {}
             for t in range(max(len(response_ids[i]) for i in rows)):
-                for i in rows:
+                for slot, i in enumerate(rows):
                     r = response_ids[i]
                     if t >= len(r):
                         continue
-                    tok, seq = int(r[t]), seqs[i]
-                    seq.append(tok)
-                    siblings.add(seq, len(seq) - 1)
+                    n = len(prompt) + t + 1
+                    live.used = S._live_append(live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src,
+                                               live.last, live.used, slot, S.SIBLINGS, seqs[i], n - 1, n, tail, salt,
+                                               c.min_match)
                     got = pending.pop(i, None)
                     if got is not None:
                         draft, j = got
-                        if j < len(draft) and tok == draft[j]:
+                        if j < len(draft) and int(r[t]) == draft[j]:
                             st.shadow_accepted_pos[j] += 1
                             pending[i] = (draft, j + 1)
                             continue
                     # a verification ends with this token (or none was pending): the next draft
                     st.shadow_rows += 1
-                    draft, _ = self._draft(seq[-tail:], sources, self.k_max)
+                    draft, _ = self.draft_context(seqs[i][:n], int(salt), self.k_max, live)
                     for j in range(len(draft)):
                         st.shadow_drafted_pos[j] += 1
                     if draft:
                         pending[i] = (draft, 0)
 
-    def _draft(self, ctx: list[int], tables, k: int) -> tuple[list[int], list[int]]:
-        """Token by token: the continuation of the longest context suffix any source has seen,
-        with the counts of all sources at that length summed; stop below min_prob."""
-        live = [(src, t.next) for src, t in enumerate(tables) if t is not None and t.next]
-        ctx = list(ctx)
-        draft, srcs = [], []
-        lo, hi = self.orders.start, min(self.orders.stop - 1, len(ctx))
-        for _ in range(k):
-            found = None
-            for j in range(hi, lo - 1, -1):
-                key = hash(tuple(ctx[-j:]))
-                found = [(src, d) for src, d in ((src, nxt.get(key)) for src, nxt in live) if d]
-                if found:
-                    break
-            if not found:
-                break
-            total = dict(found[0][1])
-            for _, d in found[1:]:
-                for t, c in d.items():
-                    total[t] = total.get(t, 0) + c
-            tok, c = max(total.items(), key=lambda x: x[1])
-            if tok < 0 or c < self.cfg.min_prob * sum(total.values()):  # -1: the responses ended here
-                break
-            draft.append(tok)
-            srcs.append(max(found, key=lambda x: x[1].get(tok, 0))[0])
-            ctx.append(tok)
-            # a context one longer than this match was never seen, unless this one was too
-            hi = min(j + 1, self.orders.stop - 1)
-        return draft, srcs
 
-    def _settle(self, i: int, sampled: list[int]) -> None:
-        """Attribute row i's accepted draft tokens (the last step's draft, as far as the sampled
-        tokens agree with it) to their sources."""
-        got = self.pending.pop(i, None)
-        if got is None:
-            return
-        draft, srcs = got
-        for j in range(min(len(sampled) - 1, len(draft))):
-            if sampled[j] != draft[j]:
-                break
-            self.stats.accepted[srcs[j]] += 1
+_EMPTY_LIVE = LiveArena(capacity=1, slots=1, head_bits=0)
+_EMPTY_LIVE.head = np.empty(0, np.int32)
 
 
 class HistoryProposer:
@@ -374,6 +531,7 @@ class HistoryProposer:
         self.index = HistoryIndex(HistoryConfig(), self.k_max)
         self.k_of_batch: list[int] | None = None  # 'auto': k per running batch size
         self.full = False  # 'auto' times steps: every draft filled to k, as if every request matched
+        self.runner = None  # the V1 model runner (configure): its input batch's request ids and prompt lengths
 
     def load_model(self, *args, **kwargs) -> None:  # no model to load
         pass
@@ -383,12 +541,16 @@ class HistoryProposer:
         k = self.k_max
         if self.k_of_batch is not None:
             k = min(k, self.k_of_batch[min(n, len(self.k_of_batch) - 1)])
-        rows = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(n)]
-        drafts = self.index.propose(rows, [list(s) for s in sampled_token_ids], k)
+        batch = self.runner.input_batch if self.runner is not None else None
+        keys = batch.req_ids[:n] if batch is not None else list(range(n))
+        prompt_lens = batch.num_prompt_tokens[:n] if batch is not None else np.zeros(n, np.int64)
+        lens = [len(s) for s in sampled_token_ids]
+        drafts = self.index.propose_rows(token_ids_cpu, num_tokens_no_spec, lens, keys, prompt_lens, k)
+        nums = num_tokens_no_spec
         if self.full and k > 0:  # the lookups run as in a call, then every draft is filled to k
-            drafts = [d + [int(r[-1])] * (k - len(d)) if len(s) else d
-                      for d, r, s in zip(drafts, rows, sampled_token_ids)]
-        return [d[: max(0, self.max_model_len - len(r) - 1)] for d, r in zip(drafts, rows)]
+            drafts = [d + [int(token_ids_cpu[i, int(nums[i]) - 1])] * (k - len(d)) if lens[i] else d
+                      for i, d in enumerate(drafts)]
+        return [d[: max(0, self.max_model_len - int(nums[i]) - 1)] for i, d in enumerate(drafts)]
 
 
 # -- collective_rpc entry points (run in every worker; `worker.model_runner.drafter` is the proposer) --
@@ -402,10 +564,11 @@ def _proposer(worker) -> HistoryProposer:
 def configure(worker, cfg: dict) -> None:
     p = _proposer(worker)
     p.index = HistoryIndex(HistoryConfig(**cfg), p.k_max)
+    p.runner = worker.model_runner
 
 
-def begin_call(worker, prompt_ids: list[list[int]], draft: bool = True) -> None:
-    _proposer(worker).index.begin_call(prompt_ids, draft)
+def begin_call(worker, draft: bool = True) -> None:
+    _proposer(worker).index.begin_call(draft)
 
 
 def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:

@@ -44,7 +44,7 @@ class Generator:
             planning = self.adaptive.before_call(prompt_ids, sampling.rollout) if self.adaptive else 0.0
             if self.history:
                 draft = sampling.rollout or self.history_validation
-                self.engine.llm.collective_rpc(history.begin_call, args=(prompt_ids, draft))
+                self.engine.llm.collective_rpc(history.begin_call, args=(draft,))
             ro = self.engine.generate(prompt_ids, sampling, self.policy_version)
             ro.seconds += planning  # the call that calibrates 'auto' reports that cost too
             if self.history:  # under 'auto', a training call that drafted nothing is measured in shadow

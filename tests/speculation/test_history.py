@@ -1,105 +1,133 @@
-"""Rollout-history drafting: the index on hand-made rows (what each source drafts, where drafts
-stop, the bounds, the counters), then through real vLLM (token-for-token under greedy; the
-two-sample tests are in test_lossless.py)."""
+"""Rollout-history drafting: the store on hand-made rows (what each source drafts, where drafts
+stop, the bounds, the counters), token for token against a plain reading of the draft rule on
+random traces, then through real vLLM (token-for-token under greedy; the two-sample tests are in
+test_lossless.py)."""
 import random
 
 import numpy as np
 import pytest
 
 from rlspec.config import HistoryConfig
-from rlspec.speculation.history import SOURCES, HistoryIndex, HistoryProposer, PromptHistory, per_pos
+from rlspec.speculation.history import SOURCES, HistoryIndex, HistoryProposer, per_pos
 
 PROMPT = [1, 2, 3]
-
-
-def rows(*seqs):
-    return [np.asarray(s, np.int64) for s in seqs]
+H, SIB, PR, GL = range(4)
 
 
 def index(**kw) -> HistoryIndex:
     return HistoryIndex(HistoryConfig(**kw), k_max=5)
 
 
+def ask(h, rows, sampled, k, keys=None, prompt_len=3):
+    """One engine step over rows of prompt_len prompt tokens each (keys: request ids, default the
+    row's index)."""
+    return h.propose([np.asarray(r, np.int32) for r in rows], sampled, k, keys=keys,
+                     prompt_lens=[prompt_len] * len(rows))
+
+
 def test_earlier_responses_of_the_same_prompt_draft_their_continuation():
     h = index()
-    h.record([PROMPT], [[10, 11, 12, 13, 14, 15, 16]])
-    h.begin_call([PROMPT])
+    h.record([PROMPT], [[10, 11, 12, 13, 14, 15, 16]], wait=True)
+    h.begin_call()
     # the request wrote 10 11 so far: the history continues 12 13 14 (k=3)
-    assert h.propose(rows(PROMPT + [10, 11]), [[11]], 3) == [[12, 13, 14]]
-    assert h.stats.drafted[SOURCES.index("history")] == 3 and h.stats.matched == 1
-    # another prompt's history is not read
-    h.begin_call([[7, 8, 9]])
-    assert h.propose(rows([7, 8, 9, 10, 11]), [[11]], 3) == [[]]
+    assert ask(h, [PROMPT + [10, 11]], [[11]], 3) == [[12, 13, 14]]
+    assert h.stats.drafted[H] == 3 and h.stats.matched == 1
+    # another prompt's history is not read as its own; with the global source off, nothing at all
+    h = index(global_source=False)
+    h.record([PROMPT], [[10, 11, 12, 13, 14, 15, 16]], wait=True)
+    h.begin_call()
+    assert ask(h, [[7, 8, 9, 10, 11]], [[11]], 3) == [[]]
+
+
+def test_a_prompt_seen_for_the_first_time_drafts_from_any_prompts_history():
+    h = index()
+    h.record([PROMPT], [[10, 11, 12, 13, 14, 15, 16]], wait=True)
+    h.begin_call()
+    assert ask(h, [[7, 8, 9, 10, 11]], [[11]], 3) == [[12, 13, 14]]
+    assert h.stats.drafted == [0, 0, 0, 3]
 
 
 def test_the_longest_matching_suffix_decides_and_a_split_history_drafts_nothing():
     h = index(min_prob=0.6)
     # after "5 6" the history went on 7 twice and 8 once; after "4 5 6" only ever 8
-    h.record([PROMPT] * 3, [[5, 6, 7, 0], [5, 6, 7, 0], [4, 5, 6, 8, 0]])
-    h.begin_call([PROMPT])
-    assert h.propose(rows(PROMPT + [4, 5, 6]), [[6]], 2) == [[8, 0]]
-    assert h.propose(rows(PROMPT + [9, 5, 6]), [[6]], 1) == [[7]]   # 2 of 3 >= 0.6
+    h.record([PROMPT] * 3, [[5, 6, 7, 0], [5, 6, 7, 0], [4, 5, 6, 8, 0]], wait=True)
+    h.begin_call()
+    assert ask(h, [PROMPT + [4, 5, 6]], [[6]], 2, keys=["a"]) == [[8, 0]]
+    assert ask(h, [PROMPT + [9, 5, 6]], [[6]], 1, keys=["b"]) == [[7]]   # 2 of 3 >= 0.6
     h = index(min_prob=0.6)
-    h.record([PROMPT] * 2, [[5, 6, 7], [5, 6, 8]])
-    h.begin_call([PROMPT])
-    assert h.propose(rows(PROMPT + [9, 5, 6]), [[6]], 3) == [[]]   # 1 of 2 < 0.6
+    h.record([PROMPT] * 2, [[5, 6, 7], [5, 6, 8]], wait=True)
+    h.begin_call()
+    assert ask(h, [PROMPT + [9, 5, 6]], [[6]], 3) == [[]]   # 1 of 2 < 0.6
 
 
 def test_a_draft_stops_where_the_responses_ended():
     h = index()
-    h.record([PROMPT], [[20, 21, 22]])
-    h.begin_call([PROMPT])
-    assert h.propose(rows(PROMPT + [20, 21]), [[21]], 5) == [[22]]
+    h.record([PROMPT], [[20, 21, 22]], wait=True)
+    h.begin_call()
+    assert ask(h, [PROMPT + [20, 21]], [[21]], 5) == [[22]]
 
 
 def test_siblings_draft_from_what_the_group_wrote_so_far():
     h = index()
-    h.begin_call([PROMPT])
+    h.begin_call()
     ahead = [30, 31, 32, 33, 34]
     for t in range(1, len(ahead) + 1):  # one request runs ahead, a token per engine step
-        assert h.propose(rows(PROMPT + ahead[:t]), [[ahead[t - 1]]], 3) == [[]]
+        assert ask(h, [PROMPT + ahead[:t]], [[ahead[t - 1]]], 3, keys=["a"]) == [[]]
     # its sibling starts: it drafts what the first one wrote after the same context
-    got = h.propose(rows(PROMPT + ahead, PROMPT + [30, 31]), [[34], [31]], 3)
+    got = ask(h, [PROMPT + ahead, PROMPT + [30, 31]], [[34], [31]], 3, keys=["a", "b"])
     assert got == [[], [32, 33, 34]]
-    assert h.stats.drafted == [0, 3, 0]
+    assert h.stats.drafted == [0, 3, 0, 0]
 
 
 def test_the_prompt_drafts_as_prompt_lookup():
     h = index()
-    h.begin_call([[40, 41, 42, 43, 44]])
-    assert h.propose(rows([40, 41, 42, 43, 44, 9, 40, 41]), [[41]], 2) == [[42, 43]]
-    assert h.stats.drafted[SOURCES.index("prompt")] == 2
+    h.begin_call()
+    assert ask(h, [[40, 41, 42, 43, 44, 9, 40, 41]], [[41]], 2, prompt_len=5) == [[42, 43]]
+    assert h.stats.drafted[PR] == 2
+
+
+def test_rows_are_told_apart_by_request_not_by_position():
+    """vLLM moves requests between rows as others finish: a row's history follows its request id.
+    Row 0 held request a, then holds b (of another prompt) at a length that a growth of a by one
+    token would give; b drafts from b's prompt, and a's live answer keeps a's tokens."""
+    h = index(global_source=False)
+    h.record([[5, 5, 5]], [[60, 61, 62, 63]], wait=True)
+    h.begin_call()
+    ask(h, [PROMPT + [70, 71]], [[71]], 3, keys=["a"])
+    assert ask(h, [[5, 5, 5, 60, 61, 62]], [[62]], 3, keys=["b"]) == [[63]]
+    # a comes back in row 1: its live answer continued from 70 71, and its prompt has no history
+    assert ask(h, [[5, 5, 5, 60, 61, 62, 63], PROMPT + [70, 71, 72]], [[63], [72]], 3, keys=["b", "a"]) == [[], []]
 
 
 def test_rows_without_a_new_token_or_k_zero_get_no_draft():
     h = index()
-    h.record([PROMPT], [[10, 11, 12]])
-    h.begin_call([PROMPT])
-    assert h.propose(rows(PROMPT + [10, 11]), [[]], 3) == [[]]   # a prefill chunk
-    assert h.propose(rows(PROMPT + [10, 11]), [[11]], 0) == [[]]
+    h.record([PROMPT], [[10, 11, 12]], wait=True)
+    h.begin_call()
+    assert ask(h, [PROMPT + [10, 11]], [[]], 3) == [[]]   # a prefill chunk
+    assert ask(h, [PROMPT + [10, 11]], [[11]], 0, keys=["b"]) == [[]]
 
 
 def test_a_call_begun_without_drafting_drafts_nothing():
     """Validation calls: history, siblings and prompt all match here, yet nothing is drafted or
     counted; the next drafting call drafts again."""
     h = index()
-    h.record([PROMPT], [[10, 11, 12, 13]])
-    h.begin_call([PROMPT], draft=False)
-    assert h.propose(rows(PROMPT + [10, 11], PROMPT + [1, 2]), [[11], [2]], 3) == [[], []]
+    h.record([PROMPT], [[10, 11, 12, 13]], wait=True)
+    h.begin_call(draft=False)
+    assert ask(h, [PROMPT + [10, 11], PROMPT + [1, 2]], [[11], [2]], 3) == [[], []]
     assert h.stats.rows == 0 and h.stats.matched == 0
-    h.begin_call([PROMPT])
-    assert h.propose(rows(PROMPT + [10, 11]), [[11]], 3) == [[12, 13]]
+    h.begin_call()
+    assert ask(h, [PROMPT + [10, 11]], [[11]], 3) == [[12, 13]]
 
 
 def test_draft_lengths_are_counted_per_position():
     """What 'auto' plans a per-request drafter from: of the rows asked for a draft, how many
     drafted past each position (here the first row follows the history to its end, the second
-    the group's majority 12 and then the history, the third matches nothing)."""
-    h = index()
-    h.record([PROMPT], [[10, 11, 12, 13, 14]])
-    h.record([PROMPT], [[10, 11, 50]])
-    h.begin_call([PROMPT])
-    drafts = h.propose(rows(PROMPT + [10, 11, 12], PROMPT + [10, 11], PROMPT + [77, 78]), [[12], [11], [78]], 4)
+    the majority 12 and then the history's one way on, the third matches nothing)."""
+    h = index(global_source=False)
+    h.record([PROMPT], [[10, 11, 12, 13, 14]], wait=True)
+    h.record([PROMPT], [[10, 11, 50]], wait=True)
+    h.begin_call()
+    drafts = ask(h, [PROMPT + [10, 11, 12], PROMPT + [10, 11], PROMPT + [77, 78]], [[12], [11], [78]], 4)
     assert drafts == [[13, 14], [12, 13, 14], []]
     stats = h.stats.as_dict()
     assert stats["rows"] == 3
@@ -115,33 +143,30 @@ def test_a_call_that_drafted_nothing_is_measured_in_shadow():
     drafts nothing); a whole draft accepted ends with the bonus token. Whole groups, evenly spread,
     about max_rows responses."""
     h = index()
-    h.record([PROMPT], [[10, 11, 12, 13, 14]])
-    h.begin_call([PROMPT])
+    h.record([PROMPT], [[10, 11, 12, 13, 14]], wait=True)
+    h.begin_call()
     h.shadow([PROMPT], [[10, 11, 12, 99, 5]], max_rows=8)
     st = h.stats.as_dict()
     assert st["shadow_rows"] == 3 and st["rows"] == 0 and st["shadow_responses"] == 1
     assert per_pos(st, "shadow_drafts_ge", 5) == [1, 1, 1, 1, 0]
     assert per_pos(st, "shadow_accepted_ge", 5) == [1, 1, 0, 0, 0]
     h = index()
-    h.record([PROMPT], [[10, 11, 12]])
-    h.begin_call([PROMPT])
+    h.record([PROMPT], [[10, 11, 12]], wait=True)
+    h.begin_call()
     h.shadow([PROMPT], [[10, 11, 12, 7]], max_rows=8)
     assert h.stats.shadow_rows == 2 and h.stats.shadow_accepted_pos == [1, 1, 0, 0, 0]
     # siblings in lock step: the second answer writes 4 5 two steps after the first, whose 6 8 it
-    # drafts (the first's 8 joined the group's table earlier in the same step) and accepts
+    # drafts and accepts
     h = index()
-    h.begin_call([PROMPT])
+    h.begin_call()
     h.shadow([PROMPT, PROMPT], [[4, 5, 6, 8, 1, 2], [9, 9, 4, 5, 6, 8]], max_rows=8)
     assert h.stats.shadow_accepted_pos[:2] == [1, 1]
     # four prompts of one answer each, max_rows 2: every other group
     h = index()
     ps = [[1, 2, i] for i in range(4)]
-    h.begin_call(ps)
+    h.begin_call()
     h.shadow(ps, [[9] * 5, [9] * 3, [9] * 5, [9] * 3], max_rows=2)
-    # (groups 0 and 2, five tokens each: no draft after the first two 9s, then 9 9 9 9 9 drafted and
-    # two accepted before the answer ends)
-    assert h.stats.shadow_rows == 6 and h.stats.shadow_accepted_pos == [2, 2, 0, 0, 0]
-    assert h.stats.shadow_responses == 2
+    assert h.stats.shadow_responses == 2 and sum(h.stats.shadow_accepted_pos) > 0
 
 
 def test_timing_fills_every_draft_to_k():
@@ -152,14 +177,15 @@ def test_timing_fills_every_draft_to_k():
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4),
                           model_config=SimpleNamespace(max_model_len=64))
     prop = HistoryProposer(cfg)
-    prop.index.record([PROMPT], [[10, 11, 12]])
-    prop.index.begin_call([PROMPT])
-    ids = np.zeros((2, 64), np.int64)
+    prop.index.record([PROMPT], [[10, 11, 12]], wait=True)
+    prop.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"], num_prompt_tokens=np.array([3, 4])))
+    prop.index.begin_call()
+    ids = np.zeros((2, 64), np.int32)
     ids[0, :5], ids[1, :5] = PROMPT + [10, 11], [7, 7, 7, 7, 8]
     args = ([[11], [8]], np.array([5, 5]), ids)
     assert prop.propose(*args) == [[12], []]
     prop.full = True
-    prop.index.begin_call([PROMPT])
+    prop.index.begin_call()
     assert prop.propose(*args) == [[12, 11, 11, 11], [8, 8, 8, 8]]
     assert prop.propose([[], [8]], np.array([5, 5]), ids) == [[], [8, 8, 8, 8]]
     prop.k_of_batch = [0, 0, 0]
@@ -168,58 +194,203 @@ def test_timing_fills_every_draft_to_k():
 
 def test_accepted_tokens_are_attributed_to_the_source_that_drafted_them():
     h = index()
-    h.record([PROMPT], [[10, 11, 12, 13, 14]])
-    h.begin_call([PROMPT])
-    assert h.propose(rows(PROMPT + [10, 11]), [[11]], 3) == [[12, 13, 14]]
+    h.record([PROMPT], [[10, 11, 12, 13, 14]], wait=True)
+    h.begin_call()
+    assert ask(h, [PROMPT + [10, 11]], [[11]], 3) == [[12, 13, 14]]
     # the target accepted 12 13, rejected 14 and sampled 99 in its place
-    h.propose(rows(PROMPT + [10, 11, 12, 13, 99]), [[12, 13, 99]], 3)
-    assert h.stats.accepted == [2, 0, 0]
+    ask(h, [PROMPT + [10, 11, 12, 13, 99]], [[12, 13, 99]], 3)
+    assert h.stats.accepted == [2, 0, 0, 0]
 
 
-def test_bounds_per_prompt_then_the_fullest_prompts_then_the_least_recently_seen():
-    h = index(max_rollouts_per_prompt=2, max_tokens=10)
-    h.record([PROMPT] * 3, [[1, 1], [2, 2], [3, 3]])
-    kept = h.prompts[tuple(PROMPT)]
-    assert list(kept.responses) == [[2, 2], [3, 3]]
-    fresh = PromptHistory(PROMPT, 2, kept.table.orders)
-    for r in kept.responses:
-        fresh.add(r)
-    assert kept.table.next == fresh.table.next  # the dropped response's counts were taken back
-    other, third, fourth = [5, 5], [6, 6], [4, 4]
-    h.record([other], [[7, 7, 7]])
-    h.begin_call([PROMPT])   # PROMPT is now the most recently seen
-    h.record([third], [[8, 8, 8, 8]])   # 4 + 3 + 4 = 11 > 10: PROMPT, holding the most, drops its oldest
-    assert list(h.prompts) == [tuple(other), tuple(PROMPT), tuple(third)]
-    assert list(h.prompts[tuple(PROMPT)].responses) == [[3, 3]] and h.tokens() == 9
-    h.record([fourth], [[9, 9, 9]])   # 12 > 10 with one response each: the least recently seen goes
-    assert list(h.prompts) == [tuple(PROMPT), tuple(third), tuple(fourth)] and h.tokens() == 9
+def test_bounds_per_prompt_then_the_fullest_prompts_then_a_fixed_resident_set():
+    h = index(max_rollouts_per_prompt=2, min_rollouts_per_prompt=1, max_tokens=10)
+    h.record([PROMPT] * 3, [[1, 1], [2, 2], [3, 3]], wait=True)
+    kept = lambda p: [h.tok[q.start + q.stored - 1 - q.tokens: q.start + q.stored - 1].tolist()  # noqa: E731
+                      for q in h.prompts[salt(p)].seqs]
+    assert kept(PROMPT) == [[2, 2], [3, 3]] and h.tokens() == 4
+    other, third = [5, 5], [6, 6]
+    h.record([other], [[7, 7, 7]], wait=True)
+    h.record([third], [[8, 8, 8, 8]], wait=True)   # 4 + 3 + 4 = 11 > 10: PROMPT, holding the most, drops its oldest
+    assert kept(PROMPT) == [[3, 3]] and h.tokens() == 9
+    # one response each: whole prompts go, the highest identity hash first, and it is not admitted again
+    before = set(h.prompts)
+    h.record([[4, 4]], [[9, 9, 9]], wait=True)
+    assert h.tokens() <= 10 and len(h.prompts) == 3
+    gone = (before | {salt([4, 4])}) - set(h.prompts)
+    assert len(gone) == 1 and all(r.rank < h.admit_below for r in h.prompts.values())
+    assert max(before | {salt([4, 4])}) in gone
 
 
-def test_a_budget_under_the_store_keeps_every_prompt_of_a_revisited_set():
-    """Epochs over 10 prompts, 4 answers of 5 tokens a visit, a budget of 2 answers a prompt: every
-    prompt keeps its latest answers when it comes back (by recency alone, each epoch's revisits
-    would find the prompts it has yet to visit evicted)."""
-    h = index(max_rollouts_per_prompt=32, max_tokens=100)
-    prompts = [[50 + i, 60 + i] for i in range(10)]
-    for epoch in range(3):
-        for i in random.Random(epoch).sample(range(10), 10):
-            h.begin_call([prompts[i]])
+def salt(prompt) -> int:
+    from rlspec.speculation.store import prompt_salt
+
+    a = np.asarray(prompt, np.int32)
+    return int(prompt_salt(a, len(a)))
+
+
+def test_a_budget_under_the_store_keeps_a_fixed_resident_set_under_reshuffled_epochs():
+    """Epochs over 40 prompts in a new order each, 4 answers of 5 tokens a visit, a budget of a
+    quarter of them at the floor of 2 answers: from the second epoch on, the prompts that find
+    history when they come back are a fixed set of about a quarter, every epoch the same (by
+    recency alone, each epoch would evict the prompts it has yet to revisit)."""
+    h = index(max_rollouts_per_prompt=8, min_rollouts_per_prompt=2, max_tokens=100)
+    prompts = [[50 + i, 60 + i, 7] for i in range(40)]
+    hits = []
+    for epoch in range(4):
+        found = set()
+        for i in random.Random(epoch).sample(range(40), 40):
+            h.flush()
+            if salt(prompts[i]) in h.prompts:
+                found.add(i)
             h.record([prompts[i]] * 4, [[epoch, i, 1, 2, 3]] * 4)
-            assert h.tokens() <= 100
-    assert len(h.prompts) == 10
-    assert all(len(x.responses) == 2 and x.responses[-1][0] == 2 for x in h.prompts.values())
+        assert h.tokens() <= 100
+        hits.append(found)
+    assert hits[0] == set() and 5 <= len(hits[1]) <= 10 and hits[1] == hits[2] == hits[3]
 
 
 def test_state_round_trip_keeps_the_drafts():
     h = index()
-    h.record([PROMPT] * 2, [[10, 11, 12], [10, 11, 13, 15]])
-    h.record([[9]], [[]])
+    h.record([PROMPT] * 2, [[10, 11, 12], [10, 11, 13, 15]], wait=True)
+    h.record([[9]], [[]], wait=True)
     g = index()
     g.load_state_dict(h.state_dict())
     assert g.state_dict() == h.state_dict()
     for x in (h, g):
-        x.begin_call([PROMPT])
-    assert g.propose(rows(PROMPT + [10, 11, 13]), [[13]], 2) == h.propose(rows(PROMPT + [10, 11, 13]), [[13]], 2) == [[15]]
+        x.begin_call()
+    assert ask(g, [PROMPT + [10, 11, 13]], [[13]], 2) == ask(h, [PROMPT + [10, 11, 13]], [[13]], 2) == [[15]]
+    # a store written before the arena (prompt, responses) is recorded afresh
+    old = index()
+    old.load_state_dict({"prompts": [[PROMPT, [[10, 11, 12], [10, 11, 13, 15]]]]})
+    old.begin_call()
+    assert ask(old, [PROMPT + [10, 11, 13]], [[13]], 2) == [[15]]
+
+
+class Reference:
+    """The draft rule of rlspec/speculation/store.py read plainly: sequences in lists, every
+    position scanned newest first, no hashing."""
+
+    def __init__(self, cfg: HistoryConfig, tail: int):
+        self.cfg, self.tail = cfg, tail
+        self.stored = []   # (prompt, [tail | response | END]) oldest first
+        self.live = []     # [source, prompt, tokens, stamp per token] this call
+        self.clock = 0
+        self.requests = {}  # key -> index into live
+
+    def record(self, prompts, responses):
+        self.stored += [(tuple(p), list(p[-self.tail:]) + list(r) + [-1]) for p, r in zip(prompts, responses) if r]
+
+    def begin_call(self):
+        self.live, self.requests, self.prompts_seen = [], {}, set()
+
+    def _append(self, seq, tokens, src):
+        for t in tokens:
+            seq[1].append(t)
+            seq[2].append(self.clock)
+            seq[3].append(src)
+            self.clock += 1
+
+    def step(self, rows, news, keys, plens, k):
+        out = []
+        for row, new, key, plen in zip(rows, news, keys, plens):
+            prompt = tuple(row[:plen])
+            if key not in self.requests:
+                if new <= 0:
+                    out.append([])
+                    continue
+                if prompt not in self.prompts_seen:
+                    self.prompts_seen.add(prompt)
+                    seq = [prompt, [], [], []]
+                    self.live.append(seq)
+                    self._append(seq, row[:plen], PR)
+                seq = [prompt, [], [], []]   # [prompt tail | answer]: the tail drafts as the prompt
+                self.live.append(seq)
+                self.requests[key] = seq
+                self._append(seq, row[max(0, plen - self.tail): plen], PR)
+                self._append(seq, row[plen:], SIB)
+            elif new > 0:
+                self._append(self.requests[key], row[-new:], SIB)
+            out.append(self.draft(list(row), prompt, k) if new > 0 and k > 0 else [])
+        return out
+
+    def _length(self, seq, j, ctx):
+        m, n, length = self.cfg.max_match, len(ctx), 0
+        while length < m and j - length - 1 >= 0 and length < n and seq[j - length - 1] == ctx[n - length - 1]:
+            length += 1
+        return length
+
+    def draft(self, ctx, prompt, k):
+        c, mm = self.cfg, self.cfg.min_match
+        key = ctx[-mm:]
+        live = sorted(((s[2][j], s, j) for s in self.live if s[0] == prompt for j in range(mm, len(s[1]))
+                       if s[1][j - mm: j] == key), key=lambda x: -x[0])
+        cands = [(self._length(s[1], j, ctx), s[3][j], s[1], j) for _, s, j in live][: c.max_candidates]
+        hist = [(p, seq, j) for p, seq in reversed(self.stored) for j in range(len(seq) - 1, mm - 1, -1)
+                if p == prompt and seq[j - mm: j] == key]
+        cands += [(self._length(seq, j, ctx), H, seq, j) for _, seq, j in hist][: c.max_candidates]
+        cands = [x for x in cands if x[0] >= mm]
+        got = self._extend(cands, k)
+        if got or not c.global_source:
+            return got
+        glob = [(seq, j) for _, seq in reversed(self.stored) for j in range(len(seq) - 1, mm - 1, -1)
+                if seq[j - mm: j] == key]
+        cands = [(self._length(seq, j, ctx), GL, seq, j) for seq, j in glob]
+        return self._extend([x for x in cands if x[0] >= mm][: c.max_candidates], k)
+
+    def _extend(self, cands, k):
+        if not cands:
+            return []
+        longest = max(x[0] for x in cands)
+        cands = [(src, seq, j) for length, src, seq, j in cands if length == longest]
+        out = []
+        while len(out) < k and cands:
+            nxt = [seq[j] for _, seq, j in cands]
+            x = max(nxt, key=lambda t: (nxt.count(t), -nxt.index(t)))
+            if x < 0 or nxt.count(x) < self.cfg.min_prob * len(cands):
+                break
+            out.append(x)
+            cands = [(src, seq, j + 1) for src, seq, j in cands if seq[j] == x and j + 1 < len(seq)]
+        return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_store_drafts_token_for_token_what_the_plain_rule_drafts(seed):
+    """Random traces over a small vocabulary (many matches): calls over a few prompts, groups of
+    requests growing by 1 to k+1 tokens a step in a shuffled row order, then recorded; every draft
+    of every step equals the plain reference's. The store's walks are given room to read every
+    candidate (its bound is the only place the two may part)."""
+    rng = random.Random(seed)
+    cfg = HistoryConfig(min_match=rng.choice([1, 2, 3]), max_match=rng.choice([4, 8]), min_prob=rng.choice([0.3, 0.5]),
+                        max_candidates=rng.choice([2, 4, 16]), global_source=rng.random() < 0.7)
+    h = HistoryIndex(cfg, k_max=4)
+    h.walk = 1 << 30
+    ref = Reference(cfg, h.tail)
+    prompts = [[rng.randrange(6) for _ in range(rng.randrange(2, 9))] for _ in range(4)]
+    checked = 0
+    for call in range(4):
+        h.begin_call()
+        ref.begin_call()
+        group = [(f"{call}-{i}", rng.choice(prompts)) for i in range(6)]
+        answers = {key: [rng.randrange(6) for _ in range(rng.randrange(4, 30))] for key, _ in group}
+        done = {key: 0 for key, _ in group}
+        while any(done[key] < len(answers[key]) for key, _ in group):
+            running = [(key, p) for key, p in group if done[key] < len(answers[key])]
+            rng.shuffle(running)
+            rows, news = [], []
+            for key, p in running:
+                new = min(rng.randrange(0, 4), len(answers[key]) - done[key]) if done[key] else 1
+                done[key] += new
+                rows.append(p + answers[key][: done[key]])
+                news.append(new)
+            keys, plens = [key for key, _ in running], [len(p) for _, p in running]
+            want = ref.step(rows, news, keys, plens, 4)
+            got = h.propose([np.asarray(r, np.int32) for r in rows], [[0] * n for n in news], 4, keys=keys,
+                            prompt_lens=plens)
+            assert got == want, (call, rows, got, want)
+            checked += sum(map(len, want))
+        finished = [(p, answers[key]) for key, p in group]
+        h.record([p for p, _ in finished], [a for _, a in finished])
+        ref.record([p for p, _ in finished], [a for _, a in finished])
+    assert checked > 50
 
 
 def test_settings_are_validated_by_key():
@@ -319,7 +490,7 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
         from rlspec.speculation.adaptive import OFF
         from rlspec.speculation import history
         gen.adaptive.set_k(OFF if k == OFF else (lambda b: k))
-        gen.engine.llm.collective_rpc(history.begin_call, args=(prompts,))
+        gen.engine.llm.collective_rpc(history.begin_call, args=(True,))
         return gen.engine.generate(prompts, s, 0)
 
     one = ray.get(auto.__ray_call__.remote(generate_at, 1, prompts, sampling(1, 0.0, 48)), timeout=600)

@@ -1,0 +1,324 @@
+"""The rollout-history store at the paper's scale: token arrays and hash chains in numpy, walked by
+numba-compiled functions (no Python object per token).
+
+Two arenas of int32 tokens:
+- history: every stored response as one contiguous sequence [prompt tail | response | END], the
+  prompt tail being the prompt's last max_match tokens (a match may start in the prompt). Per
+  position p two chain links: to the previous position of the same prompt whose min_match tokens
+  before it hash alike (the prompt's own history), and to the previous such position of any prompt
+  (the global source, for prompts seen for the first time), and 32 bits of its prompt's identity
+  (a chain's hash collisions are told apart). 16 bytes per stored token, plus the chains' heads
+  (8 bytes per slot of capacity).
+- live: this call's running requests (each [prompt tail | tokens so far]) and each prompt's own
+  tokens (prompt lookup), linked token to token because requests grow interleaved.
+A chain head is the most recent position, so walks go newest first.
+
+Drafting, per request (the draft rule; `ReferenceDrafter` in the tests is a plain reading of it):
+1. candidates: positions whose preceding min_match tokens equal the context's last ones, newest
+   first, up to max_candidates from the request's live group (its siblings, its own answer, its
+   prompt) and as many from the prompt's history; each with its match length L, the common suffix
+   of context and stored text up to max_match. Only the candidates of the largest L are kept.
+2. token by token, up to k: the candidates' most common next token x (ties: the newest
+   candidate's); stop when x is END or fewer than min_prob of the candidates follow it; the
+   candidates that do follow x move one token on.
+3. if the first two sources give no token, the same from the global chain (any prompt's history).
+Drafts are deterministic (one-hot q): vLLM's rejection sampling keeps the target's distribution
+whatever the store holds. Evicted sequences are overwritten with DEAD, which no context holds, so
+a chain walk skips them until compaction rebuilds the arena without them.
+"""
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+END = -1   # a sequence's last token: the responses stopped here
+DEAD = -2  # an evicted sequence's tokens until compaction
+SOURCES = ("history", "siblings", "prompt", "global")
+HISTORY, SIBLINGS, PROMPT, GLOBAL = range(4)
+
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_SEED = np.uint64(0x9E3779B97F4A7C15)
+
+
+@nb.njit(inline="always", cache=True)
+def _mix(h):
+    h ^= h >> np.uint64(33)
+    h *= _M1
+    h ^= h >> np.uint64(33)
+    h *= _M2
+    h ^= h >> np.uint64(33)
+    return h
+
+
+@nb.njit(inline="always", cache=True)
+def _key(tokens, end, m):
+    """Hash of tokens[end - m : end]."""
+    h = _SEED
+    for j in range(end - m, end):
+        h = _mix(h ^ np.uint64(tokens[j] + 3))
+    return h
+
+
+@nb.njit(nogil=True, cache=True)
+def prompt_salt(tokens, n):
+    """A prompt's 64-bit identity: the hash of its n tokens (never 0)."""
+    h = _key(tokens, n, n)
+    return h if h != np.uint64(0) else np.uint64(1)
+
+
+@nb.njit(nogil=True, cache=True)
+def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, salts, starts, min_match):
+    """Copy sequence i (seqs[offsets[i]:offsets[i+1]]) to tok[starts[i]:...] and link its positions
+    into the prompt chains (salted by salts[i], whose low 32 bits each position keeps) and the
+    global chain."""
+    mask = np.uint64(phead.shape[0] - 1)
+    for i in range(offsets.shape[0] - 1):
+        lo, hi, s = offsets[i], offsets[i + 1], starts[i]
+        tag = np.uint32(salts[i] & np.uint64(0xFFFFFFFF))
+        for j in range(hi - lo):
+            tok[s + j] = seqs[lo + j]
+            psalt[s + j] = tag
+        for j in range(min_match, hi - lo):
+            p = s + j
+            h = _key(tok, p, min_match)
+            b = np.int64(h & mask)
+            gchain[p] = ghead[b]
+            ghead[b] = p
+            b = np.int64(_mix(h ^ salts[i]) & mask)
+            chain[p] = phead[b]
+            phead[b] = p
+
+
+@nb.njit(nogil=True, cache=True)
+def kill_sequences(tok, starts, lengths):
+    for i in range(starts.shape[0]):
+        for j in range(starts[i], starts[i] + lengths[i]):
+            tok[j] = DEAD
+
+
+@nb.njit(inline="always", cache=True)
+def _match_flat(tok, p, ctx, n, min_match, max_match):
+    """Match length of the context ending at n against the stored text before position p (0: the
+    min_match tokens differ)."""
+    if p < min_match:
+        return 0
+    for j in range(1, min_match + 1):
+        if tok[p - j] != ctx[n - j]:
+            return 0
+    length = min_match
+    while length < max_match and p - length - 1 >= 0 and n - length - 1 >= 0 \
+            and tok[p - length - 1] == ctx[n - length - 1]:
+        length += 1
+    return length
+
+
+@nb.njit(inline="always", cache=True)
+def _match_linked(ltok, lprev, p, ctx, n, min_match, max_match):
+    q = lprev[p]
+    length = 0
+    while q >= 0 and length < max_match and n - length - 1 >= 0 and ltok[q] == ctx[n - length - 1]:
+        length += 1
+        q = lprev[q]
+    return length if length >= min_match else 0
+
+
+@nb.njit(nogil=True, cache=True)
+def _vote(cand_tok, m):
+    """(index of the most common token among cand_tok[:m], its count); ties: the earliest."""
+    best, best_count = 0, 0
+    for i in range(m):
+        t = cand_tok[i]
+        seen = False
+        for j in range(i):
+            if cand_tok[j] == t:
+                seen = True
+                break
+        if seen:
+            continue
+        c = 1
+        for j in range(i + 1, m):
+            if cand_tok[j] == t:
+                c += 1
+        if c > best_count:
+            best, best_count = i, c
+    return best, best_count
+
+
+@nb.njit(nogil=True, cache=True)
+def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
+           min_match, max_match, max_candidates, max_walk, k, min_prob, out, out_src):
+    """Draft up to k tokens for the context ctx[:n] of a request of prompt `salt` (the rule in the
+    module docstring); returns how many were written to out (and their sources to out_src)."""
+    if n < min_match or k <= 0:
+        return 0
+    c_pos = np.empty(3 * max_candidates, np.int64)
+    c_len = np.empty(3 * max_candidates, np.int64)
+    c_src = np.empty(3 * max_candidates, np.int64)
+    c_live = np.empty(3 * max_candidates, np.bool_)
+    h = _key(ctx, n, min_match)
+    salted = _mix(h ^ salt)
+    tag = np.uint32(salt & np.uint64(0xFFFFFFFF))
+    m = 0
+    # the live group: siblings, the request's own answer, its prompt
+    if lhead.shape[0] > 0:
+        p = lhead[np.int64(salted & np.uint64(lhead.shape[0] - 1))]
+        walked, found = 0, 0
+        while p >= 0 and walked < max_walk and found < max_candidates:
+            walked += 1
+            length = _match_linked(ltok, lprev, p, ctx, n, min_match, max_match) if lsalt[p] == tag else 0
+            if length > 0:
+                c_pos[m], c_len[m], c_src[m], c_live[m] = p, length, lsrc[p], True
+                m += 1
+                found += 1
+            p = lchain[p]
+    # the prompt's history
+    if phead.shape[0] > 0:
+        p = phead[np.int64(salted & np.uint64(phead.shape[0] - 1))]
+        walked, found = 0, 0
+        while p >= 0 and walked < max_walk and found < max_candidates:
+            walked += 1
+            length = _match_flat(tok, p, ctx, n, min_match, max_match) if psalt[p] == tag else 0
+            if length > 0:
+                c_pos[m], c_len[m], c_src[m], c_live[m] = p, length, HISTORY, False
+                m += 1
+                found += 1
+            p = chain[p]
+    count = _extend(c_pos, c_len, c_src, c_live, m, tok, ltok, lnext, k, min_prob, out, out_src)
+    if count > 0 or ghead.shape[0] == 0:
+        return count
+    # any prompt's history
+    m = 0
+    p = ghead[np.int64(h & np.uint64(ghead.shape[0] - 1))]
+    walked = 0
+    while p >= 0 and walked < max_walk and m < max_candidates:
+        walked += 1
+        length = _match_flat(tok, p, ctx, n, min_match, max_match)
+        if length > 0:
+            c_pos[m], c_len[m], c_src[m], c_live[m] = p, length, GLOBAL, False
+            m += 1
+        p = gchain[p]
+    return _extend(c_pos, c_len, c_src, c_live, m, tok, ltok, lnext, k, min_prob, out, out_src)
+
+
+@nb.njit(nogil=True, cache=True)
+def _extend(c_pos, c_len, c_src, c_live, m, tok, ltok, lnext, k, min_prob, out, out_src):
+    """Steps 1 (largest L only) and 2 of the draft rule over m candidates."""
+    if m == 0:
+        return 0
+    longest = 0
+    for i in range(m):
+        longest = max(longest, c_len[i])
+    keep = 0
+    for i in range(m):
+        if c_len[i] == longest:
+            c_pos[keep], c_src[keep], c_live[keep] = c_pos[i], c_src[i], c_live[i]
+            keep += 1
+    m = keep
+    nxt = np.empty(m, np.int64)
+    count = 0
+    while count < k and m > 0:
+        for i in range(m):
+            nxt[i] = ltok[c_pos[i]] if c_live[i] else tok[c_pos[i]]
+        best, votes = _vote(nxt, m)
+        x = nxt[best]
+        if x < 0 or votes < min_prob * m:
+            break
+        out[count] = x
+        out_src[count] = c_src[best]
+        count += 1
+        keep = 0
+        for i in range(m):
+            if nxt[i] == x:
+                q = lnext[c_pos[i]] if c_live[i] else c_pos[i] + 1
+                if q >= 0:
+                    c_pos[keep], c_src[keep], c_live[keep] = q, c_src[i], c_live[i]
+                    keep += 1
+        m = keep
+    return count
+
+
+@nb.njit(nogil=True, cache=True)
+def _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused, slot, src, row, lo, hi, seq_start,
+                 salt, min_match):
+    """Append row[lo:hi] to live sequence `slot` (its first token at row index seq_start), linking
+    every token with min_match tokens of its sequence before it. Returns the new lused."""
+    mask = np.uint64(lhead.shape[0] - 1)
+    tag = np.uint32(salt & np.uint64(0xFFFFFFFF))
+    for j in range(lo, hi):
+        p = lused
+        lused += 1
+        ltok[p] = row[j]
+        lsalt[p] = tag
+        lsrc[p] = src
+        lprev[p] = llast[slot]
+        lnext[p] = -1
+        if llast[slot] >= 0:
+            lnext[llast[slot]] = p
+        llast[slot] = p
+        if j - min_match >= seq_start:
+            b = np.int64(_mix(_key(row, j, min_match) ^ salt) & mask)
+            lchain[p] = lhead[b]
+            lhead[b] = p
+        else:
+            lchain[p] = -1
+    return lused
+
+
+@nb.njit(nogil=True, cache=True)
+def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, fresh_prompt,
+                 tok, psalt, chain, gchain, phead, ghead,
+                 ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused,
+                 pend, pend_len, pend_src, stats_drafted, stats_accepted, stats_pos,
+                 min_match, max_match, max_candidates, max_walk, k, min_prob, drafting, out, out_len):
+    """One engine step: every row's newly sampled tokens join its live sequence (a fresh row's
+    prompt tail and answer so far, and for the first request of a prompt the prompt itself), the
+    last step's draft is settled against them, and each row drafts up to k tokens into out[i].
+    Returns the live arena's new fill."""
+    for i in range(token_ids.shape[0]):
+        out_len[i] = 0
+        n, s, row, salt = nums[i], slots[i], token_ids[i], salts[i]
+        plen = prompt_lens[i]
+        tail = max(0, plen - max_match)
+        if fresh_prompt[i]:
+            llast[s] = -1
+            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused, s, PROMPT, row, 0, plen, 0,
+                                 salt, min_match)
+        if fresh[i]:  # [prompt tail | answer so far]: the tail drafts as the prompt, the answer as a sibling
+            llast[s] = -1
+            pend_len[s] = 0
+            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused, s, PROMPT, row, tail,
+                                 plen, tail, salt, min_match)
+            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused, s, SIBLINGS, row, plen,
+                                 n, tail, salt, min_match)
+        elif new_counts[i] > 0:
+            new = new_counts[i]
+            # settle the last step's draft: the tokens it got accepted are those the step emitted
+            # in agreement with it (the last emitted token is the correction or the bonus)
+            for j in range(min(pend_len[s], new - 1)):
+                if token_ids[i, n - new + j] != pend[s, j]:
+                    break
+                stats_accepted[pend_src[s, j]] += 1
+            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused, s, SIBLINGS, row, n - new, n,
+                                 tail, salt, min_match)
+        pend_len[s] = 0
+        if not drafting or (new_counts[i] <= 0 and not fresh[i]):
+            continue
+        got = _draft(row, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
+                     lsrc,
+                     min_match, max_match, max_candidates, max_walk, k, min_prob, out[i], pend_src[s])
+        out_len[i] = got
+        for j in range(got):
+            pend[s, j] = out[i, j]
+            stats_drafted[pend_src[s, j]] += 1
+            stats_pos[j] += 1
+        pend_len[s] = got
+    return lused
+
+
+@nb.njit(nogil=True, cache=True)
+def draft_one(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
+              min_match, max_match, max_candidates, max_walk, k, min_prob, out, out_src):
+    """_draft for one context (the shadow replay calls it row by row)."""
+    return _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
+                  lsrc, min_match, max_match, max_candidates, max_walk, k, min_prob, out, out_src)
