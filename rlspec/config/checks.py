@@ -139,6 +139,13 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
                "must be greedy or probabilistic")
         _check(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculation.prompt_lookup_min",
                "must be in [1, prompt_lookup_max]")
+    if sp.method == "suffix":
+        import importlib.util
+
+        _check(importlib.util.find_spec("arctic_inference") is not None, "speculation.method",
+               "suffix needs arctic-inference (vLLM's suffix decoding): `make suffix` installs it")
+        _check(sp.suffix.max_tree_depth >= 1, "speculation.suffix.max_tree_depth", "must be >= 1")
+        _check(0 < sp.suffix.min_token_prob <= 1, "speculation.suffix.min_token_prob", "must be in (0, 1]")
     h = sp.history
     _check(1 <= h.min_match <= 3, "speculation.history.min_match", f"must be 1, 2 or 3, got {h.min_match}")
     _check(h.max_match >= h.min_match, "speculation.history.max_match", "must be >= speculation.history.min_match")

@@ -196,14 +196,15 @@ class HistoryConfig:
     read from earlier rollouts of the same prompt, the live siblings of its group, the prompt, and
     where those give nothing, earlier rollouts of any prompt."""
     # A draft continues the longest context suffix (at least min_match tokens, at most max_match)
-    # seen before; min_match is the length of the index key (1 to 3).
-    min_match: int = 2
-    max_match: int = 8
+    # seen before; min_match is the length of the index key (1 to 3). The defaults drafted the most
+    # accepted tokens per verification on the default run's own rollouts (docs/speculation.md).
+    min_match: int = 3
+    max_match: int = 16
     # Each drafted token must be the continuation of at least this share of the matches still
     # agreeing with the draft so far: drafts stop where the history disagrees.
     min_prob: float = 0.5
     # Matches read per source and draft, newest first (bounds a lookup's work).
-    max_candidates: int = 16
+    max_candidates: int = 32
     # Draft from any prompt's history where the prompt's own history, its siblings and the prompt
     # itself give nothing (a prompt seen for the first time).
     global_source: bool = True
@@ -222,6 +223,21 @@ class HistoryConfig:
     # drafted, and check it against the tokens the target samples next: the acceptance 'auto' needs
     # to turn drafting back on when prompts come back with history (0: no such measurement).
     shadow_rows: int = 32
+
+
+@dataclass
+class SuffixConfig:
+    """vLLM's suffix decoding (speculation.method=suffix; Snowflake's arctic-inference, installed by
+    `make suffix`): suffix trees over each request's prompt and answer so far, and over earlier
+    responses to any prompt. vLLM's defaults; its suffix_decoding_* settings."""
+    # Longest context a tree matches (and depth of the trees).
+    max_tree_depth: int = 24
+    # A draft is at most this many times the matched context's length (and k).
+    max_spec_factor: float = 1.0
+    # A drafted token's estimated probability at least this.
+    min_token_prob: float = 0.1
+    # Responses kept for the global tree (oldest evicted; -1: no bound).
+    max_cached_requests: int = 10000
 
 
 @dataclass
@@ -258,6 +274,7 @@ class SpeculationConfig:
     prompt_lookup_max: int = 4
     online: OnlineDraftConfig = field(default_factory=OnlineDraftConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
 
     @property
     def adaptive(self) -> bool:
@@ -414,6 +431,9 @@ class LoggingConfig:
     wandb_entity: Optional[str] = None
     progress_bar: bool = True
     plot: bool = True
+    # Append every step's rollouts to <run dir>/rollouts.jsonl (a line a step: per group its prompt's
+    # and responses' token ids and rewards): traces to replay (scripts/bench_history_store.py).
+    save_rollouts: bool = False
 
 
 @dataclass

@@ -39,7 +39,7 @@ class GenTotals:
         self.tokens += ro.num_tokens
         if ro.history is not None:  # counters add up over calls; the store's size is the latest
             old = self.history or {}
-            self.history = {k: v if k in ("prompts", "history_tokens") else old.get(k, 0) + v
+            self.history = {k: v if k in ("prompts", "history_tokens") else old.get(k, type(v)()) + v
                             for k, v in ro.history.items()}
         self.seconds += ro.seconds
         self.draft_schedule = ro.draft_schedule

@@ -89,6 +89,14 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.log({"val/accuracy": accuracy}, step=step)
 
+    def save_rollouts(self, step: int, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                      rewards: list[float], group: int) -> None:
+        """One line of rollouts.jsonl: the step's groups (prompt, responses, rewards)."""
+        groups = [{"prompt": prompt_ids[i], "responses": response_ids[i: i + group], "rewards": rewards[i: i + group]}
+                  for i in range(0, len(prompt_ids), group)]
+        with open(self.run_dir / "rollouts.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "groups": groups}) + "\n")
+
     def write(self, msg: str) -> None:
         if self.bar is not None:
             self.bar.write(msg)

@@ -95,6 +95,8 @@ def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
     ro, rw, group_weight, stats = collect_groups(run, sampler, step, timer, totals, queue)
     stale = stats.pop("stale_groups_dropped")
     G = cfg.generation.num_generations_per_prompt
+    if cfg.logging.save_rollouts:
+        run.log.save_rollouts(step, ro.prompt_ids, ro.response_ids, rw.flatten().tolist(), G)
     with timer("prep"):
         adv = compute_advantages(cfg.algo.advantage, rw, cfg.algo.normalize_std).flatten()  # [N]
         weight = group_weight.repeat_interleave(G)  # [N]

@@ -110,6 +110,10 @@ class DraftLengthPlanner:
     fill_counts: list[list[float]] = field(default_factory=list, repr=False)  # per position: [drafted, reached]
     calibrated: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # step costs as timed
     cost_counts: dict[int, list[float]] = field(default_factory=dict, repr=False)  # bucket: [sum offset, n]
+    # a drafter that runs outside the timed engine work (speculation=history: its lookups), as calls
+    # measure it: (log2 batch bin, k) -> [steps, seconds], earlier calls decayed; charged to drafting
+    # modes only (k >= 0), never to OFF, whose steps never call it
+    drafter: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.calibrated = dict(self.step_seconds)
@@ -122,20 +126,51 @@ class DraftLengthPlanner:
         """Every batch size up to max_batch -> the bucket whose costs it takes."""
         return {n: b for lo, hi, b in bucket_ranges(self.buckets, self.max_batch) for n in range(lo, hi + 1)}
 
-    def cost(self, bucket: int, k: int, table: dict[tuple[int, int], float] | None = None) -> float:
+    def cost(self, bucket: int, k: int, table: dict[tuple[int, int], float] | None = None,
+             lookup: bool = True) -> float:
         """Seconds of a step at this bucket with k drafts (or OFF): the timed cost with every row
         drafting k, its verification part scaled by D(k)/k (positions not yet measured count as
-        filled)."""
+        filled), plus the drafter's own time where it runs outside the timed work."""
         table = self.step_seconds if table is None else table
         t = table[(bucket, k)]
-        if k <= 0 or not self.fill:
+        if k == OFF:
             return t
+        lookup = self.drafter_seconds(bucket, k) if lookup else 0.0
+        if k == 0 or not self.fill:
+            return t + lookup
         drafted, run = 0.0, 1.0
         for i in range(k):
             run *= self.fill[i] if self.fill_counts[i][1] > 0 else 1.0
             drafted += run
         base = table[(bucket, 0)]
-        return base + drafted / k * (t - base)
+        return base + drafted / k * (t - base) + lookup
+
+    def drafter_seconds(self, batch: int, k: int) -> float:
+        """The drafter's measured seconds per step at this batch size and k: its (bin, k) cell, else
+        the bin's mean over k, else the per-row mean of every measurement times the batch (0 before
+        any call measured it)."""
+        if not self.drafter:
+            return 0.0
+        b = max(batch, 1).bit_length() - 1
+        cell = self.drafter.get((b, k))
+        if cell and cell[0] > 0:
+            return cell[1] / cell[0]
+        same = [c for (bb, _), c in self.drafter.items() if bb == b and c[0] > 0]
+        if same:
+            return sum(c[1] for c in same) / sum(c[0] for c in same)
+        rows = sum(c[0] * (1 << bb) * 1.5 for (bb, _), c in self.drafter.items())
+        return batch * sum(c[1] for c in self.drafter.values()) / rows if rows else 0.0
+
+    def observe_drafter(self, timing: list[list]) -> None:
+        """One call's drafter timing, [bin, k, steps, seconds] per cell (HistoryStats.propose_timing)."""
+        touched = {(int(b), int(k)) for b, k, _, _ in timing}
+        for key in touched:
+            c = self.drafter.setdefault(key, [0.0, 0.0])
+            c[0], c[1] = self.decay * c[0], self.decay * c[1]
+        for b, k, steps, seconds in timing:
+            c = self.drafter[(int(b), int(k))]
+            c[0] += steps
+            c[1] += seconds
 
     def tokens_per_second(self, bucket: int, k: int) -> float:
         """Per-sequence emitted tokens per second at this bucket with k drafts (or OFF)."""
@@ -240,15 +275,17 @@ class DraftLengthPlanner:
             reached = per_pos[i]
 
     def predicted(self, batch: int, k: int) -> float:
-        """Calibrated seconds of a step at any batch size: log-log between the nearest buckets."""
+        """Calibrated seconds of a step at any batch size (log-log between the nearest buckets),
+        and the drafter's measured time at that batch size where it drafts."""
         bs = self.buckets
         lo = max([b for b in bs if b <= batch], default=bs[0])
         hi = min([b for b in bs if b >= batch], default=bs[-1])
-        t_lo, t_hi = self.cost(lo, k, self.calibrated), self.cost(hi, k, self.calibrated)
+        t_lo, t_hi = (self.cost(b, k, self.calibrated, lookup=False) for b in (lo, hi))
+        lookup = 0.0 if k == OFF else self.drafter_seconds(batch, k)
         if lo == hi:
-            return t_lo
+            return t_lo + lookup
         w = math.log(batch / lo) / math.log(hi / lo)
-        return math.exp((1 - w) * math.log(t_lo) + w * math.log(t_hi))
+        return math.exp((1 - w) * math.log(t_lo) + w * math.log(t_hi)) + lookup
 
     def observe_steps(self, steps: list[tuple[int, int, float]]) -> None:
         """Refine step costs from one call's decode steps, (running batch, k or OFF, seconds) each.

@@ -101,6 +101,8 @@ class AdaptiveK:
             from rlspec.speculation.history import per_pos
 
             h, k_max = ro.history, self.planner.k_max
+            if h.get("propose_timing"):  # the lookups' own time, charged to drafting modes only
+                self.planner.observe_drafter(h["propose_timing"])
             self.planner.observe(h["rows"], ro.spec.accepted_per_pos if ro.spec else [0] * k_max, k_min,
                                  per_pos(h, "drafts_ge", k_max))
             # and what a call that drafted nothing would have drafted (every position measured), on

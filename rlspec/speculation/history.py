@@ -8,8 +8,8 @@ Four sources serve each request, in rlspec/speculation/store.py's arrays and com
 - siblings: this call's responses to the same prompt as far as they got (the request's own
   answer so far included),
 - prompt: the prompt's own tokens (prompt lookup),
-- global: stored responses to any prompt, read only where the first three give nothing (a prompt
-  seen for the first time).
+- global: stored responses to any prompt, where they match the context further back than the
+  first three do (a prompt seen for the first time has only these).
 
 The draft rule is store.py's: the longest context match decides, the candidates' majority token
 goes on while at least min_prob of them agree, and a draft stops where the responses it follows
@@ -32,6 +32,7 @@ matched to requests exactly; the Generator tells it through collective_rpc when 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
@@ -43,6 +44,7 @@ from rlspec.speculation.store import SOURCES
 
 PROPOSER = "rlspec.speculation.history.HistoryProposer"
 WALK = 4  # chain links a lookup follows per candidate it may take (hash collisions and evicted text)
+SLACK = 0.95  # over max_tokens, the store is cut to this share of it
 
 
 def _pow2(n: int) -> int:
@@ -66,9 +68,14 @@ class HistoryStats:
     shadow_accepted_pos: list[int] = field(default_factory=list)
     prompts: int = 0           # prompts with history at the call's start
     history_tokens: int = 0    # response tokens held over all prompts at the call's start
+    # the drafter's own time inside vLLM's engine steps: per (running batch bin, k) [steps, seconds]
+    # (bin b: batches of 2^b .. 2^(b+1)-1 rows), what 'auto' charges to drafting alone
+    propose_timing: dict = field(default_factory=dict)
+    propose_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d["propose_timing"] = [[b, k, n, t] for (b, k), (n, t) in sorted(self.propose_timing.items())]
         for name in ("drafted", "accepted"):
             d.update({f"{name}_{s}": v for s, v in zip(SOURCES, d.pop(name))})
         for name, key in (("drafted_pos", "drafts_ge"), ("shadow_drafted_pos", "shadow_drafts_ge"),
@@ -220,6 +227,7 @@ class HistoryIndex:
         limit, floor = self.cfg.max_tokens, self.cfg.min_rollouts_per_prompt
         if self.total <= limit or not self.prompts:
             return
+        limit = int(SLACK * limit)  # a pass frees a little more than it must, so that passes are few
         recs = list(self.prompts.values())
         most = max(len(r.seqs) for r in recs)
         if most > floor:  # the prompts holding the most drop their oldest: the highest level that frees enough
@@ -537,20 +545,28 @@ class HistoryProposer:
         pass
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **kwargs) -> list[list[int]]:
+        t0 = time.perf_counter()
         n = len(sampled_token_ids)
         k = self.k_max
         if self.k_of_batch is not None:
             k = min(k, self.k_of_batch[min(n, len(self.k_of_batch) - 1)])
-        batch = self.runner.input_batch if self.runner is not None else None
-        keys = batch.req_ids[:n] if batch is not None else list(range(n))
-        prompt_lens = batch.num_prompt_tokens[:n] if batch is not None else np.zeros(n, np.int64)
         lens = [len(s) for s in sampled_token_ids]
-        drafts = self.index.propose_rows(token_ids_cpu, num_tokens_no_spec, lens, keys, prompt_lens, k)
         nums = num_tokens_no_spec
-        if self.full and k > 0:  # the lookups run as in a call, then every draft is filled to k
-            drafts = [d + [int(token_ids_cpu[i, int(nums[i]) - 1])] * (k - len(d)) if lens[i] else d
-                      for i, d in enumerate(drafts)]
-        return [d[: max(0, self.max_model_len - int(nums[i]) - 1)] for i, d in enumerate(drafts)]
+        if self.full:  # 'auto' times the engine verifying k drafts a row: no lookup, the last token k times
+            drafts = [[int(token_ids_cpu[i, int(nums[i]) - 1])] * k if lens[i] else [] for i in range(n)]
+        else:
+            batch = self.runner.input_batch if self.runner is not None else None
+            keys = batch.req_ids[:n] if batch is not None else list(range(n))
+            prompt_lens = batch.num_prompt_tokens[:n] if batch is not None else np.zeros(n, np.int64)
+            drafts = self.index.propose_rows(token_ids_cpu, nums, lens, keys, prompt_lens, k)
+        out = [d[: max(0, self.max_model_len - int(nums[i]) - 1)] for i, d in enumerate(drafts)]
+        if not self.full:
+            cell = self.index.stats.propose_timing.setdefault((max(n, 1).bit_length() - 1, k), [0, 0.0])
+            dt = time.perf_counter() - t0
+            cell[0] += 1
+            cell[1] += dt
+            self.index.stats.propose_seconds += dt
+        return out
 
 
 # -- collective_rpc entry points (run in every worker; `worker.model_runner.drafter` is the proposer) --
@@ -589,8 +605,9 @@ def set_k(worker, k_of_batch: list[int] | None) -> None:
 
 
 def set_full(worker, full: bool) -> None:
-    """'auto' times engine steps with every request drafting k tokens (filled where the lookup
-    found fewer); the planner scales those costs by the fraction of k that calls really draft."""
+    """'auto' times engine steps with every request drafting k tokens and no lookup (the engine's
+    cost of verifying them); the planner scales the verification by the fraction of k that calls
+    really draft, and adds the drafter's own time as calls measure it (HistoryStats.propose_timing)."""
     _proposer(worker).full = full
 
 

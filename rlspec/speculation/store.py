@@ -17,11 +17,12 @@ Drafting, per request (the draft rule; `ReferenceDrafter` in the tests is a plai
 1. candidates: positions whose preceding min_match tokens equal the context's last ones, newest
    first, up to max_candidates from the request's live group (its siblings, its own answer, its
    prompt) and as many from the prompt's history; each with its match length L, the common suffix
-   of context and stored text up to max_match. Only the candidates of the largest L are kept.
+   of context and stored text up to max_match. Matches from the global chain (any prompt's
+   history, up to max_candidates) join where they are longer than every match of the prompt's own
+   sources, or where those have none. Only the candidates of the largest L are kept.
 2. token by token, up to k: the candidates' most common next token x (ties: the newest
    candidate's); stop when x is END or fewer than min_prob of the candidates follow it; the
    candidates that do follow x move one token on.
-3. if the first two sources give no token, the same from the global chain (any prompt's history).
 Drafts are deterministic (one-hot q): vLLM's rejection sampling keeps the target's distribution
 whatever the store holds. Evicted sequences are overwritten with DEAD, which no context holds, so
 a chain walk skips them until compaction rebuilds the arena without them.
@@ -184,20 +185,22 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
                 m += 1
                 found += 1
             p = chain[p]
-    count = _extend(c_pos, c_len, c_src, c_live, m, tok, ltok, lnext, k, min_prob, out, out_src)
-    if count > 0 or ghead.shape[0] == 0:
-        return count
-    # any prompt's history
-    m = 0
-    p = ghead[np.int64(h & np.uint64(ghead.shape[0] - 1))]
-    walked = 0
-    while p >= 0 and walked < max_walk and m < max_candidates:
-        walked += 1
-        length = _match_flat(tok, p, ctx, n, min_match, max_match)
-        if length > 0:
-            c_pos[m], c_len[m], c_src[m], c_live[m] = p, length, GLOBAL, False
-            m += 1
-        p = gchain[p]
+    if ghead.shape[0] > 0:
+        # any prompt's history: its matches join where they are longer than every match of the
+        # prompt's own sources (so they decide alone), or where those have none
+        own = 0
+        for i in range(m):
+            own = max(own, c_len[i])
+        p = ghead[np.int64(h & np.uint64(ghead.shape[0] - 1))]
+        walked, found = 0, 0
+        while p >= 0 and walked < max_walk and found < max_candidates:
+            walked += 1
+            length = _match_flat(tok, p, ctx, n, min_match, max_match)
+            if length > own:
+                c_pos[m], c_len[m], c_src[m], c_live[m] = p, length, GLOBAL, False
+                m += 1
+                found += 1
+            p = gchain[p]
     return _extend(c_pos, c_len, c_src, c_live, m, tok, ltok, lnext, k, min_prob, out, out_src)
 
 

@@ -199,3 +199,23 @@ def test_shadow_measurements_turn_drafting_back_on():
     pl.observe(drafts=100, accepted_per_pos=[70, 40, 20], k_min=3, drafted_per_pos=[80, 60, 40], fresh=False)
     assert pl.accept[0] == pytest.approx(120 / 200) and pl.fill[0] == pytest.approx(140 / 200)
     assert pl.accept[1] == pytest.approx(40 / 70) and pl.fill[2] == pytest.approx(40 / 60)
+
+
+def test_a_drafters_own_time_is_charged_to_drafting_modes_only():
+    """speculation=history looks up drafts outside the engine work calibration times. Its time, as
+    calls measure it per batch bin and k, adds to every drafting mode's cost (k >= 0) and never to
+    OFF, whose steps never call it; a call's decode steps, which include it, then leave no offset
+    behind for OFF to pay."""
+    from rlspec.speculation.adaptive import OFF, DraftLengthPlanner
+
+    secs = {(b, k): 0.010 + 0.0001 * b * (1 + k) for b in (1, 64) for k in range(4)}
+    secs.update({(b, OFF): 0.009 + 0.0001 * b for b in (1, 64)})
+    p = DraftLengthPlanner(k_max=3, max_batch=64, step_seconds=secs)
+    off_before = p.cost(64, OFF)
+    p.observe_drafter([[6, 3, 10, 10 * 0.004]])   # batch 64..127, k=3: 4 ms a step
+    assert p.cost(64, OFF) == off_before
+    assert p.cost(64, 3) == pytest.approx(secs[(64, 3)] + 0.004)
+    assert p.drafter_seconds(64, 2) == pytest.approx(0.004)   # the bin's other k: its mean
+    # steps of a drafting call measured at calibrated cost + the drafter's time: no offset
+    p.observe_steps([(64, 3, secs[(64, 3)] + 0.004)] * 20)
+    assert p.cost(64, OFF) == pytest.approx(off_before)

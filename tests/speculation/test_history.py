@@ -15,7 +15,8 @@ H, SIB, PR, GL = range(4)
 
 
 def index(**kw) -> HistoryIndex:
-    return HistoryIndex(HistoryConfig(**kw), k_max=5)
+    """A store keyed on 2 tokens, matching up to 8 (short hand-made rows)."""
+    return HistoryIndex(HistoryConfig(**{"min_match": 2, "max_match": 8, "max_candidates": 16, **kw}), k_max=5)
 
 
 def ask(h, rows, sampled, k, keys=None, prompt_len=3):
@@ -170,8 +171,9 @@ def test_a_call_that_drafted_nothing_is_measured_in_shadow():
 
 
 def test_timing_fills_every_draft_to_k():
-    """'auto' times steps with every row drafting k (the lookup's draft, then the row's last
-    token); rows without a new token still draft nothing, and k=0 nothing."""
+    """'auto' times the engine verifying k drafts a row (the row's last token k times, no lookup:
+    the drafter's own time is measured in calls, per batch bin and k); rows without a new token
+    still draft nothing, and k=0 nothing."""
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4),
@@ -184,9 +186,11 @@ def test_timing_fills_every_draft_to_k():
     ids[0, :5], ids[1, :5] = PROMPT + [10, 11], [7, 7, 7, 7, 8]
     args = ([[11], [8]], np.array([5, 5]), ids)
     assert prop.propose(*args) == [[12], []]
+    assert [c[0] for c in prop.index.stats.as_dict()["propose_timing"]] == [1]   # batch 2: bin 1
     prop.full = True
     prop.index.begin_call()
-    assert prop.propose(*args) == [[12, 11, 11, 11], [8, 8, 8, 8]]
+    assert prop.propose(*args) == [[11, 11, 11, 11], [8, 8, 8, 8]]
+    assert prop.index.stats.propose_timing == {}   # timing steps are not the drafter's
     assert prop.propose([[], [8]], np.array([5, 5]), ids) == [[], [8, 8, 8, 8]]
     prop.k_of_batch = [0, 0, 0]
     assert prop.propose(*args) == [[], []]
@@ -328,13 +332,13 @@ class Reference:
                 if p == prompt and seq[j - mm: j] == key]
         cands += [(self._length(seq, j, ctx), H, seq, j) for _, seq, j in hist][: c.max_candidates]
         cands = [x for x in cands if x[0] >= mm]
-        got = self._extend(cands, k)
-        if got or not c.global_source:
-            return got
-        glob = [(seq, j) for _, seq in reversed(self.stored) for j in range(len(seq) - 1, mm - 1, -1)
-                if seq[j - mm: j] == key]
-        cands = [(self._length(seq, j, ctx), GL, seq, j) for seq, j in glob]
-        return self._extend([x for x in cands if x[0] >= mm][: c.max_candidates], k)
+        if c.global_source:  # any prompt's matches, where longer than all of the prompt's own
+            own = max((x[0] for x in cands), default=0)
+            glob = [(seq, j) for _, seq in reversed(self.stored) for j in range(len(seq) - 1, mm - 1, -1)
+                    if seq[j - mm: j] == key]
+            longer = [(self._length(seq, j, ctx), GL, seq, j) for seq, j in glob]
+            cands += [x for x in longer if x[0] >= mm and x[0] > own][: c.max_candidates]
+        return self._extend(cands, k)
 
     def _extend(self, cands, k):
         if not cands:

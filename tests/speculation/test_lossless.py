@@ -25,6 +25,8 @@ SPECS = {
     "eagle3": ["speculation=eagle3"],  # the shipped trained head (rlspec.draft.train)
     # a 1-token lookup window so that the short, high-entropy samples still get n-gram drafts
     "ngram": ["speculation=ngram", "speculation.prompt_lookup_min=1", "speculation.prompt_lookup_max=2"],
+    # vLLM's suffix decoding: the samples' own prompt and answer trees, and the answers before
+    "suffix": ["speculation=suffix"],
     # rollout history: the 999 live siblings of every sample draft for it (1-token keys, as for ngram)
     "history": ["speculation=history", "speculation.history.min_match=1"],
     # ... and a history written by another policy first: the same model at temperature 0.3
@@ -69,7 +71,8 @@ def _reference(setting: str):
 
 # Cases run with -m slow only (CI time): the default suite keeps every method at T=1 and the two
 # methods that cover both rejection paths (draft probabilities, one-hot drafts) at both settings.
-SLOW = {("eagle3", "t07_p09_k20"), ("history", "t07_p09_k20"), ("history_other_policy", "t1"),
+SLOW = {("eagle3", "t07_p09_k20"), ("history", "t07_p09_k20"), ("suffix", "t07_p09_k20"),
+        ("history_other_policy", "t1"),
         ("history_other_policy", "t07_p09_k20")}
 CASES = [pytest.param(m, s, marks=pytest.mark.slow) if (m, s) in SLOW else (m, s)
          for m in sorted(SPECS) for s in sorted(SETTINGS)]

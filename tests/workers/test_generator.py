@@ -7,7 +7,8 @@ import torch
 from conftest import ROOT, heldout_prompts, sampling, start_generator
 
 DRAFT = str(ROOT / "rlspec" / "assets" / "tiny" / "draft")
-METHODS = {"draft_model": ["speculation=draft_model"], "ngram": ["speculation=ngram"]}
+# suffix: vLLM's suffix decoding (arctic-inference, which `make setup` builds)
+METHODS = {"draft_model": ["speculation=draft_model"], "ngram": ["speculation=ngram"], "suffix": ["speculation=suffix"]}
 
 
 @pytest.fixture(scope="module")

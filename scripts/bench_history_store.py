@@ -1,0 +1,523 @@
+"""History drafting at scale: rollouts replayed through a drafter alone (no model), side by side for
+three stores, JSON out and a table printed.
+
+Stores: rlspec's compiled store (rlspec/speculation/store.py, `rlspec`), a dict-based store of
+hashed n-gram continuation counts (scripts/history_dict_store.py, `dict`), and arctic-inference's
+SuffixDecodingCache driven as vLLM's `suffix` method drives it (`suffix`: a suffix tree over each
+request's prompt and its answer so far, and a global one over earlier responses of any prompt).
+
+The replay emulates an engine: a call's requests run in a persistent batch of up to --max-batch
+rows (finished rows filled from the back, as vLLM does); at every step each running row asks the
+drafter for k tokens, a verification accepts the draft's prefix that agrees with the recorded
+response and emits one more token (the correction or the bonus), and the drafter sees those tokens
+at the next step; a call's responses are recorded when it ends. One-hot drafts are accepted
+exactly when they agree, so acceptance is exact for the recorded responses.
+
+    # real rollouts (logging.save_rollouts=true writes rollouts.jsonl), every epoch replayed
+    python scripts/bench_history_store.py replay --rollouts RUN/rollouts.jsonl --out docs/bench/X.json
+    # the paper's shape, synthetic: the store filled to each size, then timed and replayed
+    python scripts/bench_history_store.py scale --sizes 1e6 1e7 5e7 --out docs/bench/history_store_scale.json
+
+Synthetic trace (the similarity model): 17,000 prompts of lognormal length (median 120 tokens);
+each has 3 latent answers of lognormal length (median 700, clipped to 32..8192 tokens) over a
+151,936-token vocabulary (Zipf 1.1 token frequencies, 30% of positions copying a 4-16 token span
+from earlier in the answer); a latent drifts by 3% substituted positions an epoch; a response
+picks a latent (probabilities 0.6 / 0.3 / 0.1) and edits it (8% substitutions, 1% insertions, 1%
+deletions) to 0.8-1.2 x its length. Measured per store and size: bytes per stored token (RSS
+growth over the fill; rlspec's also from its arrays), us per inserted token, us per row per
+propose at running batch 1 / 64 / 512 with contexts of 512 to 8,192 tokens, tokens per
+verification and the history hit rate (requests whose prompt has history when its call begins)
+over calls of an epoch reshuffled after the fill.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+VOCAB, PROMPTS, GROUP = 151_936, 17_000, 16
+STORES = ("rlspec", "dict", "suffix")
+
+
+def rss() -> int:
+    import psutil
+
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+# -- the stores, behind one interface ------------------------------------------------------------------
+HISTORY_SETTINGS: dict = {}  # --history KEY=VALUE: speculation.history settings of the rlspec store
+
+
+class Rlspec:
+    def __init__(self, k: int, max_tokens: int):
+        from rlspec.config import HistoryConfig
+        from rlspec.speculation.history import HistoryIndex
+
+        self.h = HistoryIndex(HistoryConfig(**{"max_tokens": max_tokens, **HISTORY_SETTINGS}), k)
+        warm = HistoryIndex(HistoryConfig(), k)   # compile the store's functions before anything is timed
+        warm.record([[1, 2, 3]], [[4, 5, 6, 7]], wait=True)
+        warm.begin_call()
+        warm.propose([np.array([1, 2, 3, 4, 5], np.int32)], [[5]], k, prompt_lens=[3])
+
+    def begin_call(self, prompts) -> None:
+        self.h.begin_call()
+
+    def step(self, ids, nums, new, keys, plens, k) -> list[list[int]]:
+        return self.h.propose_rows(ids, nums, new, keys, plens, k)
+
+    def record(self, prompts, responses) -> None:
+        self.h.record(prompts, responses, wait=True)
+
+    def finish(self, key) -> None:
+        pass
+
+    def end_call(self, prompts, responses) -> None:
+        self.record(prompts, responses)
+
+    def has_history(self, prompt) -> bool:
+        from rlspec.speculation.store import prompt_salt
+
+        a = np.asarray(prompt, np.int32)
+        return int(prompt_salt(a, len(a))) in self.h.prompts
+
+    def stored(self) -> int:
+        return self.h.tokens()
+
+    def nbytes(self) -> int:
+        return self.h.nbytes
+
+
+class Dict:
+    def __init__(self, k: int, max_tokens: int):
+        from history_dict_store import HistoryIndex
+
+        from rlspec.config import HistoryConfig
+
+        self.h = HistoryIndex(HistoryConfig(max_tokens=max_tokens), k)
+
+    def begin_call(self, prompts) -> None:
+        self.h.begin_call(prompts)
+
+    def step(self, ids, nums, new, keys, plens, k) -> list[list[int]]:
+        rows = [ids[i, : nums[i]] for i in range(len(keys))]
+        return self.h.propose(rows, [list(ids[i, nums[i] - new[i]: nums[i]]) for i in range(len(keys))], k)
+
+    def record(self, prompts, responses) -> None:
+        self.h.record(prompts, responses)
+
+    def finish(self, key) -> None:
+        pass
+
+    def end_call(self, prompts, responses) -> None:
+        self.record(prompts, responses)
+
+    def has_history(self, prompt) -> bool:
+        return tuple(prompt) in self.h.prompts
+
+    def stored(self) -> int:
+        return self.h.tokens()
+
+    def nbytes(self) -> int | None:
+        return None
+
+
+class Suffix:
+    """vLLM's suffix proposer's calls (vllm/v1/spec_decode/suffix_decoding.py), with its defaults:
+    tree depth 24, max_spec_factor 1, min_token_prob 0.1; responses cached up to a token budget
+    (max_cached_requests = budget / mean response length)."""
+    depth, factor, min_prob = 24, 1.0, 0.1
+
+    def __init__(self, k: int, max_tokens: int, mean_response: int = 700):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=self.depth,
+                                         max_cached_requests=max(1, max_tokens // mean_response))
+        self.active: set = set()
+        self.tokens: dict = {}
+
+    def begin_call(self, prompts) -> None:
+        pass
+
+    def step(self, ids, nums, new, keys, plens, k) -> list[list[int]]:
+        out = []
+        for i, key in enumerate(keys):
+            n = int(nums[i])
+            if key not in self.active:
+                self.cache.start_request(key, ids[i, : plens[i]].copy())
+                self.active.add(key)
+                sampled = ids[i, plens[i]: n]
+            else:
+                sampled = ids[i, n - new[i]: n]
+            self.cache.add_active_response(key, sampled.tolist())
+            self.tokens[key] = self.tokens.get(key, 0) + len(sampled)
+            pattern = ids[i, max(0, n - self.depth): n].copy()
+            out.append(self.cache.speculate(key, pattern, max_spec_tokens=k, max_spec_factor=self.factor,
+                                            min_token_prob=self.min_prob).token_ids)
+        return out
+
+    def finish(self, key) -> None:
+        if key in self.active:
+            self.cache.stop_request(key)
+            self.active.discard(key)
+
+    def end_call(self, prompts, responses) -> None:
+        pass   # the call's responses entered the cache as their requests stopped
+
+    def record(self, prompts, responses) -> None:
+        """Responses the replay did not run (the fill): inserted as vLLM would have, token by token."""
+        for p, r in zip(prompts, responses):
+            key = f"fill-{next(_ids)}"
+            self.cache.start_request(key, np.asarray(p, np.int32))
+            self.cache.add_active_response(key, list(r))
+            self.cache.stop_request(key)
+            self.tokens[key] = len(r)
+
+    def has_history(self, prompt) -> bool | None:
+        return None
+
+    def stored(self) -> int:
+        return sum(self.tokens.get(k, 0) for k in self.cache.cached_requests)
+
+    def nbytes(self) -> int | None:
+        return None
+
+
+_ids = iter(range(1 << 62))
+
+
+def make_store(name: str, k: int, max_tokens: int):
+    return {"rlspec": Rlspec, "dict": Dict, "suffix": Suffix}[name](k, max_tokens)
+
+
+# -- the engine emulation -------------------------------------------------------------------------------
+def replay_call(store, prompts: list[list[int]], responses: list[list[int]], k: int, max_batch: int,
+                timing: list | None = None, written: list[int] | None = None, record: bool = True) -> tuple[int, int]:
+    """Run one call's requests through `store` as an engine would; (verifications, tokens emitted).
+    written: how many of each response's tokens the request has written already (default 1: the
+    prefill samples the first)."""
+    n_req = len(responses)
+    written = written or [1] * n_req
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses)) + k + 2
+    rows = min(max_batch, n_req)
+    ids = np.zeros((rows, width), np.int32)
+    nums = np.zeros(rows, np.int64)
+    new = np.zeros(rows, np.int64)
+    req = [-1] * rows
+    done = [0] * n_req
+    waiting = list(range(n_req))[::-1]
+    running = 0
+    call = next(_ids)
+    keys = [f"{call}-{r}" for r in range(n_req)]
+    store.begin_call(prompts)
+    verifications = emitted = 0
+
+    def admit() -> None:
+        nonlocal running
+        while running < rows and waiting:
+            r = waiting.pop()
+            p, w = prompts[r], written[r]
+            ids[running, : len(p)] = p
+            ids[running, len(p): len(p) + w] = responses[r][:w]
+            nums[running], new[running], req[running] = len(p) + w, 1, r
+            done[r] = w
+            running += 1
+
+    admit()
+    while running:
+        t0 = time.perf_counter()
+        drafts = store.step(ids[:running], nums[:running], new[:running], [keys[r] for r in req[:running]],
+                            [len(prompts[r]) for r in req[:running]], k)
+        if timing is not None:
+            timing.append((running, time.perf_counter() - t0))
+        finished = []
+        for i in range(running):
+            r, resp, d = req[i], responses[req[i]], drafts[i]
+            left = len(resp) - done[r]
+            if left <= 0:
+                finished.append(i)
+                continue
+            acc = 0
+            while acc < len(d) and acc < left - 1 and d[acc] == resp[done[r] + acc]:
+                acc += 1
+            step = min(acc + 1, left)
+            ids[i, nums[i]: nums[i] + step] = resp[done[r]: done[r] + step]
+            nums[i] += step
+            new[i] = step
+            done[r] += step
+            verifications += 1
+            emitted += step
+            if done[r] >= len(resp):
+                finished.append(i)
+        for i in sorted(finished, reverse=True):   # the last row fills the hole, as vLLM condenses
+            store.finish(keys[req[i]])
+            last = running - 1
+            if i != last:
+                ids[i], nums[i], new[i], req[i] = ids[last], nums[last], new[last], req[last]
+            running -= 1
+        admit()
+    if record:
+        store.end_call(prompts, responses)
+    return verifications, emitted
+
+
+# -- real rollouts ----------------------------------------------------------------------------------------
+def load_rollouts(path: Path) -> list[list[tuple[list[int], list[list[int]]]]]:
+    """rollouts.jsonl -> steps, each a list of (prompt, responses) groups."""
+    steps = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        steps.append([(g["prompt"], g["responses"]) for g in rec["groups"]])
+    return steps
+
+
+def replay_real(args) -> dict:
+    steps = load_rollouts(Path(args.rollouts))
+    out = {"rollouts": args.rollouts, "steps": len(steps), "k": args.k, "max_batch": args.max_batch,
+           "tokens": sum(len(r) for s in steps for _, rs in s for r in rs), "stores": {}}
+    for name in args.stores:
+        store = make_store(name, args.k, args.max_tokens)
+        visits: dict[tuple, int] = {}
+        by_epoch: dict[int, list] = {}
+        timing: list = []
+        base = rss()
+        for groups in steps:
+            epochs = []
+            for p, rs in groups:
+                visits[tuple(p)] = visits.get(tuple(p), 0) + 1
+                epochs.append(visits[tuple(p)])
+            prompts = [p for p, rs in groups for _ in rs]
+            responses = [r for _, rs in groups for r in rs]
+            hits = [store.has_history(p) for p, _ in groups]
+            v, e = replay_call(store, prompts, responses, args.k, args.max_batch, timing)
+            ep = max(set(epochs), key=epochs.count)
+            acc = by_epoch.setdefault(ep, [0, 0, 0, 0])
+            acc[0] += v
+            acc[1] += e
+            if hits[0] is not None:
+                acc[2] += sum(hits)
+                acc[3] += len(hits)
+        rows = sum(n for n, _ in timing)
+        out["stores"][name] = {
+            "tokens_per_verification": {e: a[1] / a[0] for e, a in sorted(by_epoch.items())},
+            "hit_rate": {e: (a[2] / a[3] if a[3] else None) for e, a in sorted(by_epoch.items())},
+            "whole_run_tokens_per_verification": sum(a[1] for a in by_epoch.values()) / sum(
+                a[0] for a in by_epoch.values()),
+            "us_per_row_per_propose": 1e6 * sum(s for _, s in timing) / rows,
+            "mean_running_batch": rows / len(timing), "rss_growth_bytes": rss() - base,
+            "stored_tokens": store.stored()}
+        print(f"{name:>7}: tokens/verification by epoch "
+              + " ".join(f"{v:.3f}" for v in out["stores"][name]["tokens_per_verification"].values())
+              + f"; {out['stores'][name]['us_per_row_per_propose']:.1f} us/row", flush=True)
+    return out
+
+
+# -- the synthetic trace with the paper's shape ------------------------------------------------------------
+class Synthetic:
+    def __init__(self, seed: int = 0, prompts: int = PROMPTS):
+        g = np.random.default_rng(seed)
+        self.seed, self.n = seed, prompts
+        ranks = np.arange(1, VOCAB + 1, dtype=np.float64)
+        self.zipf = np.cumsum(ranks ** -1.1)
+        self.zipf /= self.zipf[-1]
+        self.prompt_len = np.clip(g.lognormal(np.log(120), 0.6, prompts), 8, 1024).astype(int)
+        self.latent_len = np.clip(g.lognormal(np.log(700), 0.9, (prompts, 3)), 32, 8192).astype(int)
+
+    def tokens(self, g, n: int) -> np.ndarray:
+        return np.searchsorted(self.zipf, g.random(n)).astype(np.int32)
+
+    def prompt(self, p: int) -> list[int]:
+        return self.tokens(np.random.default_rng((self.seed, p, 0)), self.prompt_len[p]).tolist()
+
+    def latent(self, p: int, m: int, epoch: int) -> np.ndarray:
+        g = np.random.default_rng((self.seed, p, 1, m))
+        n = self.latent_len[p, m]
+        out = self.tokens(g, n)
+        copy = np.flatnonzero(g.random(n) < 0.3 / 10)   # span starts: about 30% of positions copied
+        for s in copy:
+            ln = int(g.integers(4, 17))
+            if s > ln:
+                src = int(g.integers(0, s - ln))
+                out[s: s + ln] = out[src: src + ln][: len(out[s: s + ln])]
+        for e in range(epoch):   # the policy drifts: 3% of positions an epoch
+            d = np.random.default_rng((self.seed, p, 2, m, e))
+            hit = d.random(n) < 0.03
+            out[hit] = self.tokens(d, int(hit.sum()))
+        return out
+
+    def response(self, p: int, epoch: int, i: int) -> list[int]:
+        g = np.random.default_rng((self.seed, p, 3, epoch, i))
+        m = int(g.choice(3, p=[0.6, 0.3, 0.1]))
+        base = self.latent(p, m, epoch)
+        keep = g.random(len(base)) >= 0.01                                   # deletions
+        r = base[keep].copy()
+        sub = g.random(len(r)) < 0.08
+        r[sub] = self.tokens(g, int(sub.sum()))
+        ins = np.flatnonzero(g.random(len(r)) < 0.01)
+        r = np.insert(r, ins, self.tokens(g, len(ins)))
+        length = max(8, int(len(base) * g.uniform(0.8, 1.2)))
+        if length > len(r):
+            r = np.concatenate([r, self.tokens(g, length - len(r))])
+        return r[:length].tolist()
+
+    def group(self, p: int, epoch: int) -> tuple[list[int], list[list[int]]]:
+        return self.prompt(p), [self.response(p, epoch, i) for i in range(GROUP)]
+
+
+def scale_one(args) -> dict:
+    """One store at one size, in its own process (RSS of its own)."""
+    syn = Synthetic(args.seed)
+    size, name, k = int(float(args.size)), args.store, args.k
+    store = make_store(name, k, size)
+    base = rss()
+    inserted, insert_s, epoch = 0, 0.0, 0
+    order = list(range(PROMPTS))
+    while True:  # fill: epochs over reshuffled prompts until the store holds the size (or stops growing)
+        random.Random(epoch).shuffle(order)
+        for p in order:
+            prompt, rs = syn.group(p, epoch)
+            t0 = time.perf_counter()
+            store.record([prompt] * len(rs), rs)
+            insert_s += time.perf_counter() - t0
+            inserted += sum(map(len, rs))
+            if inserted >= 1.3 * size:
+                break
+        if inserted >= 1.3 * size:
+            break
+        epoch += 1
+    held = store.stored()
+    out = {"store": name, "size": size, "stored_tokens": held, "inserted_tokens": inserted,
+           "us_per_inserted_token": 1e6 * insert_s / inserted,
+           "rss_bytes_per_stored_token": (rss() - base) / held}
+    if store.nbytes() is not None:
+        out["arrays_bytes_per_stored_token"] = store.nbytes() / held
+    print(f"{name} {size:.0e}: {held:,} tokens held, {out['us_per_inserted_token']:.2f} us/inserted token, "
+          f"{out['rss_bytes_per_stored_token']:.0f} B/token (RSS)", flush=True)
+    # acceptance and hit rate: calls of a reshuffled epoch after the fill
+    calls, v_all, e_all, hits, asked = 8, 0, 0, 0, 0
+    next_epoch = epoch + 1
+    random.Random(next_epoch).shuffle(order)
+    if store.has_history(syn.prompt(0)) is not None:   # the resident share, over 2,000 prompts
+        out["hit_rate_2000_prompts"] = sum(store.has_history(syn.prompt(p)) for p in order[:2000]) / 2000
+    for c in range(calls):
+        groups = [syn.group(p, next_epoch) for p in order[c * 4: (c + 1) * 4]]
+        for pr, _ in groups:
+            h = store.has_history(pr)
+            if h is not None:
+                hits += int(h)
+                asked += 1
+        v, e = replay_call(store, [p for p, rs in groups for _ in rs], [r for _, rs in groups for r in rs], k, 64)
+        v_all += v
+        e_all += e
+    out["tokens_per_verification"] = e_all / v_all
+    out["hit_rate"] = hits / asked if asked else None
+    # propose at running batch 1 / 64 / 512, contexts of 512..8192 tokens, prompts that come back
+    out["us_per_row_per_propose"] = {}
+    g = random.Random(1)
+    for batch in (1, 64, 512):
+        timing: list = []
+        prompts, responses, written = [], [], []
+        for _ in range(batch):
+            p = g.randrange(PROMPTS)
+            prompt = syn.prompt(p)
+            r, j = syn.response(p, next_epoch, g.randrange(GROUP)), GROUP
+            while len(r) < 8192:   # long contexts: further answers of the same prompt after it
+                r, j = r + syn.response(p, next_epoch, j), j + 1
+            cut = g.randrange(512, 8192 - 64)
+            prompts.append(prompt)
+            written.append(cut)
+            responses.append(r[: cut + 64])
+        replay_call(store, prompts, responses, k, batch, timing, written, record=False)
+        per_row = [s / n for n, s in timing if n == batch]
+        out["us_per_row_per_propose"][batch] = 1e6 * float(np.median(per_row)) if per_row else None
+    return out
+
+
+def scale(args) -> dict:
+    """Every (store, size) in a child process; a size past what the machine's memory holds for a
+    store is skipped, said in the JSON."""
+    import psutil
+
+    results, notes = [], []
+    budget = 0.85 * psutil.virtual_memory().total
+    per_token = {}
+    for size in args.sizes:
+        for name in args.stores:
+            n = int(float(size))
+            if name in per_token and per_token[name] * n > budget:
+                notes.append(f"{name} at {n:.0e} tokens skipped: at {per_token[name]:.0f} B/token it would need "
+                             f"{per_token[name] * n / 2**30:.0f} GiB, over this machine's")
+                print(notes[-1], flush=True)
+                continue
+            cmd = [sys.executable, __file__, "one", "--store", name, "--size", str(n), "--k", str(args.k),
+                   "--seed", str(args.seed), "--history", *args.history]
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=6 * 3600)
+            line = [x for x in p.stdout.splitlines() if x.startswith("{")]
+            if p.returncode != 0 or not line:
+                notes.append(f"{name} at {n:.0e} tokens failed: {p.stderr.strip().splitlines()[-1:]}")
+                print(notes[-1], flush=True)
+                continue
+            r = json.loads(line[-1])
+            per_token[name] = r["rss_bytes_per_stored_token"]
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    return {"rows": results, "notes": notes, "k": args.k, "seed": args.seed}
+
+
+def stamp() -> dict:
+    from bench_async import cpu_model, rlspec_version
+
+    return {"command": "python scripts/bench_history_store.py " + " ".join(sys.argv[1:]),
+            "version": rlspec_version(), "cpu": cpu_model(), "cores": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("replay")
+    r.add_argument("--rollouts", required=True)
+    r.add_argument("--max-tokens", type=int, default=50_000_000)
+    s = sub.add_parser("scale")
+    s.add_argument("--sizes", nargs="+", default=["1e6", "1e7", "5e7"])
+    o = sub.add_parser("one")
+    o.add_argument("--store", choices=STORES, required=True)
+    o.add_argument("--size", required=True)
+    for x in (r, s, o):
+        x.add_argument("--k", type=int, default=5)
+        x.add_argument("--seed", type=int, default=0)
+    for x in (r, s, o):
+        x.add_argument("--history", nargs="*", default=[], metavar="KEY=VALUE",
+                       help="speculation.history settings of the rlspec store")
+    for x in (r, s):
+        x.add_argument("--stores", nargs="+", default=list(STORES), choices=STORES)
+        x.add_argument("--out", type=Path)
+    r.add_argument("--max-batch", type=int, default=256)
+    args = ap.parse_args()
+    for kv in args.history:
+        key, value = kv.split("=", 1)
+        HISTORY_SETTINGS[key] = type(getattr(__import__("rlspec.config", fromlist=["HistoryConfig"]).HistoryConfig(),
+                                             key))(value) if value not in ("true", "false") else value == "true"
+    if args.mode == "one":
+        print(json.dumps(scale_one(args)), flush=True)
+        return
+    result = {**stamp(), **(replay_real(args) if args.mode == "replay" else scale(args))}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
