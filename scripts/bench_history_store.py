@@ -198,8 +198,10 @@ class Suffix:
 _ids = iter(range(1 << 62))
 
 
-def make_store(name: str, k: int, max_tokens: int):
-    return {"rlspec": Rlspec, "dict": Dict, "suffix": Suffix}[name](k, max_tokens)
+def make_store(name: str, k: int, max_tokens: int, mean_response: int = 700):
+    if name == "suffix":
+        return Suffix(k, max_tokens, mean_response)
+    return {"rlspec": Rlspec, "dict": Dict}[name](k, max_tokens)
 
 
 # -- the engine emulation -------------------------------------------------------------------------------
@@ -285,10 +287,16 @@ def load_rollouts(path: Path) -> list[list[tuple[list[int], list[list[int]]]]]:
 
 def replay_real(args) -> dict:
     steps = load_rollouts(Path(args.rollouts))
-    out = {"rollouts": args.rollouts, "steps": len(steps), "k": args.k, "max_batch": args.max_batch,
+    overrides = Path(args.rollouts).parent / ".hydra" / "overrides.yaml"   # the run that wrote the trace
+    trace = ("python -m rlspec.train " + " ".join(x[2:].strip() for x in overrides.read_text().splitlines()
+                                                 if x.startswith("- ") and "experiment=" not in x)
+             if overrides.exists() else None)
+    out = {"rollouts": args.rollouts, "trace_command": trace, "steps": len(steps), "k": args.k,
+           "max_batch": args.max_batch, "max_tokens": args.max_tokens,
            "tokens": sum(len(r) for s in steps for _, rs in s for r in rs), "stores": {}}
+    mean = int(np.mean([len(r) for s in steps for _, rs in s for r in rs]))
     for name in args.stores:
-        store = make_store(name, args.k, args.max_tokens)
+        store = make_store(name, args.k, args.max_tokens, mean)
         visits: dict[tuple, int] = {}
         by_epoch: dict[int, list] = {}
         timing: list = []
@@ -317,7 +325,10 @@ def replay_real(args) -> dict:
                 a[0] for a in by_epoch.values()),
             "us_per_row_per_propose": 1e6 * sum(s for _, s in timing) / rows,
             "mean_running_batch": rows / len(timing), "rss_growth_bytes": rss() - base,
-            "stored_tokens": store.stored()}
+            "stored_tokens": store.stored(),
+            # prompts with history at the end over prompts seen (None: no per-prompt history)
+            "resident_share": (sum(bool(store.has_history(list(p))) for p in visits) / len(visits)
+                               if store.has_history([0]) is not None else None)}
         print(f"{name:>7}: tokens/verification by epoch "
               + " ".join(f"{v:.3f}" for v in out["stores"][name]["tokens_per_verification"].values())
               + f"; {out['stores'][name]['us_per_row_per_propose']:.1f} us/row", flush=True)
@@ -380,7 +391,8 @@ def scale_one(args) -> dict:
     """One store at one size, in its own process (RSS of its own)."""
     syn = Synthetic(args.seed)
     size, name, k = int(float(args.size)), args.store, args.k
-    store = make_store(name, k, size)
+    mean = int(np.mean([len(syn.response(p, 0, 0)) for p in range(0, PROMPTS, PROMPTS // 200)]))
+    store = make_store(name, k, size, mean)   # suffix: its response budget from the mean length
     base = rss()
     inserted, insert_s, epoch = 0, 0.0, 0
     order = list(range(PROMPTS))
@@ -480,7 +492,7 @@ def stamp() -> dict:
     from bench_async import cpu_model, rlspec_version
 
     return {"command": "python scripts/bench_history_store.py " + " ".join(sys.argv[1:]),
-            "version": rlspec_version(), "cpu": cpu_model(), "cores": os.cpu_count(),
+            "version": rlspec_version(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d")}
 
 
