@@ -106,7 +106,8 @@ class Dict:
 
         from rlspec.config import HistoryConfig
 
-        self.h = HistoryIndex(HistoryConfig(max_tokens=max_tokens), k)
+        # its own settings: contexts of 2 to 8 tokens (a table entry per length and token)
+        self.h = HistoryIndex(HistoryConfig(min_match=2, max_match=8, max_tokens=max_tokens), k)
 
     def begin_call(self, prompts) -> None:
         self.h.begin_call(prompts)
@@ -410,7 +411,7 @@ def scale_one(args) -> dict:
             break
         epoch += 1
     held = store.stored()
-    out = {"store": name, "size": size, "stored_tokens": held, "inserted_tokens": inserted,
+    out = {"store": name, "size": size, "stored_tokens": held, "inserted_tokens": inserted, "fill_epochs": epoch + 1,
            "us_per_inserted_token": 1e6 * insert_s / inserted,
            "rss_bytes_per_stored_token": (rss() - base) / held}
     if store.nbytes() is not None:

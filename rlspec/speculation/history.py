@@ -45,6 +45,7 @@ from rlspec.speculation.store import SOURCES
 PROPOSER = "rlspec.speculation.history.HistoryProposer"
 WALK = 4  # chain links a lookup follows per candidate it may take (hash collisions and evicted text)
 SLACK = 0.95  # over max_tokens, the store is cut to this share of it
+GROWTH = 1.5  # a rebuilt arena's room: this times what it holds and must take
 
 
 def _pow2(n: int) -> int:
@@ -154,6 +155,7 @@ class HistoryIndex:
         self.cfg, self.k_max = cfg, k_max
         self.tail = cfg.max_match  # prompt tokens kept in front of each stored response
         self.walk = WALK * cfg.max_candidates  # chain links a source's lookup follows at most
+        self.global_walk = 2 * cfg.max_candidates  # ... and the global chain's (it runs through every prompt)
         self._alloc(1 << 16)
         self.used = 0              # arena positions written (live and dead)
         self.dead = 0              # ... of them evicted, until compaction
@@ -179,8 +181,8 @@ class HistoryIndex:
         self.psalt = np.zeros(capacity, np.uint32)
         self.chain = np.full(capacity, -1, np.int32)
         self.gchain = np.full(capacity, -1, np.int32)
-        self.phead = np.full(_pow2(capacity), -1, np.int32)
-        self.ghead = np.full(_pow2(capacity), -1, np.int32)
+        self.phead = np.full(_pow2(capacity // 2), -1, np.int32)   # chains average up to two links a slot
+        self.ghead = np.full(_pow2(capacity // 2), -1, np.int32)
 
     @property
     def nbytes(self) -> int:
@@ -212,7 +214,7 @@ class HistoryIndex:
                          if seq.start >= 0), key=lambda x: x[0])
         live = sum(seq.stored for _, _, seq in placed)
         tok = self.tok
-        self._alloc(max(1 << 16, 2 * (live + need)))
+        self._alloc(max(1 << 16, int(GROWTH * (live + need))))
         self.used, self.dead = 0, 0
         self._insert([(salt, seq, tok[start: start + seq.stored].copy()) for start, salt, seq in placed])
 
@@ -430,7 +432,7 @@ class HistoryIndex:
             self.tok, self.psalt, self.chain, self.gchain, self.phead, ghead,
             live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src, live.last, live.used,
             self.pend, self.pend_len, self.pend_src, drafted, accepted, pos,
-            c.min_match, c.max_match, c.max_candidates, self.walk, min(k, self.k_max),
+            c.min_match, c.max_match, c.max_candidates, self.walk, self.global_walk, min(k, self.k_max),
             c.min_prob, self.drafting and k > 0, out, out_len)
         self.stats.drafted = drafted.tolist()
         self.stats.accepted = accepted.tolist()
@@ -458,7 +460,8 @@ class HistoryIndex:
         ghead = self.ghead if c.global_source else self.ghead[:0]
         got = S.draft_one(ctx, len(ctx), np.uint64(salt), self.tok, self.psalt, self.chain, self.gchain, self.phead,
                           ghead, live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src,
-                          c.min_match, c.max_match, c.max_candidates, self.walk, k, c.min_prob, out, src)
+                          c.min_match, c.max_match, c.max_candidates, self.walk, self.global_walk, k, c.min_prob,
+                          out, src)
         return out[:got].tolist(), src[:got].tolist()
 
     def shadow(self, prompt_ids: list[list[int]], response_ids: list[list[int]], max_rows: int) -> None:

@@ -146,17 +146,22 @@ def _vote(cand_tok, m):
     return best, best_count
 
 
+@nb.njit(cache=True)
+def _scratch(max_candidates):
+    """Candidate arrays for _draft: positions, match lengths, sources, live flags, next tokens."""
+    c = 3 * max_candidates
+    return (np.empty(c, np.int64), np.empty(c, np.int64), np.empty(c, np.int64), np.empty(c, np.bool_),
+            np.empty(c, np.int64))
+
+
 @nb.njit(nogil=True, cache=True)
 def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
-           min_match, max_match, max_candidates, max_walk, k, min_prob, out, out_src):
+           min_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out, out_src, scratch):
     """Draft up to k tokens for the context ctx[:n] of a request of prompt `salt` (the rule in the
     module docstring); returns how many were written to out (and their sources to out_src)."""
     if n < min_match or k <= 0:
         return 0
-    c_pos = np.empty(3 * max_candidates, np.int64)
-    c_len = np.empty(3 * max_candidates, np.int64)
-    c_src = np.empty(3 * max_candidates, np.int64)
-    c_live = np.empty(3 * max_candidates, np.bool_)
+    c_pos, c_len, c_src, c_live, nxt = scratch
     h = _key(ctx, n, min_match)
     salted = _mix(h ^ salt)
     tag = np.uint32(salt & np.uint64(0xFFFFFFFF))
@@ -185,15 +190,16 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
                 m += 1
                 found += 1
             p = chain[p]
-    if ghead.shape[0] > 0:
+    own = 0
+    for i in range(m):
+        own = max(own, c_len[i])
+    if ghead.shape[0] > 0 and own < max_match:
         # any prompt's history: its matches join where they are longer than every match of the
-        # prompt's own sources (so they decide alone), or where those have none
-        own = 0
-        for i in range(m):
-            own = max(own, c_len[i])
+        # prompt's own sources (so they decide alone), or where those have none; a shorter walk,
+        # since its chains run through every prompt's text
         p = ghead[np.int64(h & np.uint64(ghead.shape[0] - 1))]
         walked, found = 0, 0
-        while p >= 0 and walked < max_walk and found < max_candidates:
+        while p >= 0 and walked < global_walk and found < max_candidates:
             walked += 1
             length = _match_flat(tok, p, ctx, n, min_match, max_match)
             if length > own:
@@ -201,11 +207,11 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
                 m += 1
                 found += 1
             p = gchain[p]
-    return _extend(c_pos, c_len, c_src, c_live, m, tok, ltok, lnext, k, min_prob, out, out_src)
+    return _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, out, out_src)
 
 
 @nb.njit(nogil=True, cache=True)
-def _extend(c_pos, c_len, c_src, c_live, m, tok, ltok, lnext, k, min_prob, out, out_src):
+def _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, out, out_src):
     """Steps 1 (largest L only) and 2 of the draft rule over m candidates."""
     if m == 0:
         return 0
@@ -218,7 +224,6 @@ def _extend(c_pos, c_len, c_src, c_live, m, tok, ltok, lnext, k, min_prob, out, 
             c_pos[keep], c_src[keep], c_live[keep] = c_pos[i], c_src[i], c_live[i]
             keep += 1
     m = keep
-    nxt = np.empty(m, np.int64)
     count = 0
     while count < k and m > 0:
         for i in range(m):
@@ -273,11 +278,12 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
                  tok, psalt, chain, gchain, phead, ghead,
                  ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused,
                  pend, pend_len, pend_src, stats_drafted, stats_accepted, stats_pos,
-                 min_match, max_match, max_candidates, max_walk, k, min_prob, drafting, out, out_len):
+                 min_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, drafting, out, out_len):
     """One engine step: every row's newly sampled tokens join its live sequence (a fresh row's
     prompt tail and answer so far, and for the first request of a prompt the prompt itself), the
     last step's draft is settled against them, and each row drafts up to k tokens into out[i].
     Returns the live arena's new fill."""
+    scratch = _scratch(max_candidates)
     for i in range(token_ids.shape[0]):
         out_len[i] = 0
         n, s, row, salt = nums[i], slots[i], token_ids[i], salts[i]
@@ -308,8 +314,8 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
         if not drafting or (new_counts[i] <= 0 and not fresh[i]):
             continue
         got = _draft(row, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
-                     lsrc,
-                     min_match, max_match, max_candidates, max_walk, k, min_prob, out[i], pend_src[s])
+                     lsrc, min_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out[i],
+                     pend_src[s], scratch)
         out_len[i] = got
         for j in range(got):
             pend[s, j] = out[i, j]
@@ -321,7 +327,8 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
 
 @nb.njit(nogil=True, cache=True)
 def draft_one(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
-              min_match, max_match, max_candidates, max_walk, k, min_prob, out, out_src):
+              min_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out, out_src):
     """_draft for one context (the shadow replay calls it row by row)."""
     return _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
-                  lsrc, min_match, max_match, max_candidates, max_walk, k, min_prob, out, out_src)
+                  lsrc, min_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out, out_src,
+                  _scratch(max_candidates))

@@ -366,7 +366,7 @@ def test_the_store_drafts_token_for_token_what_the_plain_rule_drafts(seed):
     cfg = HistoryConfig(min_match=rng.choice([1, 2, 3]), max_match=rng.choice([4, 8]), min_prob=rng.choice([0.3, 0.5]),
                         max_candidates=rng.choice([2, 4, 16]), global_source=rng.random() < 0.7)
     h = HistoryIndex(cfg, k_max=4)
-    h.walk = 1 << 30
+    h.walk = h.global_walk = 1 << 30
     ref = Reference(cfg, h.tail)
     prompts = [[rng.randrange(6) for _ in range(rng.randrange(2, 9))] for _ in range(4)]
     checked = 0
