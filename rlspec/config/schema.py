@@ -205,15 +205,17 @@ class HistoryConfig:
     min_prob: float = 0.5
     # Matches read per source and draft, newest first (bounds a lookup's work).
     max_candidates: int = 32
-    # Draft from any prompt's history where the prompt's own history, its siblings and the prompt
-    # itself give nothing (a prompt seen for the first time).
+    # Draft from any prompt's history where it matches the context further back than the prompt's
+    # own history, its siblings and the prompt itself (a prompt seen for the first time has only
+    # it), matches of at least global_min_match tokens.
     global_source: bool = True
+    global_min_match: int = 4
     # Bounds: responses kept per prompt (oldest dropped), and response tokens kept over all
     # prompts (about 20-40 bytes each). Over it the prompts holding the most responses drop their
     # oldest, down to min_rollouts_per_prompt; then whole prompts go, a fixed subset of them kept
     # (the prompts whose identity hashes lowest), so that every epoch comes back to the same ones.
     max_rollouts_per_prompt: int = 32
-    min_rollouts_per_prompt: int = 4
+    min_rollouts_per_prompt: int = 1
     max_tokens: int = 50_000_000
     # Draft for validation calls too. Held-out prompts have no history and one answer each (no
     # siblings), so only the prompt and the answer itself are left to draft from: off by default.

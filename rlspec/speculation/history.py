@@ -155,6 +155,7 @@ class HistoryIndex:
         self.cfg, self.k_max = cfg, k_max
         self.tail = cfg.max_match  # prompt tokens kept in front of each stored response
         self.walk = WALK * cfg.max_candidates  # chain links a source's lookup follows at most
+        self.global_match = max(cfg.min_match, cfg.global_min_match)  # the global chain's key length
         self.global_walk = 2 * cfg.max_candidates  # ... and the global chain's (it runs through every prompt)
         self._alloc(1 << 16)
         self.used = 0              # arena positions written (live and dead)
@@ -202,7 +203,7 @@ class HistoryIndex:
         S.insert_sequences(self.tok, self.psalt, self.chain, self.gchain, self.phead, self.ghead,
                            np.concatenate([a for _, _, a in items]), offsets, np.array([x for x, _, _ in items],
                                                                                        np.uint64),
-                           starts, self.cfg.min_match)
+                           starts, self.cfg.min_match, self.global_match)
         for (_, seq, _), start in zip(items, starts):
             seq.start = int(start)
         self.used += need
@@ -432,7 +433,8 @@ class HistoryIndex:
             self.tok, self.psalt, self.chain, self.gchain, self.phead, ghead,
             live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src, live.last, live.used,
             self.pend, self.pend_len, self.pend_src, drafted, accepted, pos,
-            c.min_match, c.max_match, c.max_candidates, self.walk, self.global_walk, min(k, self.k_max),
+            c.min_match, self.global_match, c.max_match, c.max_candidates, self.walk, self.global_walk,
+            min(k, self.k_max),
             c.min_prob, self.drafting and k > 0, out, out_len)
         self.stats.drafted = drafted.tolist()
         self.stats.accepted = accepted.tolist()
@@ -460,8 +462,8 @@ class HistoryIndex:
         ghead = self.ghead if c.global_source else self.ghead[:0]
         got = S.draft_one(ctx, len(ctx), np.uint64(salt), self.tok, self.psalt, self.chain, self.gchain, self.phead,
                           ghead, live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src,
-                          c.min_match, c.max_match, c.max_candidates, self.walk, self.global_walk, k, c.min_prob,
-                          out, src)
+                          c.min_match, self.global_match, c.max_match, c.max_candidates, self.walk, self.global_walk,
+                          k, c.min_prob, out, src)
         return out[:got].tolist(), src[:got].tolist()
 
     def shadow(self, prompt_ids: list[list[int]], response_ids: list[list[int]], max_rows: int) -> None:

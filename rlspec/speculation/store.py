@@ -69,7 +69,7 @@ def prompt_salt(tokens, n):
 
 
 @nb.njit(nogil=True, cache=True)
-def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, salts, starts, min_match):
+def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, salts, starts, min_match, global_match):
     """Copy sequence i (seqs[offsets[i]:offsets[i+1]]) to tok[starts[i]:...] and link its positions
     into the prompt chains (salted by salts[i], whose low 32 bits each position keeps) and the
     global chain."""
@@ -82,13 +82,15 @@ def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, sal
             psalt[s + j] = tag
         for j in range(min_match, hi - lo):
             p = s + j
-            h = _key(tok, p, min_match)
-            b = np.int64(h & mask)
-            gchain[p] = ghead[b]
-            ghead[b] = p
-            b = np.int64(_mix(h ^ salts[i]) & mask)
+            b = np.int64(_mix(_key(tok, p, min_match) ^ salts[i]) & mask)
             chain[p] = phead[b]
             phead[b] = p
+            if j >= global_match:
+                b = np.int64(_key(tok, p, global_match) & mask)
+                gchain[p] = ghead[b]
+                ghead[b] = p
+            else:
+                gchain[p] = -1
 
 
 @nb.njit(nogil=True, cache=True)
@@ -156,7 +158,8 @@ def _scratch(max_candidates):
 
 @nb.njit(nogil=True, cache=True)
 def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
-           min_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out, out_src, scratch):
+           min_match, global_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out, out_src,
+           scratch):
     """Draft up to k tokens for the context ctx[:n] of a request of prompt `salt` (the rule in the
     module docstring); returns how many were written to out (and their sources to out_src)."""
     if n < min_match or k <= 0:
@@ -193,15 +196,15 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
     own = 0
     for i in range(m):
         own = max(own, c_len[i])
-    if ghead.shape[0] > 0 and own < max_match:
+    if ghead.shape[0] > 0 and own < max_match and n >= global_match:
         # any prompt's history: its matches join where they are longer than every match of the
         # prompt's own sources (so they decide alone), or where those have none; a shorter walk,
         # since its chains run through every prompt's text
-        p = ghead[np.int64(h & np.uint64(ghead.shape[0] - 1))]
+        p = ghead[np.int64(_key(ctx, n, global_match) & np.uint64(ghead.shape[0] - 1))]
         walked, found = 0, 0
         while p >= 0 and walked < global_walk and found < max_candidates:
             walked += 1
-            length = _match_flat(tok, p, ctx, n, min_match, max_match)
+            length = _match_flat(tok, p, ctx, n, global_match, max_match)
             if length > own:
                 c_pos[m], c_len[m], c_src[m], c_live[m] = p, length, GLOBAL, False
                 m += 1
@@ -278,7 +281,8 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
                  tok, psalt, chain, gchain, phead, ghead,
                  ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused,
                  pend, pend_len, pend_src, stats_drafted, stats_accepted, stats_pos,
-                 min_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, drafting, out, out_len):
+                 min_match, global_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, drafting, out,
+                 out_len):
     """One engine step: every row's newly sampled tokens join its live sequence (a fresh row's
     prompt tail and answer so far, and for the first request of a prompt the prompt itself), the
     last step's draft is settled against them, and each row drafts up to k tokens into out[i].
@@ -314,8 +318,8 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
         if not drafting or (new_counts[i] <= 0 and not fresh[i]):
             continue
         got = _draft(row, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
-                     lsrc, min_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out[i],
-                     pend_src[s], scratch)
+                     lsrc, min_match, global_match, max_match, max_candidates, max_walk, global_walk, k, min_prob,
+                     out[i], pend_src[s], scratch)
         out_len[i] = got
         for j in range(got):
             pend[s, j] = out[i, j]
@@ -327,8 +331,8 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
 
 @nb.njit(nogil=True, cache=True)
 def draft_one(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
-              min_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out, out_src):
+              min_match, global_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out, out_src):
     """_draft for one context (the shadow replay calls it row by row)."""
     return _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
-                  lsrc, min_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out, out_src,
-                  _scratch(max_candidates))
+                  lsrc, min_match, global_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out,
+                  out_src, _scratch(max_candidates))

@@ -41,7 +41,7 @@ def test_earlier_responses_of_the_same_prompt_draft_their_continuation():
 
 
 def test_a_prompt_seen_for_the_first_time_drafts_from_any_prompts_history():
-    h = index()
+    h = index(global_min_match=2)
     h.record([PROMPT], [[10, 11, 12, 13, 14, 15, 16]], wait=True)
     h.begin_call()
     assert ask(h, [[7, 8, 9, 10, 11]], [[11]], 3) == [[12, 13, 14]]
@@ -332,12 +332,13 @@ class Reference:
                 if p == prompt and seq[j - mm: j] == key]
         cands += [(self._length(seq, j, ctx), H, seq, j) for _, seq, j in hist][: c.max_candidates]
         cands = [x for x in cands if x[0] >= mm]
-        if c.global_source:  # any prompt's matches, where longer than all of the prompt's own
-            own = max((x[0] for x in cands), default=0)
-            glob = [(seq, j) for _, seq in reversed(self.stored) for j in range(len(seq) - 1, mm - 1, -1)
-                    if seq[j - mm: j] == key]
+        gm = max(mm, c.global_min_match)
+        if c.global_source and len(ctx) >= gm:  # any prompt's matches of gm tokens or more, where longer than all
+            own = max((x[0] for x in cands), default=0)   # of the prompt's own
+            glob = [(seq, j) for _, seq in reversed(self.stored) for j in range(len(seq) - 1, gm - 1, -1)
+                    if seq[j - gm: j] == ctx[-gm:]]
             longer = [(self._length(seq, j, ctx), GL, seq, j) for seq, j in glob]
-            cands += [x for x in longer if x[0] >= mm and x[0] > own][: c.max_candidates]
+            cands += [x for x in longer if x[0] >= gm and x[0] > own][: c.max_candidates]
         return self._extend(cands, k)
 
     def _extend(self, cands, k):
@@ -364,7 +365,8 @@ def test_the_store_drafts_token_for_token_what_the_plain_rule_drafts(seed):
     candidate (its bound is the only place the two may part)."""
     rng = random.Random(seed)
     cfg = HistoryConfig(min_match=rng.choice([1, 2, 3]), max_match=rng.choice([4, 8]), min_prob=rng.choice([0.3, 0.5]),
-                        max_candidates=rng.choice([2, 4, 16]), global_source=rng.random() < 0.7)
+                        max_candidates=rng.choice([2, 4, 16]), global_source=rng.random() < 0.7,
+                        global_min_match=rng.choice([1, 3, 4]))
     h = HistoryIndex(cfg, k_max=4)
     h.walk = h.global_walk = 1 << 30
     ref = Reference(cfg, h.tail)
