@@ -207,8 +207,10 @@ def make_store(name: str, k: int, max_tokens: int, mean_response: int = 700):
 
 # -- the engine emulation -------------------------------------------------------------------------------
 def replay_call(store, prompts: list[list[int]], responses: list[list[int]], k: int, max_batch: int,
-                timing: list | None = None, written: list[int] | None = None, record: bool = True) -> tuple[int, int]:
+                timing: list | None = None, written: list[int] | None = None, record: bool = True,
+                drafted: list[int] | None = None) -> tuple[int, int]:
     """Run one call's requests through `store` as an engine would; (verifications, tokens emitted).
+    drafted: its one entry grows by the draft tokens proposed for verification.
     written: how many of each response's tokens the request has written already (default 1: the
     prefill samples the first)."""
     n_req = len(responses)
@@ -262,6 +264,8 @@ def replay_call(store, prompts: list[list[int]], responses: list[list[int]], k: 
             done[r] += step
             verifications += 1
             emitted += step
+            if drafted is not None:
+                drafted[0] += min(len(d), max(left - 1, 0))
             if done[r] >= len(resp):
                 finished.append(i)
         for i in sorted(finished, reverse=True):   # the last row fills the hole, as vLLM condenses
@@ -310,17 +314,21 @@ def replay_real(args) -> dict:
             prompts = [p for p, rs in groups for _ in rs]
             responses = [r for _, rs in groups for r in rs]
             hits = [store.has_history(p) for p, _ in groups]
-            v, e = replay_call(store, prompts, responses, args.k, args.max_batch, timing)
+            d = [0]
+            v, e = replay_call(store, prompts, responses, args.k, args.max_batch, timing, drafted=d)
             ep = max(set(epochs), key=epochs.count)
-            acc = by_epoch.setdefault(ep, [0, 0, 0, 0])
+            acc = by_epoch.setdefault(ep, [0, 0, 0, 0, 0])
             acc[0] += v
             acc[1] += e
+            acc[4] += d[0]
             if hits[0] is not None:
                 acc[2] += sum(hits)
                 acc[3] += len(hits)
         rows = sum(n for n, _ in timing)
         out["stores"][name] = {
             "tokens_per_verification": {e: a[1] / a[0] for e, a in sorted(by_epoch.items())},
+            # draft tokens sent for verification, per verification (what a wrong draft costs)
+            "drafted_per_verification": {e: a[4] / a[0] for e, a in sorted(by_epoch.items())},
             "hit_rate": {e: (a[2] / a[3] if a[3] else None) for e, a in sorted(by_epoch.items())},
             "whole_run_tokens_per_verification": sum(a[1] for a in by_epoch.values()) / sum(
                 a[0] for a in by_epoch.values()),
@@ -332,6 +340,8 @@ def replay_real(args) -> dict:
                                if store.has_history([0]) is not None else None)}
         print(f"{name:>7}: tokens/verification by epoch "
               + " ".join(f"{v:.3f}" for v in out["stores"][name]["tokens_per_verification"].values())
+              + "; drafted/verification "
+              + " ".join(f"{v:.2f}" for v in out["stores"][name]["drafted_per_verification"].values())
               + f"; {out['stores'][name]['us_per_row_per_propose']:.1f} us/row", flush=True)
     return out
 

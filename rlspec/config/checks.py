@@ -153,7 +153,10 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
     for key in ("max_rollouts_per_prompt", "max_tokens"):
         _check(getattr(h, key) >= 1, f"speculation.history.{key}", "must be >= 1")
     _check(h.max_candidates >= 1, "speculation.history.max_candidates", "must be >= 1")
-    _check(h.global_min_match >= 1, "speculation.history.global_min_match", "must be >= 1")
+    keys = list(h.global_keys)
+    _check(all(1 <= g <= h.max_match for g in keys) and keys == sorted(set(keys), reverse=True),
+           "speculation.history.global_keys",
+           f"must be distinct key lengths in [1, speculation.history.max_match], longest first, got {keys}")
     _check(0 <= h.min_rollouts_per_prompt <= h.max_rollouts_per_prompt, "speculation.history.min_rollouts_per_prompt",
            "must be in [0, speculation.history.max_rollouts_per_prompt]")
     _check(h.shadow_rows >= 0, "speculation.history.shadow_rows", f"must be >= 0, got {h.shadow_rows}")

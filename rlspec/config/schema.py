@@ -205,11 +205,13 @@ class HistoryConfig:
     min_prob: float = 0.5
     # Matches read per source and draft, newest first (bounds a lookup's work).
     max_candidates: int = 32
-    # Draft from any prompt's history where it matches the context further back than the prompt's
-    # own history, its siblings and the prompt itself (a prompt seen for the first time has only
-    # it), matches of at least global_min_match tokens.
+    # Draft from any prompt's answers (this call's running ones and the history) where they match
+    # the context further back than the prompt's own history, its siblings and the prompt itself (a
+    # prompt seen for the first time has only these). One index per key length, longest first: the
+    # first that yields matches decides (long keys find long matches among common phrases; a key of
+    # one token drafts where nothing longer matched). 4 bytes per stored token each.
     global_source: bool = True
-    global_min_match: int = 4
+    global_keys: list[int] = field(default_factory=lambda: [8, 4, 1])
     # Bounds: responses kept per prompt (oldest dropped), and response tokens kept over all
     # prompts (about 20-40 bytes each). Over it the prompts holding the most responses drop their
     # oldest, down to min_rollouts_per_prompt; then whole prompts go, a fixed subset of them kept

@@ -93,28 +93,38 @@ def per_pos(stats: dict, key: str, k_max: int) -> list[int]:
 
 class LiveArena:
     """Requests of one call, each [prompt tail | tokens so far], and each prompt's own tokens,
-    linked token to token (requests grow interleaved)."""
+    linked token to token (requests grow interleaved), with per-prompt and global chains."""
 
-    def __init__(self, capacity: int = 1 << 14, slots: int = 256, head_bits: int = 18):
+    def __init__(self, capacity: int = 1 << 14, slots: int = 256, head_bits: int = 18, levels: int = 1):
+        self.levels = levels
         self.head = np.full(1 << head_bits, -1, np.int32)
+        self.ghead = np.full((levels, 1 << head_bits), -1, np.int32)
         self._alloc(capacity)
         self.last = np.full(slots, -1, np.int64)
         self.used = 0
 
     def _alloc(self, capacity: int) -> None:
         old = getattr(self, "tok", None)
-        arrays = [np.empty(capacity, np.int32) for _ in range(4)] + [np.empty(capacity, np.uint32),
-                                                                     np.empty(capacity, np.int8)]
+        arrays = ([np.empty(capacity, np.int32) for _ in range(4)] + [np.empty((self.levels, capacity), np.int32)]
+                  + [np.empty(capacity, np.uint32), np.empty(capacity, np.int8)])
         if old is not None:
             for new, cur in zip(arrays, self.arrays()):
-                new[: self.used] = cur[: self.used]
-        self.tok, self.prev, self.next, self.chain, self.salt, self.src = arrays
+                new[..., : self.used] = cur[..., : self.used]
+        self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.src = arrays
 
     def arrays(self) -> tuple:
-        return self.tok, self.prev, self.next, self.chain, self.salt, self.src
+        return self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.src
+
+    def append(self, slot: int, src: int, row: np.ndarray, lo: int, hi: int, seq_start: int, salt, min_match: int,
+               gkeys: np.ndarray) -> None:
+        """row[lo:hi] onto live sequence `slot` (store._live_append)."""
+        self.used = S._live_append(self.tok, self.salt, self.prev, self.next, self.chain, self.head, self.src,
+                                   self.gchain, self.ghead, self.last, self.used, slot, src, row, lo, hi, seq_start,
+                                   salt, min_match, gkeys)
 
     def reset(self) -> None:
         self.head.fill(-1)
+        self.ghead.fill(-1)
         self.last.fill(-1)
         self.used = 0
 
@@ -129,7 +139,7 @@ class LiveArena:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self.arrays(), self.head, self.last))
+        return sum(a.nbytes for a in (*self.arrays(), self.head, self.ghead, self.last))
 
 
 class Seq:
@@ -155,7 +165,7 @@ class HistoryIndex:
         self.cfg, self.k_max = cfg, k_max
         self.tail = cfg.max_match  # prompt tokens kept in front of each stored response
         self.walk = WALK * cfg.max_candidates  # chain links a source's lookup follows at most
-        self.global_match = max(cfg.min_match, cfg.global_min_match)  # the global chain's key length
+        self.gkeys = np.array(cfg.global_keys, np.int64)  # the global chains' key lengths, longest first
         self.global_walk = 2 * cfg.max_candidates  # ... and the global chain's (it runs through every prompt)
         self._alloc(1 << 16)
         self.used = 0              # arena positions written (live and dead)
@@ -163,7 +173,7 @@ class HistoryIndex:
         self.total = 0             # response tokens held over all prompts
         self.prompts: dict[int, PromptRecord] = {}
         self.admit_below = 1 << 64  # prompts ranking at or above it are not stored
-        self.live = LiveArena()
+        self.live = LiveArena(levels=len(self.gkeys))
         self.slots: dict = {}       # this call's request key -> (slot, salt)
         self.slot_salt: list[int] = []
         self.live_prompts: set[int] = set()
@@ -181,9 +191,9 @@ class HistoryIndex:
         self.tok = np.full(capacity, S.DEAD, np.int32)
         self.psalt = np.zeros(capacity, np.uint32)
         self.chain = np.full(capacity, -1, np.int32)
-        self.gchain = np.full(capacity, -1, np.int32)
+        self.gchain = np.full((len(self.gkeys), capacity), -1, np.int32)
         self.phead = np.full(_pow2(capacity // 2), -1, np.int32)   # chains average up to two links a slot
-        self.ghead = np.full(_pow2(capacity // 2), -1, np.int32)
+        self.ghead = np.full((len(self.gkeys), _pow2(capacity // 2)), -1, np.int32)
 
     @property
     def nbytes(self) -> int:
@@ -203,7 +213,7 @@ class HistoryIndex:
         S.insert_sequences(self.tok, self.psalt, self.chain, self.gchain, self.phead, self.ghead,
                            np.concatenate([a for _, _, a in items]), offsets, np.array([x for x, _, _ in items],
                                                                                        np.uint64),
-                           starts, self.cfg.min_match, self.global_match)
+                           starts, self.cfg.min_match, self.gkeys)
         for (_, seq, _), start in zip(items, starts):
             seq.start = int(start)
         self.used += need
@@ -427,13 +437,15 @@ class HistoryIndex:
         n_src = len(SOURCES)
         drafted, accepted = self.counts[:n_src], self.counts[n_src: 2 * n_src]
         pos = self.counts[2 * n_src:]
-        ghead = self.ghead if c.global_source else self.ghead[:0]
+        ghead = self.ghead if c.global_source else self.ghead[:, :0]
+        lghead = live.ghead if c.global_source else live.ghead[:, :0]
         live.used = S.propose_rows(
             np.ascontiguousarray(token_ids), nums, new, slots, salts, plen, fresh, fresh_prompt,
             self.tok, self.psalt, self.chain, self.gchain, self.phead, ghead,
-            live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src, live.last, live.used,
+            live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src, live.gchain, lghead, live.last,
+            live.used,
             self.pend, self.pend_len, self.pend_src, drafted, accepted, pos,
-            c.min_match, self.global_match, c.max_match, c.max_candidates, self.walk, self.global_walk,
+            c.min_match, self.gkeys, c.max_match, c.max_candidates, self.walk, self.global_walk,
             min(k, self.k_max),
             c.min_prob, self.drafting and k > 0, out, out_len)
         self.stats.drafted = drafted.tolist()
@@ -459,10 +471,12 @@ class HistoryIndex:
         out = np.zeros(max(k, 1), np.int64)
         src = np.zeros(max(k, 1), np.int64)
         ctx = np.ascontiguousarray(ctx, np.int32)
-        ghead = self.ghead if c.global_source else self.ghead[:0]
+        ghead = self.ghead if c.global_source else self.ghead[:, :0]
+        lghead = live.ghead if c.global_source else live.ghead[:, :0]
         got = S.draft_one(ctx, len(ctx), np.uint64(salt), self.tok, self.psalt, self.chain, self.gchain, self.phead,
                           ghead, live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src,
-                          c.min_match, self.global_match, c.max_match, c.max_candidates, self.walk, self.global_walk,
+                          live.gchain, lghead,
+                          c.min_match, self.gkeys, c.max_match, c.max_candidates, self.walk, self.global_walk,
                           k, c.min_prob, out, src)
         return out[:got].tolist(), src[:got].tolist()
 
@@ -494,15 +508,12 @@ class HistoryIndex:
             prompt = np.asarray(key, np.int32)
             salt = np.uint64(S.prompt_salt(prompt, len(prompt)))
             live = LiveArena(capacity=len(prompt) * (len(rows) + 1) + sum(len(response_ids[i]) for i in rows) + 16,
-                             slots=len(rows) + 1, head_bits=14)
+                             slots=len(rows) + 1, head_bits=14, levels=len(self.gkeys))
             seqs = {i: np.concatenate([prompt, np.asarray(response_ids[i], np.int32)]) for i in rows}
             tail = max(0, len(prompt) - c.max_match)
-            live.used = S._live_append(live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src, live.last,
-                                       live.used, len(rows), S.PROMPT, prompt, 0, len(prompt), 0, salt, c.min_match)
+            live.append(len(rows), S.PROMPT, prompt, 0, len(prompt), 0, salt, c.min_match, self.gkeys)
             for slot, i in enumerate(rows):
-                live.used = S._live_append(live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src,
-                                           live.last, live.used, slot, S.PROMPT, seqs[i], tail, len(prompt), tail,
-                                           salt, c.min_match)
+                live.append(slot, S.PROMPT, seqs[i], tail, len(prompt), tail, salt, c.min_match, self.gkeys)
             pending: dict[int, tuple[list[int], int]] = {}
             for t in range(max(len(response_ids[i]) for i in rows)):
                 for slot, i in enumerate(rows):
@@ -510,9 +521,7 @@ class HistoryIndex:
                     if t >= len(r):
                         continue
                     n = len(prompt) + t + 1
-                    live.used = S._live_append(live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src,
-                                               live.last, live.used, slot, S.SIBLINGS, seqs[i], n - 1, n, tail, salt,
-                                               c.min_match)
+                    live.append(slot, S.SIBLINGS, seqs[i], n - 1, n, tail, salt, c.min_match, self.gkeys)
                     got = pending.pop(i, None)
                     if got is not None:
                         draft, j = got
@@ -531,6 +540,7 @@ class HistoryIndex:
 
 _EMPTY_LIVE = LiveArena(capacity=1, slots=1, head_bits=0)
 _EMPTY_LIVE.head = np.empty(0, np.int32)
+_EMPTY_LIVE.ghead = np.empty((1, 0), np.int32)
 
 
 class HistoryProposer:

@@ -4,22 +4,28 @@ numba-compiled functions (no Python object per token).
 Two arenas of int32 tokens:
 - history: every stored response as one contiguous sequence [prompt tail | response | END], the
   prompt tail being the prompt's last max_match tokens (a match may start in the prompt). Per
-  position p two chain links: to the previous position of the same prompt whose min_match tokens
-  before it hash alike (the prompt's own history), and to the previous such position of any prompt
-  (the global source, for prompts seen for the first time), and 32 bits of its prompt's identity
-  (a chain's hash collisions are told apart). 16 bytes per stored token, plus the chains' heads
-  (8 bytes per slot of capacity).
+  position p chain links: to the previous position of the same prompt whose min_match tokens
+  before it hash alike (the prompt's own history), and for each global key length g to the previous
+  position of any prompt whose g tokens before it hash alike (the global source); and 32 bits of
+  its prompt's identity (a chain's hash collisions are told apart). 12 + 4 x (global key lengths)
+  bytes per stored token (24 by default), plus the chains' heads (2 + 2 x levels bytes per token
+  of capacity).
 - live: this call's running requests (each [prompt tail | tokens so far]) and each prompt's own
-  tokens (prompt lookup), linked token to token because requests grow interleaved.
+  tokens (prompt lookup), linked token to token because requests grow interleaved; answers' tokens
+  are chained per prompt and globally, as the history is.
 A chain head is the most recent position, so walks go newest first.
 
 Drafting, per request (the draft rule; `ReferenceDrafter` in the tests is a plain reading of it):
 1. candidates: positions whose preceding min_match tokens equal the context's last ones, newest
    first, up to max_candidates from the request's live group (its siblings, its own answer, its
    prompt) and as many from the prompt's history; each with its match length L, the common suffix
-   of context and stored text up to max_match. Matches from the global chain (any prompt's
-   history, up to max_candidates) join where they are longer than every match of the prompt's own
-   sources, or where those have none. Only the candidates of the largest L are kept.
+   of context and stored text up to max_match. Then the global matches, for each key length g of
+   global_keys, longest first: positions whose g tokens before them equal the context's last g (the
+   running answers of this call's other prompts, newest first, then any prompt's history; up to
+   max_candidates together), joining where longer than every match of the prompt's own sources (or
+   where those have none); the first g that yields any decides, shorter ones are not read (long
+   keys find the long matches a newest-first walk of a common short key would miss; a key of one
+   token drafts where nothing longer matched). Only the candidates of the largest L are kept.
 2. token by token, up to k: the candidates' most common next token x (ties: the newest
    candidate's); stop when x is END or fewer than min_prob of the candidates follow it; the
    candidates that do follow x move one token on.
@@ -69,28 +75,31 @@ def prompt_salt(tokens, n):
 
 
 @nb.njit(nogil=True, cache=True)
-def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, salts, starts, min_match, global_match):
+def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, salts, starts, min_match, gkeys):
     """Copy sequence i (seqs[offsets[i]:offsets[i+1]]) to tok[starts[i]:...] and link its positions
     into the prompt chains (salted by salts[i], whose low 32 bits each position keeps) and the
-    global chain."""
+    global chains (one per key length in gkeys)."""
     mask = np.uint64(phead.shape[0] - 1)
+    gmask = np.uint64(max(ghead.shape[1], 1) - 1)
     for i in range(offsets.shape[0] - 1):
         lo, hi, s = offsets[i], offsets[i + 1], starts[i]
         tag = np.uint32(salts[i] & np.uint64(0xFFFFFFFF))
         for j in range(hi - lo):
             tok[s + j] = seqs[lo + j]
             psalt[s + j] = tag
-        for j in range(min_match, hi - lo):
+        for j in range(hi - lo):
             p = s + j
-            b = np.int64(_mix(_key(tok, p, min_match) ^ salts[i]) & mask)
-            chain[p] = phead[b]
-            phead[b] = p
-            if j >= global_match:
-                b = np.int64(_key(tok, p, global_match) & mask)
-                gchain[p] = ghead[b]
-                ghead[b] = p
-            else:
-                gchain[p] = -1
+            if j >= min_match:
+                b = np.int64(_mix(_key(tok, p, min_match) ^ salts[i]) & mask)
+                chain[p] = phead[b]
+                phead[b] = p
+            for g in range(gkeys.shape[0]):
+                if j >= gkeys[g] and ghead.shape[1] > 0:
+                    b = np.int64(_key(tok, p, gkeys[g]) & gmask)
+                    gchain[g, p] = ghead[g, b]
+                    ghead[g, b] = p
+                else:
+                    gchain[g, p] = -1
 
 
 @nb.njit(nogil=True, cache=True)
@@ -158,8 +167,8 @@ def _scratch(max_candidates):
 
 @nb.njit(nogil=True, cache=True)
 def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
-           min_match, global_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out, out_src,
-           scratch):
+           lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, out,
+           out_src, scratch):
     """Draft up to k tokens for the context ctx[:n] of a request of prompt `salt` (the rule in the
     module docstring); returns how many were written to out (and their sources to out_src)."""
     if n < min_match or k <= 0:
@@ -196,20 +205,37 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
     own = 0
     for i in range(m):
         own = max(own, c_len[i])
-    if ghead.shape[0] > 0 and own < max_match and n >= global_match:
-        # any prompt's history: its matches join where they are longer than every match of the
-        # prompt's own sources (so they decide alone), or where those have none; a shorter walk,
-        # since its chains run through every prompt's text
-        p = ghead[np.int64(_key(ctx, n, global_match) & np.uint64(ghead.shape[0] - 1))]
+    for lv in range(gkeys.shape[0]):
+        # other prompts' running answers, then any prompt's history: their matches join where they
+        # are longer than every match of the prompt's own sources (so they decide alone), or where
+        # those have none; a shorter walk, since these chains run through every prompt
+        gm = gkeys[lv]
+        if own >= max_match or n < gm:
+            continue
+        g = _key(ctx, n, gm)
         walked, found = 0, 0
-        while p >= 0 and walked < global_walk and found < max_candidates:
-            walked += 1
-            length = _match_flat(tok, p, ctx, n, global_match, max_match)
-            if length > own:
-                c_pos[m], c_len[m], c_src[m], c_live[m] = p, length, GLOBAL, False
-                m += 1
-                found += 1
-            p = gchain[p]
+        if lghead.shape[1] > 0:
+            p = lghead[lv, np.int64(g & np.uint64(lghead.shape[1] - 1))]
+            while p >= 0 and walked < global_walk and found < max_candidates:
+                walked += 1
+                length = _match_linked(ltok, lprev, p, ctx, n, gm, max_match) if lsalt[p] != tag else 0
+                if length > own:
+                    c_pos[m], c_len[m], c_src[m], c_live[m] = p, length, GLOBAL, True
+                    m += 1
+                    found += 1
+                p = lgchain[lv, p]
+        if ghead.shape[1] > 0:
+            p = ghead[lv, np.int64(g & np.uint64(ghead.shape[1] - 1))]
+            while p >= 0 and walked < global_walk and found < max_candidates:
+                walked += 1
+                length = _match_flat(tok, p, ctx, n, gm, max_match)
+                if length > own:
+                    c_pos[m], c_len[m], c_src[m], c_live[m] = p, length, GLOBAL, False
+                    m += 1
+                    found += 1
+                p = gchain[lv, p]
+        if found > 0:
+            break
     return _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, out, out_src)
 
 
@@ -250,11 +276,13 @@ def _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, 
 
 
 @nb.njit(nogil=True, cache=True)
-def _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused, slot, src, row, lo, hi, seq_start,
-                 salt, min_match):
+def _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, slot, src, row, lo,
+                 hi, seq_start, salt, min_match, gkeys):
     """Append row[lo:hi] to live sequence `slot` (its first token at row index seq_start), linking
-    every token with min_match tokens of its sequence before it. Returns the new lused."""
+    every token with min_match tokens of its sequence before it into the prompt's chain, and an
+    answer's (src SIBLINGS) with g tokens before it into global chain g. Returns the new lused."""
     mask = np.uint64(lhead.shape[0] - 1)
+    gmask = np.uint64(max(lghead.shape[1], 1) - 1)
     tag = np.uint32(salt & np.uint64(0xFFFFFFFF))
     for j in range(lo, hi):
         p = lused
@@ -273,15 +301,22 @@ def _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused, s
             lhead[b] = p
         else:
             lchain[p] = -1
+        for g in range(gkeys.shape[0]):
+            if src == SIBLINGS and j - gkeys[g] >= seq_start and lghead.shape[1] > 0:
+                b = np.int64(_key(row, j, gkeys[g]) & gmask)
+                lgchain[g, p] = lghead[g, b]
+                lghead[g, b] = p
+            else:
+                lgchain[g, p] = -1
     return lused
 
 
 @nb.njit(nogil=True, cache=True)
 def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, fresh_prompt,
                  tok, psalt, chain, gchain, phead, ghead,
-                 ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused,
+                 ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused,
                  pend, pend_len, pend_src, stats_drafted, stats_accepted, stats_pos,
-                 min_match, global_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, drafting, out,
+                 min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, drafting, out,
                  out_len):
     """One engine step: every row's newly sampled tokens join its live sequence (a fresh row's
     prompt tail and answer so far, and for the first request of a prompt the prompt itself), the
@@ -295,15 +330,15 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
         tail = max(0, plen - max_match)
         if fresh_prompt[i]:
             llast[s] = -1
-            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused, s, PROMPT, row, 0, plen, 0,
-                                 salt, min_match)
+            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s, PROMPT,
+                                 row, 0, plen, 0, salt, min_match, gkeys)
         if fresh[i]:  # [prompt tail | answer so far]: the tail drafts as the prompt, the answer as a sibling
             llast[s] = -1
             pend_len[s] = 0
-            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused, s, PROMPT, row, tail,
-                                 plen, tail, salt, min_match)
-            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused, s, SIBLINGS, row, plen,
-                                 n, tail, salt, min_match)
+            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s, PROMPT,
+                                 row, tail, plen, tail, salt, min_match, gkeys)
+            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s,
+                                 SIBLINGS, row, plen, n, tail, salt, min_match, gkeys)
         elif new_counts[i] > 0:
             new = new_counts[i]
             # settle the last step's draft: the tokens it got accepted are those the step emitted
@@ -312,14 +347,14 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
                 if token_ids[i, n - new + j] != pend[s, j]:
                     break
                 stats_accepted[pend_src[s, j]] += 1
-            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, llast, lused, s, SIBLINGS, row, n - new, n,
-                                 tail, salt, min_match)
+            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s,
+                                 SIBLINGS, row, n - new, n, tail, salt, min_match, gkeys)
         pend_len[s] = 0
         if not drafting or (new_counts[i] <= 0 and not fresh[i]):
             continue
         got = _draft(row, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
-                     lsrc, min_match, global_match, max_match, max_candidates, max_walk, global_walk, k, min_prob,
-                     out[i], pend_src[s], scratch)
+                     lsrc, lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k,
+                     min_prob, out[i], pend_src[s], scratch)
         out_len[i] = got
         for j in range(got):
             pend[s, j] = out[i, j]
@@ -331,8 +366,9 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
 
 @nb.njit(nogil=True, cache=True)
 def draft_one(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
-              min_match, global_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out, out_src):
+              lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, out,
+              out_src):
     """_draft for one context (the shadow replay calls it row by row)."""
     return _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
-                  lsrc, min_match, global_match, max_match, max_candidates, max_walk, global_walk, k, min_prob, out,
-                  out_src, _scratch(max_candidates))
+                  lsrc, lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k,
+                  min_prob, out, out_src, _scratch(max_candidates))

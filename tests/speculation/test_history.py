@@ -41,11 +41,45 @@ def test_earlier_responses_of_the_same_prompt_draft_their_continuation():
 
 
 def test_a_prompt_seen_for_the_first_time_drafts_from_any_prompts_history():
-    h = index(global_min_match=2)
+    h = index(global_keys=[2])
     h.record([PROMPT], [[10, 11, 12, 13, 14, 15, 16]], wait=True)
     h.begin_call()
     assert ask(h, [[7, 8, 9, 10, 11]], [[11]], 3) == [[12, 13, 14]]
     assert h.stats.drafted == [0, 0, 0, 3]
+
+
+def test_other_prompts_running_answers_draft_for_a_prompt_with_nothing_of_its_own():
+    h = index(global_keys=[4])
+    h.begin_call()
+    # prompt 7 8 9's request has written 20..26 so far; prompt 1 2 3's request ends as it does
+    ask(h, [[7, 8, 9, 20, 21, 22, 23, 24, 25, 26]], [[26]], 3, keys=["a"])
+    assert ask(h, [PROMPT + [21, 22, 23, 24]], [[24]], 3, keys=["b"]) == [[25, 26]]
+    assert h.stats.drafted[GL] == 2
+    h = index(global_source=False)
+    h.begin_call()
+    ask(h, [[7, 8, 9, 20, 21, 22, 23, 24, 25, 26]], [[26]], 3, keys=["a"])
+    assert ask(h, [PROMPT + [21, 22, 23, 24]], [[24]], 3, keys=["b"]) == [[]]
+
+
+def test_global_key_lengths_longest_first_find_older_long_matches_then_one_token_matches():
+    # one old answer continues 1..8 with 30 31; eight newer ones continue 5 6 7 8 with 9 (another
+    # prompt's, so the global source decides); a walk of the 4-token chain reads only the newest
+    old = [1, 2, 3, 4, 5, 6, 7, 8, 30, 31]
+    newer = [[50 + i, 5, 6, 7, 8, 9, 9] for i in range(8)]
+    context = [[7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8]]
+    drafts = {}
+    for keys in ([4], [8, 4]):
+        h = index(max_candidates=2, global_keys=keys)
+        h.record([[60, 61, 62]] * 9, [old] + newer, wait=True)
+        h.begin_call()
+        drafts[tuple(keys)] = ask(h, context, [[8]], 2)
+    assert drafts == {(4,): [[9, 9]], (8, 4): [[30, 31]]}
+    # a token seen once, after nothing longer matches: only a key of one token drafts from it
+    for keys, want in (([8, 4], [[]]), ([8, 4, 1], [[41, 42]])):
+        h = index(global_keys=keys)
+        h.record([[60, 61, 62]], [[40, 41, 42]], wait=True)
+        h.begin_call()
+        assert ask(h, [[7, 8, 9, 33, 40]], [[40]], 2) == want
 
 
 def test_the_longest_matching_suffix_decides_and_a_split_history_drafts_nothing():
@@ -332,13 +366,23 @@ class Reference:
                 if p == prompt and seq[j - mm: j] == key]
         cands += [(self._length(seq, j, ctx), H, seq, j) for _, seq, j in hist][: c.max_candidates]
         cands = [x for x in cands if x[0] >= mm]
-        gm = max(mm, c.global_min_match)
-        if c.global_source and len(ctx) >= gm:  # any prompt's matches of gm tokens or more, where longer than all
-            own = max((x[0] for x in cands), default=0)   # of the prompt's own
-            glob = [(seq, j) for _, seq in reversed(self.stored) for j in range(len(seq) - 1, gm - 1, -1)
-                    if seq[j - gm: j] == ctx[-gm:]]
+        own = max((x[0] for x in cands), default=0)
+        for gm in c.global_keys if c.global_source else []:
+            if own >= c.max_match or len(ctx) < gm:
+                continue
+            # matches of gm tokens or more where longer than all of the prompt's own: other prompts'
+            # running answers (answer tokens only), newest first, then any prompt's history; the
+            # first key length that yields any decides
+            running = sorted(((s[2][j], s[1], j) for s in self.live if s[0] != prompt for j in range(gm, len(s[1]))
+                              if s[3][j] == SIB and s[1][j - gm: j] == ctx[-gm:]), key=lambda x: -x[0])
+            glob = [(seq, j) for _, seq, j in running]
+            glob += [(seq, j) for _, seq in reversed(self.stored) for j in range(len(seq) - 1, gm - 1, -1)
+                     if seq[j - gm: j] == ctx[-gm:]]
             longer = [(self._length(seq, j, ctx), GL, seq, j) for seq, j in glob]
-            cands += [x for x in longer if x[0] >= gm and x[0] > own][: c.max_candidates]
+            found = [x for x in longer if x[0] >= gm and x[0] > own][: c.max_candidates]
+            if found:
+                cands += found
+                break
         return self._extend(cands, k)
 
     def _extend(self, cands, k):
@@ -364,9 +408,10 @@ def test_the_store_drafts_token_for_token_what_the_plain_rule_drafts(seed):
     of every step equals the plain reference's. The store's walks are given room to read every
     candidate (its bound is the only place the two may part)."""
     rng = random.Random(seed)
-    cfg = HistoryConfig(min_match=rng.choice([1, 2, 3]), max_match=rng.choice([4, 8]), min_prob=rng.choice([0.3, 0.5]),
+    max_match = rng.choice([4, 8])
+    cfg = HistoryConfig(min_match=rng.choice([1, 2, 3]), max_match=max_match, min_prob=rng.choice([0.3, 0.5]),
                         max_candidates=rng.choice([2, 4, 16]), global_source=rng.random() < 0.7,
-                        global_min_match=rng.choice([1, 3, 4]))
+                        global_keys=[g for g in rng.choice([[4], [3, 1], [8, 4, 1], [6, 2]]) if g <= max_match])
     h = HistoryIndex(cfg, k_max=4)
     h.walk = h.global_walk = 1 << 30
     ref = Reference(cfg, h.tail)
@@ -408,6 +453,8 @@ def test_settings_are_validated_by_key():
         validate(compose(["speculation=history", "speculation.history.min_match=4"]))
     with pytest.raises(ConfigError, match=r"^speculation\.history\.min_prob"):
         validate(compose(["speculation=history", "speculation.history.min_prob=0"]))
+    with pytest.raises(ConfigError, match=r"^speculation\.history\.global_keys: must be distinct key lengths"):
+        validate(compose(["speculation=history", "speculation.history.global_keys=[1,4]"]))
 
 
 # -- through real vLLM: the drafter hosted as vLLM's custom proposer, in a Generator actor ---------
