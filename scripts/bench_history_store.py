@@ -529,10 +529,11 @@ def main() -> None:
         x.add_argument("--out", type=Path)
     r.add_argument("--max-batch", type=int, default=256)
     args = ap.parse_args()
-    for kv in args.history:
+    import yaml
+
+    for kv in args.history:  # values as Hydra reads them: 3, 0.5, true, [8,4,1]
         key, value = kv.split("=", 1)
-        HISTORY_SETTINGS[key] = type(getattr(__import__("rlspec.config", fromlist=["HistoryConfig"]).HistoryConfig(),
-                                             key))(value) if value not in ("true", "false") else value == "true"
+        HISTORY_SETTINGS[key] = yaml.safe_load(value)
     if args.mode == "one":
         print(json.dumps(scale_one(args)), flush=True)
         return

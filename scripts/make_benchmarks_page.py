@@ -409,7 +409,8 @@ def history_store_section(scale: Path | None, replays: list[Path]) -> list[str]:
            "step, one-hot drafts accepted where they agree with the recorded response): rlspec's compiled store "
            "(`rlspec`), a dict store of hashed n-gram continuation counts (`dict`, scripts/history_dict_store.py) "
            "and arctic-inference's SuffixDecodingCache driven as vLLM's `suffix` method drives it (`suffix`). "
-           "Tokens per verification: tokens a row emits per engine step (accepted drafts plus one). Hit rate: "
+           "Tokens per verification: tokens a row emits per engine step (accepted drafts plus one); draft tokens "
+           "per verification (by epoch): what the engine verified for them, a wrong draft's cost. Hit rate: "
            "requests whose prompt has history when its call begins (`suffix` keeps no per-prompt history).", ""]
     for path in replays:
         r = json.loads(path.read_text())
@@ -420,16 +421,19 @@ def history_store_section(scale: Path | None, replays: list[Path]) -> list[str]:
                 f"{r.get('date', '')}. The rollouts, then the replay:", "", "```bash",
                 *([r["trace_command"]] if r.get("trace_command") else []), r["command"], "```", "",
                 "| store | " + " | ".join(f"epoch {e} tok/verif. (hit rate)" for e in eps)
-                + " | whole run | us per row per step | prompts held at the end |",
-                "|---|" + "---|" * (len(eps) + 3)]
+                + " | whole run | draft tokens per verification | us per row per step | prompts held at the end |",
+                "|---|" + "---|" * (len(eps) + 4)]
         for name, v in r["stores"].items():
             cells = []
             for e in eps:
                 hit = v["hit_rate"].get(e)
                 cells.append(f"{v['tokens_per_verification'][e]:.3f}" + (f" ({hit:.0%})" if hit is not None else ""))
             share = v.get("resident_share")
+            drafted = v.get("drafted_per_verification")
             out.append(f"| {name} | " + " | ".join(cells)
-                       + f" | {v['whole_run_tokens_per_verification']:.3f} | {v['us_per_row_per_propose']:.1f} | "
+                       + f" | {v['whole_run_tokens_per_verification']:.3f} | "
+                       + (" / ".join(f"{drafted[e]:.2f}" for e in eps) if drafted else "-")
+                       + f" | {v['us_per_row_per_propose']:.1f} | "
                        + (f"{share:.0%}" if share is not None else "-") + " |")
         out.append("")
     if scale is not None:

@@ -208,10 +208,12 @@ class HistoryConfig:
     # Draft from any prompt's answers (this call's running ones and the history) where they match
     # the context further back than the prompt's own history, its siblings and the prompt itself (a
     # prompt seen for the first time has only these). One index per key length, longest first: the
-    # first that yields matches decides (long keys find long matches among common phrases; a key of
-    # one token drafts where nothing longer matched). 4 bytes per stored token each.
+    # first that yields matches decides (a key of one token drafts where nothing longer matched).
+    # Each costs 4 bytes per stored token and time per insert; a longer first key ([8, 4, 1]) finds
+    # long matches among many answers sharing a phrase: more drafted in a large history's first
+    # epoch, at about 0.3 us more per inserted token (docs/speculation.md).
     global_source: bool = True
-    global_keys: list[int] = field(default_factory=lambda: [8, 4, 1])
+    global_keys: list[int] = field(default_factory=lambda: [4, 1])
     # Bounds: responses kept per prompt (oldest dropped), and response tokens kept over all
     # prompts (about 20-40 bytes each). Over it the prompts holding the most responses drop their
     # oldest, down to min_rollouts_per_prompt; then whole prompts go, a fixed subset of them kept

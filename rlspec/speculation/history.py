@@ -46,6 +46,7 @@ PROPOSER = "rlspec.speculation.history.HistoryProposer"
 WALK = 4  # chain links a lookup follows per candidate it may take (hash collisions and evicted text)
 SLACK = 0.95  # over max_tokens, the store is cut to this share of it
 GROWTH = 1.5  # a rebuilt arena's room: this times what it holds and must take
+MAX_LIVE_HEAD_BITS = 22  # the live arena's chain heads: at most 4M slots per chain
 
 
 def _pow2(n: int) -> int:
@@ -95,10 +96,9 @@ class LiveArena:
     """Requests of one call, each [prompt tail | tokens so far], and each prompt's own tokens,
     linked token to token (requests grow interleaved), with per-prompt and global chains."""
 
-    def __init__(self, capacity: int = 1 << 14, slots: int = 256, head_bits: int = 18, levels: int = 1):
-        self.levels = levels
-        self.head = np.full(1 << head_bits, -1, np.int32)
-        self.ghead = np.full((levels, 1 << head_bits), -1, np.int32)
+    def __init__(self, capacity: int = 1 << 14, slots: int = 256, head_bits: int = 16, levels: int = 1):
+        self.levels, self.min_heads = levels, 1 << head_bits
+        self._heads(self.min_heads)
         self._alloc(capacity)
         self.last = np.full(slots, -1, np.int64)
         self.used = 0
@@ -122,14 +122,32 @@ class LiveArena:
                                    self.gchain, self.ghead, self.last, self.used, slot, src, row, lo, hi, seq_start,
                                    salt, min_match, gkeys)
 
+    def _heads(self, n: int) -> None:
+        self.head = np.full(n, -1, np.int32)
+        self.ghead = np.full((self.levels, n), -1, np.int32)
+
+    def _fit_heads(self, tokens: int) -> bool:
+        """Chain heads for about `tokens` live tokens, a slot per two (within [min, 2^22]): chains
+        of unrelated tokens sharing a slot cost a lookup a memory read each. Grows only."""
+        n = min(max(self.min_heads, _pow2(tokens // 2)), 1 << MAX_LIVE_HEAD_BITS)
+        if n <= self.head.shape[0]:
+            return False
+        self._heads(n)
+        return True
+
     def reset(self) -> None:
-        self.head.fill(-1)
-        self.ghead.fill(-1)
+        """Empty, with heads for the largest call so far."""
+        if not self._fit_heads(self.tok.shape[0]):
+            self.head.fill(-1)
+            self.ghead.fill(-1)
         self.last.fill(-1)
         self.used = 0
 
     def reserve(self, tokens: int, slots: int) -> None:
-        """Room for `tokens` more tokens and slot ids below `slots` (positions stay: links hold)."""
+        """Room for `tokens` more tokens and slot ids below `slots` (positions stay: links hold; a
+        call's first tokens size the heads)."""
+        if self.used == 0:
+            self._fit_heads(tokens)
         if self.used + tokens > self.tok.shape[0]:
             self._alloc(max(2 * self.tok.shape[0], self.used + tokens))
         if slots > self.last.shape[0]:
@@ -166,7 +184,7 @@ class HistoryIndex:
         self.tail = cfg.max_match  # prompt tokens kept in front of each stored response
         self.walk = WALK * cfg.max_candidates  # chain links a source's lookup follows at most
         self.gkeys = np.array(cfg.global_keys, np.int64)  # the global chains' key lengths, longest first
-        self.global_walk = 2 * cfg.max_candidates  # ... and the global chain's (it runs through every prompt)
+        self.global_walk = 2 * cfg.max_candidates  # ... and the global chains', all key lengths together
         self._alloc(1 << 16)
         self.used = 0              # arena positions written (live and dead)
         self.dead = 0              # ... of them evicted, until compaction

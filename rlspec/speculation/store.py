@@ -8,8 +8,8 @@ Two arenas of int32 tokens:
   before it hash alike (the prompt's own history), and for each global key length g to the previous
   position of any prompt whose g tokens before it hash alike (the global source); and 32 bits of
   its prompt's identity (a chain's hash collisions are told apart). 12 + 4 x (global key lengths)
-  bytes per stored token (24 by default), plus the chains' heads (2 + 2 x levels bytes per token
-  of capacity).
+  bytes per stored token (20 by default), plus the chains' heads (about 2 bytes per token of
+  capacity per chain of more than one token).
 - live: this call's running requests (each [prompt tail | tokens so far]) and each prompt's own
   tokens (prompt lookup), linked token to token because requests grow interleaved; answers' tokens
   are chained per prompt and globally, as the history is.
@@ -23,9 +23,10 @@ Drafting, per request (the draft rule; `ReferenceDrafter` in the tests is a plai
    global_keys, longest first: positions whose g tokens before them equal the context's last g (the
    running answers of this call's other prompts, newest first, then any prompt's history; up to
    max_candidates together), joining where longer than every match of the prompt's own sources (or
-   where those have none); the first g that yields any decides, shorter ones are not read (long
-   keys find the long matches a newest-first walk of a common short key would miss; a key of one
-   token drafts where nothing longer matched). Only the candidates of the largest L are kept.
+   where those have none); the first g that yields any decides, shorter ones are not read, nor
+   are they after a g of at most own + 1 (every longer match ends in those g tokens). The walks
+   over all key lengths together follow at most 2 x max_candidates links, a key shorter than
+   min_match an eighth of that. Only the candidates of the largest L are kept.
 2. token by token, up to k: the candidates' most common next token x (ties: the newest
    candidate's); stop when x is END or fewer than min_prob of the candidates follow it; the
    candidates that do follow x move one token on.
@@ -67,6 +68,27 @@ def _key(tokens, end, m):
     return h
 
 
+_P = np.uint64(0x100000001B3)
+SHORT_KEY_SLOTS = 1 << 18  # chain heads of a one-token global key (a vocabulary's worth, cache-sized)
+
+
+@nb.njit(inline="always", cache=True)
+def _gkey(tokens, end, m):
+    """Hash of tokens[end - m : end] for the global chains: a polynomial over the tokens, mixed
+    once (a key of up to 8 tokens per level and position, so cheaper than _key)."""
+    h = np.uint64(0)
+    for j in range(end - m, end):
+        h = h * _P + np.uint64(tokens[j] + 3)
+    return _mix(h ^ _SEED)
+
+
+@nb.njit(inline="always", cache=True)
+def _gslot(h, g, width):
+    """Chain-head slot of global key hash h of length g in a head row of `width` slots."""
+    n = min(width, SHORT_KEY_SLOTS) if g == 1 else width
+    return np.int64(h & np.uint64(n - 1))
+
+
 @nb.njit(nogil=True, cache=True)
 def prompt_salt(tokens, n):
     """A prompt's 64-bit identity: the hash of its n tokens (never 0)."""
@@ -80,7 +102,6 @@ def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, sal
     into the prompt chains (salted by salts[i], whose low 32 bits each position keeps) and the
     global chains (one per key length in gkeys)."""
     mask = np.uint64(phead.shape[0] - 1)
-    gmask = np.uint64(max(ghead.shape[1], 1) - 1)
     for i in range(offsets.shape[0] - 1):
         lo, hi, s = offsets[i], offsets[i + 1], starts[i]
         tag = np.uint32(salts[i] & np.uint64(0xFFFFFFFF))
@@ -95,7 +116,7 @@ def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, sal
                 phead[b] = p
             for g in range(gkeys.shape[0]):
                 if j >= gkeys[g] and ghead.shape[1] > 0:
-                    b = np.int64(_key(tok, p, gkeys[g]) & gmask)
+                    b = _gslot(_gkey(tok, p, gkeys[g]), gkeys[g], ghead.shape[1])
                     gchain[g, p] = ghead[g, b]
                     ghead[g, b] = p
                 else:
@@ -205,18 +226,22 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
     own = 0
     for i in range(m):
         own = max(own, c_len[i])
+    walked = 0
     for lv in range(gkeys.shape[0]):
         # other prompts' running answers, then any prompt's history: their matches join where they
         # are longer than every match of the prompt's own sources (so they decide alone), or where
-        # those have none; a shorter walk, since these chains run through every prompt
+        # those have none; one shorter walk over all levels, since these chains run through every
+        # prompt
         gm = gkeys[lv]
         if own >= max_match or n < gm:
             continue
-        g = _key(ctx, n, gm)
-        walked, found = 0, 0
+        g = _gkey(ctx, n, gm)
+        found = 0
+        # a key shorter than min_match matches almost anywhere: its newest few links (8 by default)
+        budget = global_walk if gm >= min_match else min(global_walk, walked + max(global_walk // 8, 1))
         if lghead.shape[1] > 0:
-            p = lghead[lv, np.int64(g & np.uint64(lghead.shape[1] - 1))]
-            while p >= 0 and walked < global_walk and found < max_candidates:
+            p = lghead[lv, _gslot(g, gm, lghead.shape[1])]
+            while p >= 0 and walked < budget and found < max_candidates:
                 walked += 1
                 length = _match_linked(ltok, lprev, p, ctx, n, gm, max_match) if lsalt[p] != tag else 0
                 if length > own:
@@ -225,8 +250,8 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
                     found += 1
                 p = lgchain[lv, p]
         if ghead.shape[1] > 0:
-            p = ghead[lv, np.int64(g & np.uint64(ghead.shape[1] - 1))]
-            while p >= 0 and walked < global_walk and found < max_candidates:
+            p = ghead[lv, _gslot(g, gm, ghead.shape[1])]
+            while p >= 0 and walked < budget and found < max_candidates:
                 walked += 1
                 length = _match_flat(tok, p, ctx, n, gm, max_match)
                 if length > own:
@@ -234,7 +259,9 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
                     m += 1
                     found += 1
                 p = gchain[lv, p]
-        if found > 0:
+        # every match longer than own ends in the gm tokens of the key when gm <= own + 1: a
+        # shorter key's chain holds no other
+        if found > 0 or gm <= own + 1:
             break
     return _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, out, out_src)
 
@@ -282,7 +309,6 @@ def _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead
     every token with min_match tokens of its sequence before it into the prompt's chain, and an
     answer's (src SIBLINGS) with g tokens before it into global chain g. Returns the new lused."""
     mask = np.uint64(lhead.shape[0] - 1)
-    gmask = np.uint64(max(lghead.shape[1], 1) - 1)
     tag = np.uint32(salt & np.uint64(0xFFFFFFFF))
     for j in range(lo, hi):
         p = lused
@@ -303,7 +329,7 @@ def _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead
             lchain[p] = -1
         for g in range(gkeys.shape[0]):
             if src == SIBLINGS and j - gkeys[g] >= seq_start and lghead.shape[1] > 0:
-                b = np.int64(_key(row, j, gkeys[g]) & gmask)
+                b = _gslot(_gkey(row, j, gkeys[g]), gkeys[g], lghead.shape[1])
                 lgchain[g, p] = lghead[g, b]
                 lghead[g, b] = p
             else:

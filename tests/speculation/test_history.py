@@ -503,8 +503,10 @@ def test_greedy_history_drafting_is_exact_and_history_pays_on_the_second_epoch(b
     print(f"acceptance length: first call {first.spec.acceptance_length:.2f}, second "
           f"{second.spec.acceptance_length:.2f}; counters {first.history} / {second.history}")
     assert second.spec.acceptance_length > first.spec.acceptance_length + 0.5, (first.spec, second.spec)
-    # vLLM's own counters agree with the drafter's: everything drafted was verified
-    assert second.spec.draft_tokens == sum(second.history[f"drafted_{s}"] for s in SOURCES)
+    # vLLM's own counters agree with the drafter's: everything drafted was verified, save the
+    # drafts made at a request's last step (it finished there; at most k a request)
+    drafted = sum(second.history[f"drafted_{s}"] for s in SOURCES)
+    assert drafted - 5 * len(prompts) <= second.spec.draft_tokens <= drafted, drafted
     assert second.spec.accepted_tokens >= sum(second.history[f"accepted_{s}"] for s in SOURCES)
     state = ray.get(hist.history_state.remote(), timeout=60)
     ray.kill(hist)
