@@ -213,6 +213,15 @@ class HistoryIndex:
         self.phead = np.full(_pow2(capacity // 2), -1, np.int32)   # chains average up to two links a slot
         self.ghead = np.full((len(self.gkeys), _pow2(capacity // 2)), -1, np.int32)
 
+    def _grow(self, capacity: int) -> None:
+        """The arena's arrays with room for `capacity` positions, the first `used` kept as they are."""
+        used = self.used
+        for name, fill in (("tok", S.DEAD), ("psalt", 0), ("chain", -1), ("gchain", -1)):
+            old = getattr(self, name)
+            new = np.full((*old.shape[:-1], capacity), fill, old.dtype)
+            new[..., :used] = old[..., :used]
+            setattr(self, name, new)
+
     @property
     def nbytes(self) -> int:
         """Bytes the store's arrays hold (history arena and its chain heads; the live arena apart)."""
@@ -238,7 +247,13 @@ class HistoryIndex:
 
     def _rebuild(self, need: int = 0) -> None:
         """A fresh arena holding the stored sequences in their order (positions move, recency
-        stays), sized for `need` more tokens with room to grow: compaction and growth."""
+        stays), sized for `need` more tokens with room to grow: compaction and growth. Where
+        nothing was evicted and the chain heads still number a quarter of the new room, the arrays
+        only grow (positions and links stay): the relinking, an insert's whole cost again, comes
+        at every other growth."""
+        if self.dead == 0 and 4 * self.phead.shape[0] >= GROWTH * (self.used + need):
+            self._grow(max(1 << 16, int(GROWTH * (self.used + need))))
+            return
         placed = sorted(((seq.start, salt, seq) for salt, rec in self.prompts.items() for seq in rec.seqs
                          if seq.start >= 0), key=lambda x: x[0])
         live = sum(seq.stored for _, _, seq in placed)

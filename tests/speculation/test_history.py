@@ -303,6 +303,30 @@ def test_state_round_trip_keeps_the_drafts():
     assert ask(old, [PROMPT + [10, 11, 13]], [[13]], 2) == [[15]]
 
 
+def test_an_arena_that_grew_drafts_as_one_built_at_once():
+    """Over 2^16 stored tokens in small records: the arena grows (arrays extended with links kept,
+    relinked at every other growth); every draft equals that of a store given the same records in
+    an arena with room for all of them from the start (its heads, and so its chains, of another
+    size: the walks are given room to read every candidate)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(50) for _ in range(4)] for _ in range(40)]
+    h, g = index(), index()
+    g._alloc(1 << 20)  # room for everything from the start: one arena, never grown
+    for _ in range(30):
+        ps = [rng.choice(prompts) for _ in range(16)]
+        rs = [[rng.randrange(50) for _ in range(rng.randrange(100, 250))] for _ in ps]
+        for x in (h, g):
+            x.record(ps, rs, wait=True)
+    assert h.tok.shape[0] > 1 << 16 and h.tokens() > 1 << 16 and g.tok.shape[0] == 1 << 20
+    for x in (h, g):
+        x.begin_call()
+        x.walk = x.global_walk = 1 << 30  # chains of other lengths: walks read to the end
+    rows = [p + [rng.randrange(50) for _ in range(6)] for p in prompts]
+    keys = [f"r{i}" for i in range(len(rows))]
+    got = ask(h, rows, [[0]] * len(rows), 4, keys=keys, prompt_len=4)
+    assert got == ask(g, rows, [[0]] * len(rows), 4, keys=keys, prompt_len=4) and sum(map(len, got)) > 0
+
+
 class Reference:
     """The draft rule of rlspec/speculation/store.py read plainly: sequences in lists, every
     position scanned newest first, no hashing."""
