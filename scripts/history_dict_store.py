@@ -7,13 +7,11 @@ family, at about 1 KB and 5 us a stored token."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from rlspec.config import HistoryConfig
-
-SOURCES = ("history", "siblings", "prompt")
+from rlspec.speculation.history import HistoryStats  # its counters; this store drafts from the first three sources
 
 
 class Table:
@@ -48,40 +46,6 @@ class Table:
 
     def __len__(self) -> int:
         return len(self.next)
-
-
-@dataclass
-class HistoryStats:
-    """Per-call counters of the history drafter (rows: a request at one engine step)."""
-    rows: int = 0              # requests the drafter was asked for
-    matched: int = 0           # ... that got a draft
-    drafted: list[int] = field(default_factory=lambda: [0] * len(SOURCES))   # tokens by source
-    accepted: list[int] = field(default_factory=lambda: [0] * len(SOURCES))  # attributed accepts by source
-    drafted_pos: list[int] = field(default_factory=list)  # rows whose draft reached position i
-    # a call that drafted nothing ('auto' switched it off), replayed in shadow: what k_max drafts
-    # would have done, per emulated verification (shadow_rows) and position (drafted, accepted
-    # with all before it)
-    shadow_responses: int = 0  # the call's responses the shadow replayed
-    shadow_rows: int = 0
-    shadow_drafted_pos: list[int] = field(default_factory=list)
-    shadow_accepted_pos: list[int] = field(default_factory=list)
-    prompts: int = 0           # prompts with history at the call's start
-    history_tokens: int = 0    # tokens held over all prompts at the call's start
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        for name in ("drafted", "accepted"):
-            d.update({f"{name}_{s}": v for s, v in zip(SOURCES, d.pop(name))})
-        for name, key in (("drafted_pos", "drafts_ge"), ("shadow_drafted_pos", "shadow_drafts_ge"),
-                          ("shadow_accepted_pos", "shadow_accepted_ge")):
-            d.update({f"{key}_{i + 1}": v for i, v in enumerate(d.pop(name))})
-        return d
-
-
-def per_pos(stats: dict, key: str, k_max: int) -> list[int]:
-    """From a call's counters (as_dict), per position i < k_max: `key` 'drafts_ge' (rows that
-    drafted past i), 'shadow_drafts_ge' or 'shadow_accepted_ge'."""
-    return [stats.get(f"{key}_{i + 1}", 0) for i in range(k_max)]
 
 
 class PromptHistory:
@@ -248,60 +212,6 @@ class HistoryIndex:
         self.rows = seen
         self.pending = {i: v for i, v in self.pending.items() if i in seen}
         return out
-
-    def shadow(self, prompt_ids: list[list[int]], response_ids: list[list[int]], max_rows: int) -> None:
-        """A call that drafted nothing ('auto' switched speculation off): measure what drafting
-        k_max tokens would have accepted, from the finished responses of some of its groups (whole
-        groups, evenly spread over the call, about max_rows responses). Without drafting every
-        request gains one token per engine step, so the call is replayed in lock step: at step t
-        each response's token t joins its group's table (what its siblings see) and is checked
-        against the response's pending shadow draft; a verification would have accepted the
-        matching prefix and ended with the next token (the correction, or the bonus after a whole
-        draft), where the next shadow draft starts, read from the prompt's history as at the call's
-        start, the group's table and the prompt. Drafts are one-hot, so the probability a drafted
-        token is sampled is the probability it is accepted: the counts are those drafting would
-        have made, without its verification. Call before `record`."""
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(prompt_ids):
-            groups.setdefault(tuple(p), []).append(i)
-        keys = list(groups)
-        if not keys or max_rows <= 0:
-            return
-        per_group = max(1, len(prompt_ids) // len(keys))
-        stride = max(1, round(len(keys) * per_group / max_rows))
-        tail = self.cfg.max_match + self.k_max + 1
-        st = self.stats
-        for key in keys[::stride]:
-            rows = groups[key]
-            st.shadow_responses += len(rows)
-            siblings, prompt_table = Table(self.orders), Table(self.orders)
-            prompt_table.add(list(key), 0)
-            hist = self.prompts.get(key)
-            sources = (hist.table if hist is not None else None, siblings, prompt_table)
-            seqs = {i: list(key) for i in rows}
-            pending: dict[int, tuple[list[int], int]] = {}
-            for t in range(max(len(response_ids[i]) for i in rows)):
-                for i in rows:
-                    r = response_ids[i]
-                    if t >= len(r):
-                        continue
-                    tok, seq = int(r[t]), seqs[i]
-                    seq.append(tok)
-                    siblings.add(seq, len(seq) - 1)
-                    got = pending.pop(i, None)
-                    if got is not None:
-                        draft, j = got
-                        if j < len(draft) and tok == draft[j]:
-                            st.shadow_accepted_pos[j] += 1
-                            pending[i] = (draft, j + 1)
-                            continue
-                    # a verification ends with this token (or none was pending): the next draft
-                    st.shadow_rows += 1
-                    draft, _ = self._draft(seq[-tail:], sources, self.k_max)
-                    for j in range(len(draft)):
-                        st.shadow_drafted_pos[j] += 1
-                    if draft:
-                        pending[i] = (draft, 0)
 
     def _draft(self, ctx: list[int], tables, k: int) -> tuple[list[int], list[int]]:
         """Token by token: the continuation of the longest context suffix any source has seen,
