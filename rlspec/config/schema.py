@@ -211,7 +211,7 @@ class HistoryConfig:
     # first that yields matches decides (a key of one token drafts where nothing longer matched).
     # Each costs 4 bytes per stored token and time per insert; a longer first key ([8, 4, 1]) finds
     # long matches among many answers sharing a phrase: more drafted in a large history's first
-    # epoch, at about 0.3 us more per inserted token (docs/speculation.md).
+    # epoch, for more work per insert (docs/speculation.md).
     global_source: bool = True
     global_keys: list[int] = field(default_factory=lambda: [4, 1])
     # Bounds: responses kept per prompt (oldest dropped), and response tokens kept over all
