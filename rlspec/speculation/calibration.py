@@ -130,9 +130,9 @@ class AdaptiveK:
         sched.dynamic_sd_lookup[:] = [0] * n if off else [0] + [k_of_batch(b) for b in range(1, n)]
         method = self.engine.spec_config["method"]
         if method == "custom_class":  # rlspec's history drafter reads k itself
-            from rlspec.speculation import history
+            from rlspec.speculation import history_proposer
 
-            self.engine.llm.collective_rpc(history.set_k, args=(list(sched.dynamic_sd_lookup),))
+            self.engine.llm.collective_rpc(history_proposer.set_k, args=(list(sched.dynamic_sd_lookup),))
         if method != "ngram":  # n-gram lookup costs nothing to skip
             self.engine.llm.collective_rpc(_set_drafting, args=(not off,))
 
@@ -164,14 +164,14 @@ class AdaptiveK:
         t0 = time.perf_counter()
         per_request = self.engine.spec_config["method"] == "custom_class"
         if per_request:  # rlspec's history drafter: time every row drafting k (the planner scales)
-            from rlspec.speculation import history
+            from rlspec.speculation import history_proposer
 
-            self.engine.llm.collective_rpc(history.set_full, args=(True,))
+            self.engine.llm.collective_rpc(history_proposer.set_full, args=(True,))
         try:
             seconds, k_max, max_batch = self._timed_costs(prompt_ids, rounds, steps)
         finally:
             if per_request:
-                self.engine.llm.collective_rpc(history.set_full, args=(False,))
+                self.engine.llm.collective_rpc(history_proposer.set_full, args=(False,))
         self.calibration_seconds = time.perf_counter() - t0
         return DraftLengthPlanner(k_max=k_max, max_batch=max_batch, step_seconds=seconds)
 

@@ -24,15 +24,12 @@ the least recently seen would drop exactly the prompts the epoch has yet to revi
 responses join the store in a background thread, while the learner trains; the next call waits
 for it.
 
-vLLM hosts the drafter as a custom proposer (speculative_config method 'custom_class', which
-Model Runner V1 runs: on a GPU vLLM falls back to V1 for it). It reads each row's request id and
-prompt length from the runner's input batch (as vLLM's own suffix proposer does), so rows are
-matched to requests exactly; the Generator tells it through collective_rpc when a call begins
-(`begin_call`) and which responses the call returned (`record`)."""
+vLLM hosts the drafter as a custom proposer (rlspec/speculation/history_proposer.py; Model
+Runner V1 runs it: on a GPU vLLM falls back to V1 for it); the Generator tells it through
+collective_rpc when a call begins (`begin_call`) and which responses the call returned (`record`)."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
@@ -40,17 +37,11 @@ import numpy as np
 
 from rlspec.config import HistoryConfig
 from rlspec.speculation import store as S
-from rlspec.speculation.store import SOURCES
+from rlspec.speculation.store import SOURCES, LiveArena
 
-PROPOSER = "rlspec.speculation.history.HistoryProposer"
 WALK = 4  # chain links a lookup follows per candidate it may take (hash collisions and evicted text)
 SLACK = 0.95  # over max_tokens, the store is cut to this share of it
 GROWTH = 1.5  # a rebuilt arena's room: this times what it holds and must take
-MAX_LIVE_HEAD_BITS = 22  # the live arena's chain heads: at most 4M slots per chain
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(4, int(n - 1).bit_length())
 
 
 @dataclass
@@ -92,74 +83,6 @@ def per_pos(stats: dict, key: str, k_max: int) -> list[int]:
     return [stats.get(f"{key}_{i + 1}", 0) for i in range(k_max)]
 
 
-class LiveArena:
-    """Requests of one call, each [prompt tail | tokens so far], and each prompt's own tokens,
-    linked token to token (requests grow interleaved), with per-prompt and global chains."""
-
-    def __init__(self, capacity: int = 1 << 14, slots: int = 256, head_bits: int = 16, levels: int = 1):
-        self.levels, self.min_heads = levels, 1 << head_bits
-        self._heads(self.min_heads)
-        self._alloc(capacity)
-        self.last = np.full(slots, -1, np.int64)
-        self.used = 0
-
-    def _alloc(self, capacity: int) -> None:
-        old = getattr(self, "tok", None)
-        arrays = ([np.empty(capacity, np.int32) for _ in range(4)] + [np.empty((self.levels, capacity), np.int32)]
-                  + [np.empty(capacity, np.uint32), np.empty(capacity, np.int8)])
-        if old is not None:
-            for new, cur in zip(arrays, self.arrays()):
-                new[..., : self.used] = cur[..., : self.used]
-        self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.src = arrays
-
-    def arrays(self) -> tuple:
-        return self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.src
-
-    def append(self, slot: int, src: int, row: np.ndarray, lo: int, hi: int, seq_start: int, salt, min_match: int,
-               gkeys: np.ndarray) -> None:
-        """row[lo:hi] onto live sequence `slot` (store._live_append)."""
-        self.used = S._live_append(self.tok, self.salt, self.prev, self.next, self.chain, self.head, self.src,
-                                   self.gchain, self.ghead, self.last, self.used, slot, src, row, lo, hi, seq_start,
-                                   salt, min_match, gkeys)
-
-    def _heads(self, n: int) -> None:
-        self.head = np.full(n, -1, np.int32)
-        self.ghead = np.full((self.levels, n), -1, np.int32)
-
-    def _fit_heads(self, tokens: int) -> bool:
-        """Chain heads for about `tokens` live tokens, a slot per two (within [min, 2^22]): chains
-        of unrelated tokens sharing a slot cost a lookup a memory read each. Grows only."""
-        n = min(max(self.min_heads, _pow2(tokens // 2)), 1 << MAX_LIVE_HEAD_BITS)
-        if n <= self.head.shape[0]:
-            return False
-        self._heads(n)
-        return True
-
-    def reset(self) -> None:
-        """Empty, with heads for the largest call so far."""
-        if not self._fit_heads(self.tok.shape[0]):
-            self.head.fill(-1)
-            self.ghead.fill(-1)
-        self.last.fill(-1)
-        self.used = 0
-
-    def reserve(self, tokens: int, slots: int) -> None:
-        """Room for `tokens` more tokens and slot ids below `slots` (positions stay: links hold; a
-        call's first tokens size the heads)."""
-        if self.used == 0:
-            self._fit_heads(tokens)
-        if self.used + tokens > self.tok.shape[0]:
-            self._alloc(max(2 * self.tok.shape[0], self.used + tokens))
-        if slots > self.last.shape[0]:
-            last = np.full(max(2 * self.last.shape[0], slots), -1, np.int64)
-            last[: self.last.shape[0]] = self.last
-            self.last = last
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self.arrays(), self.head, self.ghead, self.last))
-
-
 class Seq:
     """A stored response: its arena start (-1 until placed), stored length (tail, response, END)
     and response tokens; `alive` False once evicted."""
@@ -192,6 +115,7 @@ class HistoryIndex:
         self.prompts: dict[int, PromptRecord] = {}
         self.admit_below = 1 << 64  # prompts ranking at or above it are not stored
         self.live = LiveArena(levels=len(self.gkeys))
+        self.no_live = LiveArena.empty(len(self.gkeys))  # draft_context without a call's live requests
         self.slots: dict = {}       # this call's request key -> (slot, salt)
         self.slot_salt: list[int] = []
         self.live_prompts: set[int] = set()
@@ -210,8 +134,8 @@ class HistoryIndex:
         self.psalt = np.zeros(capacity, np.uint32)
         self.chain = np.full(capacity, -1, np.int32)
         self.gchain = np.full((len(self.gkeys), capacity), -1, np.int32)
-        self.phead = np.full(_pow2(capacity // 2), -1, np.int32)   # chains average up to two links a slot
-        self.ghead = np.full((len(self.gkeys), _pow2(capacity // 2)), -1, np.int32)
+        self.phead = np.full(S.pow2(capacity // 2), -1, np.int32)   # chains average up to two links a slot
+        self.ghead = np.full((len(self.gkeys), S.pow2(capacity // 2)), -1, np.int32)
 
     def _grow(self, capacity: int) -> None:
         """The arena's arrays with room for `capacity` positions, the first `used` kept as they are."""
@@ -470,8 +394,7 @@ class HistoryIndex:
         n_src = len(SOURCES)
         drafted, accepted = self.counts[:n_src], self.counts[n_src: 2 * n_src]
         pos = self.counts[2 * n_src:]
-        ghead = self.ghead if c.global_source else self.ghead[:, :0]
-        lghead = live.ghead if c.global_source else live.ghead[:, :0]
+        ghead, lghead = self._global_heads(live)
         live.used = S.propose_rows(
             np.ascontiguousarray(token_ids), nums, new, slots, salts, plen, fresh, fresh_prompt,
             self.tok, self.psalt, self.chain, self.gchain, self.phead, ghead,
@@ -485,6 +408,13 @@ class HistoryIndex:
         self.stats.accepted = accepted.tolist()
         self.stats.drafted_pos = pos.tolist()
         return out, out_len
+
+    def _global_heads(self, live: LiveArena) -> tuple[np.ndarray, np.ndarray]:
+        """The global chains' heads of the store and of `live`; with no global source, none (a
+        walk over no slots finds nothing)."""
+        if self.cfg.global_source:
+            return self.ghead, live.ghead
+        return self.ghead[:, :0], live.ghead[:, :0]
 
     def propose(self, rows: list, sampled: list[list[int]], k: int, keys=None, prompt_lens=None) -> list[list[int]]:
         """propose_rows over a list of token rows (tests and the scale benchmark)."""
@@ -500,12 +430,11 @@ class HistoryIndex:
         """One draft for a context (its tokens, its prompt's salt) against the store and a live
         arena (by default none): the tokens and their sources."""
         c = self.cfg
-        live = live or _EMPTY_LIVE
+        live = live or self.no_live
         out = np.zeros(max(k, 1), np.int64)
         src = np.zeros(max(k, 1), np.int64)
         ctx = np.ascontiguousarray(ctx, np.int32)
-        ghead = self.ghead if c.global_source else self.ghead[:, :0]
-        lghead = live.ghead if c.global_source else live.ghead[:, :0]
+        ghead, lghead = self._global_heads(live)
         got = S.draft_one(ctx, len(ctx), np.uint64(salt), self.tok, self.psalt, self.chain, self.gchain, self.phead,
                           ghead, live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src,
                           live.gchain, lghead,
@@ -569,99 +498,3 @@ class HistoryIndex:
                         st.shadow_drafted_pos[j] += 1
                     if draft:
                         pending[i] = (draft, 0)
-
-
-_EMPTY_LIVE = LiveArena(capacity=1, slots=1, head_bits=0)
-_EMPTY_LIVE.head = np.empty(0, np.int32)
-_EMPTY_LIVE.ghead = np.empty((1, 0), np.int32)
-
-
-class HistoryProposer:
-    """vLLM's custom proposer (speculative_config method 'custom_class') over a HistoryIndex; the
-    Generator configures and feeds it through collective_rpc (the functions below)."""
-
-    def __init__(self, vllm_config):
-        spec = vllm_config.speculative_config
-        self.k_max = int(spec.num_speculative_tokens)
-        self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.index = HistoryIndex(HistoryConfig(), self.k_max)
-        self.k_of_batch: list[int] | None = None  # 'auto': k per running batch size
-        self.full = False  # 'auto' times steps: every draft filled to k, as if every request matched
-        self.runner = None  # the V1 model runner (configure): its input batch's request ids and prompt lengths
-
-    def load_model(self, *args, **kwargs) -> None:  # no model to load
-        pass
-
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **kwargs) -> list[list[int]]:
-        t0 = time.perf_counter()
-        n = len(sampled_token_ids)
-        k = self.k_max
-        if self.k_of_batch is not None:
-            k = min(k, self.k_of_batch[min(n, len(self.k_of_batch) - 1)])
-        lens = [len(s) for s in sampled_token_ids]
-        nums = num_tokens_no_spec
-        if self.full:  # 'auto' times the engine verifying k drafts a row: no lookup, the last token k times
-            drafts = [[int(token_ids_cpu[i, int(nums[i]) - 1])] * k if lens[i] else [] for i in range(n)]
-        else:
-            batch = self.runner.input_batch if self.runner is not None else None
-            keys = batch.req_ids[:n] if batch is not None else list(range(n))
-            prompt_lens = batch.num_prompt_tokens[:n] if batch is not None else np.zeros(n, np.int64)
-            drafts = self.index.propose_rows(token_ids_cpu, nums, lens, keys, prompt_lens, k)
-        out = [d[: max(0, self.max_model_len - int(nums[i]) - 1)] for i, d in enumerate(drafts)]
-        if not self.full:
-            cell = self.index.stats.propose_timing.setdefault((max(n, 1).bit_length() - 1, k), [0, 0.0])
-            dt = time.perf_counter() - t0
-            cell[0] += 1
-            cell[1] += dt
-            self.index.stats.propose_seconds += dt
-        return out
-
-
-# -- collective_rpc entry points (run in every worker; `worker.model_runner.drafter` is the proposer) --
-def _proposer(worker) -> HistoryProposer:
-    drafter = worker.model_runner.drafter
-    if not isinstance(drafter, HistoryProposer):
-        raise RuntimeError(f"the engine's drafter is {type(drafter).__name__}, not rlspec's HistoryProposer")
-    return drafter
-
-
-def configure(worker, cfg: dict) -> None:
-    p = _proposer(worker)
-    p.index = HistoryIndex(HistoryConfig(**cfg), p.k_max)
-    p.runner = worker.model_runner
-
-
-def begin_call(worker, draft: bool = True) -> None:
-    _proposer(worker).index.begin_call(draft)
-
-
-def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
-    _proposer(worker).index.record(prompt_ids, response_ids)
-
-
-def finish_call(worker, prompt_ids: list[list[int]] | None, response_ids: list[list[int]] | None) -> dict:
-    """The call's counters; given the call's rows and the call drafted nothing, measured in shadow
-    first (`HistoryIndex.shadow`, up to speculation.history.shadow_rows responses)."""
-    index = _proposer(worker).index
-    if prompt_ids is not None and index.stats.rows == 0:
-        index.shadow(prompt_ids, response_ids, index.cfg.shadow_rows)
-    return index.stats.as_dict()
-
-
-def set_k(worker, k_of_batch: list[int] | None) -> None:
-    _proposer(worker).k_of_batch = k_of_batch
-
-
-def set_full(worker, full: bool) -> None:
-    """'auto' times engine steps with every request drafting k tokens and no lookup (the engine's
-    cost of verifying them); the planner scales the verification by the fraction of k that calls
-    really draft, and adds the drafter's own time as calls measure it (HistoryStats.propose_timing)."""
-    _proposer(worker).full = full
-
-
-def state_dict(worker) -> dict:
-    return _proposer(worker).index.state_dict()
-
-
-def load_state_dict(worker, state: dict) -> None:
-    _proposer(worker).index.load_state_dict(state)

@@ -43,6 +43,7 @@ END = -1   # a sequence's last token: the responses stopped here
 DEAD = -2  # an evicted sequence's tokens until compaction
 SOURCES = ("history", "siblings", "prompt", "global")
 HISTORY, SIBLINGS, PROMPT, GLOBAL = range(4)
+MAX_LIVE_HEAD_BITS = 22  # the live arena's chain heads: at most 4M slots per chain
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
@@ -398,3 +399,84 @@ def draft_one(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt
     return _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
                   lsrc, lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k,
                   min_prob, out, out_src, _scratch(max_candidates))
+
+
+def pow2(n: int) -> int:
+    """The power of two at or above n (at least 16): a chain-head table's size."""
+    return 1 << max(4, int(n - 1).bit_length())
+
+
+class LiveArena:
+    """Requests of one call, each [prompt tail | tokens so far], and each prompt's own tokens,
+    linked token to token (requests grow interleaved), with per-prompt and global chains."""
+
+    def __init__(self, capacity: int = 1 << 14, slots: int = 256, head_bits: int = 16, levels: int = 1):
+        self.levels, self.min_heads = levels, 1 << head_bits
+        self._heads(self.min_heads)
+        self._alloc(capacity)
+        self.last = np.full(slots, -1, np.int64)
+        self.used = 0
+
+    def _alloc(self, capacity: int) -> None:
+        old = getattr(self, "tok", None)
+        arrays = ([np.empty(capacity, np.int32) for _ in range(4)] + [np.empty((self.levels, capacity), np.int32)]
+                  + [np.empty(capacity, np.uint32), np.empty(capacity, np.int8)])
+        if old is not None:
+            for new, cur in zip(arrays, self.arrays()):
+                new[..., : self.used] = cur[..., : self.used]
+        self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.src = arrays
+
+    def arrays(self) -> tuple:
+        return self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.src
+
+    def append(self, slot: int, src: int, row: np.ndarray, lo: int, hi: int, seq_start: int, salt, min_match: int,
+               gkeys: np.ndarray) -> None:
+        """row[lo:hi] onto live sequence `slot` (store._live_append)."""
+        self.used = _live_append(self.tok, self.salt, self.prev, self.next, self.chain, self.head, self.src,
+                                   self.gchain, self.ghead, self.last, self.used, slot, src, row, lo, hi, seq_start,
+                                   salt, min_match, gkeys)
+
+    def _heads(self, n: int) -> None:
+        self.head = np.full(n, -1, np.int32)
+        self.ghead = np.full((self.levels, n), -1, np.int32)
+
+    def _fit_heads(self, tokens: int) -> bool:
+        """Chain heads for about `tokens` live tokens, a slot per two (within [min, 2^22]): chains
+        of unrelated tokens sharing a slot cost a lookup a memory read each. Grows only."""
+        n = min(max(self.min_heads, pow2(tokens // 2)), 1 << MAX_LIVE_HEAD_BITS)
+        if n <= self.head.shape[0]:
+            return False
+        self._heads(n)
+        return True
+
+    def reset(self) -> None:
+        """Empty, with heads for the largest call so far."""
+        if not self._fit_heads(self.tok.shape[0]):
+            self.head.fill(-1)
+            self.ghead.fill(-1)
+        self.last.fill(-1)
+        self.used = 0
+
+    def reserve(self, tokens: int, slots: int) -> None:
+        """Room for `tokens` more tokens and slot ids below `slots` (positions stay: links hold; a
+        call's first tokens size the heads)."""
+        if self.used == 0:
+            self._fit_heads(tokens)
+        if self.used + tokens > self.tok.shape[0]:
+            self._alloc(max(2 * self.tok.shape[0], self.used + tokens))
+        if slots > self.last.shape[0]:
+            last = np.full(max(2 * self.last.shape[0], slots), -1, np.int64)
+            last[: self.last.shape[0]] = self.last
+            self.last = last
+
+    @classmethod
+    def empty(cls, levels: int) -> "LiveArena":
+        """An arena with no chain heads: a walk over it finds nothing."""
+        arena = cls(capacity=1, slots=1, head_bits=0, levels=levels)
+        arena.head = np.empty(0, np.int32)
+        arena.ghead = np.empty((levels, 0), np.int32)
+        return arena
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.arrays(), self.head, self.ghead, self.last))

@@ -11,7 +11,7 @@ def vllm_speculative_config(spec: SpeculationConfig, draft_dir: str | None) -> d
         return None
     out: dict = {"method": spec.method, "num_speculative_tokens": spec.k_max}
     if spec.method == "history":  # rlspec's own drafter, hosted as vLLM's custom proposer
-        from rlspec.speculation.history import PROPOSER
+        from rlspec.speculation.history_proposer import PROPOSER
 
         out.update(method="custom_class", model=PROPOSER)
     if spec.adaptive:

@@ -13,7 +13,7 @@ from rlspec.config import GenerationConfig, ModelConfig, SpeculationConfig
 from rlspec.engines.vllm_engine import VLLMEngine
 from rlspec.messages import RolloutBatch, Sampling
 from rlspec.models import ModelPaths
-from rlspec.speculation import history
+from rlspec.speculation import history_proposer
 from rlspec.speculation.calibration import AdaptiveK
 from rlspec.speculation.vllm_config import vllm_speculative_config
 
@@ -31,7 +31,7 @@ class Generator:
         self.history = speculation.method == "history"
         self.history_validation = speculation.history.draft_validation
         if self.history:
-            self.engine.llm.collective_rpc(history.configure, args=(asdict(speculation.history),))
+            self.engine.llm.collective_rpc(history_proposer.configure, args=(asdict(speculation.history),))
         self.engine.sleep()  # sleep mode: hold no GPU memory until the first call (learners start next)
         self.policy_version = 0
         self.draft_version = 0
@@ -44,12 +44,12 @@ class Generator:
             planning = self.adaptive.before_call(prompt_ids, sampling.rollout) if self.adaptive else 0.0
             if self.history:
                 draft = sampling.rollout or self.history_validation
-                self.engine.llm.collective_rpc(history.begin_call, args=(draft,))
+                self.engine.llm.collective_rpc(history_proposer.begin_call, args=(draft,))
             ro = self.engine.generate(prompt_ids, sampling, self.policy_version)
             ro.seconds += planning  # the call that calibrates 'auto' reports that cost too
             if self.history:  # under 'auto', a training call that drafted nothing is measured in shadow
                 shadow = self.adaptive is not None and sampling.rollout and not (ro.spec and ro.spec.drafts)
-                ro.history = self.engine.llm.collective_rpc(history.finish_call, args=(
+                ro.history = self.engine.llm.collective_rpc(history_proposer.finish_call, args=(
                     ro.prompt_ids if shadow else None, ro.response_ids if shadow else None))[0]
                 if sampling.rollout:  # training rollouts become history; validation answers do not
                     self.record_history(ro.prompt_ids, ro.response_ids)
@@ -65,14 +65,14 @@ class Generator:
         rollouts do so by themselves)."""
         if not self.history:
             raise RuntimeError("record_history: speculation.method is not history")
-        self.engine.llm.collective_rpc(history.record, args=(prompt_ids, response_ids))
+        self.engine.llm.collective_rpc(history_proposer.record, args=(prompt_ids, response_ids))
 
     def history_state(self) -> dict:
         """speculation=history: the drafter's store (every prompt's recent responses)."""
-        return self.engine.llm.collective_rpc(history.state_dict)[0]
+        return self.engine.llm.collective_rpc(history_proposer.state_dict)[0]
 
     def load_history_state(self, state: dict) -> None:
-        self.engine.llm.collective_rpc(history.load_state_dict, args=(state,))
+        self.engine.llm.collective_rpc(history_proposer.load_state_dict, args=(state,))
 
     def save_history(self, path: str) -> None:
         torch.save(self.history_state(), path)

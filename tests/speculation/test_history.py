@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from rlspec.config import HistoryConfig
-from rlspec.speculation.history import SOURCES, HistoryIndex, HistoryProposer, per_pos
+from rlspec.speculation.history import SOURCES, HistoryIndex, per_pos
+from rlspec.speculation.history_proposer import HistoryProposer
 
 PROMPT = [1, 2, 3]
 H, SIB, PR, GL = range(4)
@@ -567,9 +568,9 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
 
     def generate_at(gen, k, prompts, s):  # the engine alone, at a k set as 'auto' sets it
         from rlspec.speculation.adaptive import OFF
-        from rlspec.speculation import history
+        from rlspec.speculation import history_proposer
         gen.adaptive.set_k(OFF if k == OFF else (lambda b: k))
-        gen.engine.llm.collective_rpc(history.begin_call, args=(True,))
+        gen.engine.llm.collective_rpc(history_proposer.begin_call, args=(True,))
         return gen.engine.generate(prompts, s, 0)
 
     one = ray.get(auto.__ray_call__.remote(generate_at, 1, prompts, sampling(1, 0.0, 48)), timeout=600)
@@ -578,9 +579,9 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
     off = ray.get(auto.__ray_call__.remote(generate_at, -1, prompts, sampling(1, 0.0, 48)), timeout=600)
     assert off.response_ids == base.response_ids and off.spec.draft_tokens == 0
     # switched off, it measured in shadow: the same greedy answers again, so shadow drafts are accepted
-    from rlspec.speculation import history
+    from rlspec.speculation import history_proposer
     st = ray.get(auto.__ray_call__.remote(
-        lambda g: g.engine.llm.collective_rpc(history.finish_call, args=(off.prompt_ids, off.response_ids))[0]),
+        lambda g: g.engine.llm.collective_rpc(history_proposer.finish_call, args=(off.prompt_ids, off.response_ids))[0]),
         timeout=60)
     assert st["rows"] == 0 and st["shadow_rows"] > 0 and st["shadow_accepted_ge_1"] > 0, st
     ray.kill(auto)

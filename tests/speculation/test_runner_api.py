@@ -76,7 +76,7 @@ def test_history_drafter_is_a_vllm_custom_proposer_run_by_v1():
     to V1); V1 calls it with the batch's token rows, and vLLM's factory builds it from its path."""
     from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
 
-    from rlspec.speculation.history import PROPOSER, HistoryProposer
+    from rlspec.speculation.history_proposer import PROPOSER, HistoryProposer
 
     spec = SpeculationConfig(method="history", num_speculative_tokens=3)
     assert vllm_speculative_config(spec, None) == {"method": "custom_class", "model": PROPOSER,

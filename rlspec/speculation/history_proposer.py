@@ -1,0 +1,107 @@
+"""vLLM's side of rollout-history drafting: the custom proposer (speculative_config method
+'custom_class', which Model Runner V1 runs) over rlspec/speculation/history.py's HistoryIndex, and
+the functions the Generator sends through collective_rpc (they run in every worker, where
+`worker.model_runner.drafter` is the proposer). The proposer reads each row's request id and prompt
+length from the runner's input batch, as vLLM's own suffix proposer does, so rows are matched to
+requests exactly."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rlspec.config import HistoryConfig
+from rlspec.speculation.history import HistoryIndex
+
+PROPOSER = "rlspec.speculation.history_proposer.HistoryProposer"
+
+
+class HistoryProposer:
+    """vLLM's custom proposer (speculative_config method 'custom_class') over a HistoryIndex; the
+    Generator configures and feeds it through collective_rpc (the functions below)."""
+
+    def __init__(self, vllm_config):
+        spec = vllm_config.speculative_config
+        self.k_max = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.index = HistoryIndex(HistoryConfig(), self.k_max)
+        self.k_of_batch: list[int] | None = None  # 'auto': k per running batch size
+        self.full = False  # 'auto' times steps: every draft filled to k, as if every request matched
+        self.runner = None  # the V1 model runner (configure): its input batch's request ids and prompt lengths
+
+    def load_model(self, *args, **kwargs) -> None:  # no model to load
+        pass
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **kwargs) -> list[list[int]]:
+        t0 = time.perf_counter()
+        n = len(sampled_token_ids)
+        k = self.k_max
+        if self.k_of_batch is not None:
+            k = min(k, self.k_of_batch[min(n, len(self.k_of_batch) - 1)])
+        lens = [len(s) for s in sampled_token_ids]
+        nums = num_tokens_no_spec
+        if self.full:  # 'auto' times the engine verifying k drafts a row: no lookup, the last token k times
+            drafts = [[int(token_ids_cpu[i, int(nums[i]) - 1])] * k if lens[i] else [] for i in range(n)]
+        else:
+            batch = self.runner.input_batch if self.runner is not None else None
+            keys = batch.req_ids[:n] if batch is not None else list(range(n))
+            prompt_lens = batch.num_prompt_tokens[:n] if batch is not None else np.zeros(n, np.int64)
+            drafts = self.index.propose_rows(token_ids_cpu, nums, lens, keys, prompt_lens, k)
+        out = [d[: max(0, self.max_model_len - int(nums[i]) - 1)] for i, d in enumerate(drafts)]
+        if not self.full:
+            cell = self.index.stats.propose_timing.setdefault((max(n, 1).bit_length() - 1, k), [0, 0.0])
+            dt = time.perf_counter() - t0
+            cell[0] += 1
+            cell[1] += dt
+            self.index.stats.propose_seconds += dt
+        return out
+
+
+# -- collective_rpc entry points --
+def _proposer(worker) -> HistoryProposer:
+    drafter = worker.model_runner.drafter
+    if not isinstance(drafter, HistoryProposer):
+        raise RuntimeError(f"the engine's drafter is {type(drafter).__name__}, not rlspec's HistoryProposer")
+    return drafter
+
+
+def configure(worker, cfg: dict) -> None:
+    p = _proposer(worker)
+    p.index = HistoryIndex(HistoryConfig(**cfg), p.k_max)
+    p.runner = worker.model_runner
+
+
+def begin_call(worker, draft: bool = True) -> None:
+    _proposer(worker).index.begin_call(draft)
+
+
+def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
+    _proposer(worker).index.record(prompt_ids, response_ids)
+
+
+def finish_call(worker, prompt_ids: list[list[int]] | None, response_ids: list[list[int]] | None) -> dict:
+    """The call's counters; given the call's rows and the call drafted nothing, measured in shadow
+    first (`HistoryIndex.shadow`, up to speculation.history.shadow_rows responses)."""
+    index = _proposer(worker).index
+    if prompt_ids is not None and index.stats.rows == 0:
+        index.shadow(prompt_ids, response_ids, index.cfg.shadow_rows)
+    return index.stats.as_dict()
+
+
+def set_k(worker, k_of_batch: list[int] | None) -> None:
+    _proposer(worker).k_of_batch = k_of_batch
+
+
+def set_full(worker, full: bool) -> None:
+    """'auto' times engine steps with every request drafting k tokens and no lookup (the engine's
+    cost of verifying them); the planner scales the verification by the fraction of k that calls
+    really draft, and adds the drafter's own time as calls measure it (HistoryStats.propose_timing)."""
+    _proposer(worker).full = full
+
+
+def state_dict(worker) -> dict:
+    return _proposer(worker).index.state_dict()
+
+
+def load_state_dict(worker, state: dict) -> None:
+    _proposer(worker).index.load_state_dict(state)
