@@ -140,6 +140,7 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
     runlog = RunLog(run_dir, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
                     cfg.trainer.max_steps, cfg.logging)
     runlog.notes["bad_rows"] = {"train": dict(train_set.skipped), "val": dict(val_set.skipped)}
+    runlog.notes["train_metrics_over"] = train_metrics_over(cfg)
     stop, restarts = StopRequest(), 0
     while True:
         try:
@@ -168,6 +169,19 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
     summary = runlog.finish(cfg.logging.plot)
     print(f"run directory: {run_dir}", flush=True)
     return summary
+
+
+def train_metrics_over(cfg) -> str:
+    """Which rows a step's learner metrics (entropy, ratio_mean, clip and dual-clip fractions,
+    logprob_mismatch, importance_weight) average over: 'all_rows', or 'rows_trained' where the
+    rows of zero gradient are left out (trainer.skip_zero_gradient_rows under a loss inert at zero
+    advantage without KL), whose share is each record's rows_skipped. The loss is the whole batch's
+    either way."""
+    from rlspec.algo.losses import INERT_AT_ZERO_ADVANTAGE
+
+    subset = (cfg.trainer.skip_zero_gradient_rows and cfg.algo.kl_coef == 0
+              and cfg.algo.loss in INERT_AT_ZERO_ADVANTAGE)
+    return "rows_trained" if subset else "all_rows"
 
 
 def report_engines(runlog, infos: list[dict]) -> None:

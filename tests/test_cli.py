@@ -27,6 +27,8 @@ def test_two_step_run_writes_summary_plot_and_final_policy(tmp_path):
         assert 1 <= e["response_length_p50"] <= e["response_length_p90"] <= e["response_length_max"]
         assert e["response_length_max"] <= 40 and e["response_length_max"] >= e["response_length"]
     assert [r["policy_version"] for r in s["records"]] == [1, 2]
+    # the learner's metrics average over the rows it trained (zero-gradient rows left out)
+    assert s["train_metrics_over"] == "rows_trained" and all("train/rows_skipped" in r["extra"] for r in s["records"])
     # the engine's model runner as vLLM chose it: the CPU build runs V1, eager, without async scheduling
     assert s["engines"] == [{"model_runner": "V1", "async_scheduling": False, "cuda_graphs": False,
                              "speculation": "draft_model"}]

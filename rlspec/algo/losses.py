@@ -57,10 +57,16 @@ def aggregate(name: str, values: torch.Tensor, mask: torch.Tensor, num_tokens: f
     return LOSS_AGGREGATIONS[name](values, mask, num_tokens, num_seqs)
 
 
+K3_MAX = 10.0  # verl's bound on a token's k3 value (its low_var_kl)
+
+
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    """Per-token k3 estimate of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0, at most
+    K3_MAX, as verl bounds it: a token the reference finds far likelier than the policy (the
+    log-ratio at its clamp of 20 gives 4.9e8) would otherwise outweigh the whole batch's loss. A
+    token at the bound gets no KL gradient."""
     d = (ref_logp - logp).clamp(-20.0, 20.0)
-    return torch.exp(d) - d - 1.0
+    return (torch.exp(d) - d - 1.0).clamp(max=K3_MAX)
 
 
 @dataclass

@@ -88,6 +88,21 @@ def test_k3_kl_hand_value_and_zero_at_equality():
     assert k3_kl(ref, ref).item() == 0.0
 
 
+def test_k3_kl_is_bounded_as_verl_bounds_it():
+    """A token the reference finds e^15 times likelier than the policy: k3 would be e^15 - 16
+    (3.3e6); it is held at K3_MAX, with no gradient there, while a token under the bound keeps its
+    value and gradient."""
+    from rlspec.algo.losses import K3_MAX
+
+    logp = torch.tensor([-16.0, -1.0], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.5])
+    kl = k3_kl(logp, ref)
+    assert kl[0].item() == K3_MAX == 10.0
+    assert kl[1].item() == pytest.approx(math.exp(-0.5) + 0.5 - 1, abs=1e-6)
+    kl.sum().backward()
+    assert logp.grad[0].item() == 0.0 and logp.grad[1].item() == pytest.approx(1 - math.exp(-0.5), abs=1e-6)
+
+
 def test_kl_term_enters_loss_with_its_coefficient():
     x = _inputs([[1.0]], [0.0])
     x.ref_logp = torch.tensor([[math.log(0.5)]])  # logp = 0 (ratio 1, old 0)
