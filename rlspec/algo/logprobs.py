@@ -179,3 +179,19 @@ def shared_prompt_forward(model, input_ids: torch.Tensor, attention_mask: torch.
         return grid.scatter(1, cols, values * resp_mask)[:, : W - 1]
 
     return logits, resp_ids, place
+
+
+class LogprobModel(torch.nn.Module):
+    """A causal LM whose forward is sequence_logprobs: the module a learner's DeepSpeed engine
+    wraps, so each micro-batch goes through DeepSpeedEngine.forward and every hook it sets (ZeRO's
+    backward-seen flag, ZeRO-3's step reset and parameter trace, the output hooks whose backward
+    prologue opens the optimizer's backward: BF16_Optimizer clears its bf16 gradients there)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                with_entropy: bool = False, plan: "PromptPlan | None" = None, chunk_tokens: int = 4096):
+        return sequence_logprobs(self.lm, input_ids, attention_mask, temperature, with_entropy=with_entropy, plan=plan,
+                                 chunk_tokens=chunk_tokens)

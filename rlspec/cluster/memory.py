@@ -215,7 +215,10 @@ def gpu_memory(cfg, plan) -> GPUMemory | None:
     shard = lambda stage_from: W if z >= stage_from else 1  # noqa: E731
     tokens = t.micro_batch_size * (cfg.data.max_prompt_tokens + g.max_new_tokens)
     chunk = min(t.logit_chunk_tokens, tokens) * m.vocab_size * (2 * 4 + tb)  # fp32 logits and their grad, the head's output
-    learner = RoleMemory("learner", weights=tb * P / shard(3) / GIB, gradients=tb * P / shard(2) / GIB,
+    # bf16 under ZeRO 1-2 accumulates gradients in fp32 too (deepspeed_engine.ds_config):
+    # BF16_Optimizer's buffer is whole under ZeRO-1, ZeRO-2's is its partition
+    accum = 4 * P / shard(2) if tb < 4 and z in (1, 2) else 0.0
+    learner = RoleMemory("learner", weights=tb * P / shard(3) / GIB, gradients=(tb * P / shard(2) + accum) / GIB,
                          optimizer=(12 if tb < 4 else 8) * P / shard(1) / GIB,
                          activations=(tokens * tb * activation_elements(m, t.gradient_checkpointing) + chunk) / GIB,
                          buffers=ipc_buffer_gib(cfg, m))

@@ -44,6 +44,8 @@ def ds_config(t: TrainerConfig, samples_per_step: int, world_size: int) -> dict:
         raise ValueError("trainer.dtype is unresolved: resolve_auto(cfg) first")
     if t.dtype == "bfloat16":  # bf16 compute, fp32 master weights and optimizer state
         cfg["bf16"] = {"enabled": True}
+        if t.zero_stage in (1, 2):  # where DeepSpeed takes it: micro-batches' gradients add up in fp32
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
 
 
@@ -85,9 +87,28 @@ OPTIMIZERS = {
 }
 
 
-def make_engine(model: torch.nn.Module, t: TrainerConfig, samples_per_step: int, world_size: int):
+# The optimizer wrappers DeepSpeed picks for rlspec's settings (trainer.zero_stage, trainer.dtype):
+# the learner's Skipping optimizers under ZeRO 0 in fp32, FP16_UnfusedOptimizer under ZeRO 0 in
+# bf16, BF16_Optimizer under ZeRO-1 in bf16 (fp32 gradient accumulation), ZeRO-1/2's and ZeRO-3's
+# optimizers. The learner runs each micro-batch through the engine's forward, which sets up each
+# wrapper's backward; any other wrapper is refused rather than trusted.
+CHECKED_OPTIMIZERS = ("SkippingAdamW", "SkippingSGD", "FP16_UnfusedOptimizer", "BF16_Optimizer",
+                      "DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
+
+
+def check_optimizer(engine, t: TrainerConfig) -> None:
+    name = type(engine.optimizer).__name__
+    if name not in CHECKED_OPTIMIZERS:
+        raise ValueError(f"trainer.zero_stage={t.zero_stage}, trainer.dtype={t.dtype}: DeepSpeed wraps the optimizer "
+                         f"in {name}, under which the learner's micro-batches are not checked "
+                         f"(checked: {', '.join(CHECKED_OPTIMIZERS)})")
+
+
+def make_engine(model: torch.nn.Module, t: TrainerConfig, samples_per_step: int, world_size: int,
+                extra: dict | None = None):
     """(engine, scheduler): the optimizer (trainer.optimizer) as a client optimizer (no fused-op JIT
-    build), linear warmup."""
+    build), linear warmup; refused unless DeepSpeed's wrapper of it is one the learner is checked
+    under. extra: more DeepSpeed config (tests)."""
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -96,20 +117,6 @@ def make_engine(model: torch.nn.Module, t: TrainerConfig, samples_per_step: int,
     warm = max(t.warmup_steps, 0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                               config=ds_config(t, samples_per_step, world_size))
+                                               config={**ds_config(t, samples_per_step, world_size), **(extra or {})})
+    check_optimizer(engine, t)
     return engine, sched
-
-
-def begin_micro_batch(engine, last: bool) -> None:
-    """Open a micro-batch; `last`: the optimizer steps after it (the step's micro-batch count varies,
-    so the boundary is set by hand rather than counted by DeepSpeed). Then what
-    DeepSpeedEngine.forward does before the module runs, for a forward that calls the module's parts
-    directly (sequence_logprobs runs the decoder and the output layer apart, to bound the logits it
-    holds): a ZeRO optimizer closes the last micro-batch's backward there. ZeRO-3 counts its
-    micro-batches at that point; without it each micro-batch's gradient partition replaces the one
-    before instead of adding to it, and only the last micro-batch of an optimizer step would train."""
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
-
-    engine.set_gradient_accumulation_boundary(last)
-    if isinstance(engine.optimizer, ZeROOptimizer):
-        engine.optimizer.clear_backward_seen_flag()

@@ -10,10 +10,10 @@ import torch
 
 from rlspec.algo import behaviour_weights, merge_weight_sums, policy_loss, ratio_reference, weight_sums
 from rlspec.algo.batching import micro_batches
-from rlspec.algo.logprobs import prompt_cache_supported, prompt_plan, sequence_logprobs
+from rlspec.algo.logprobs import LogprobModel, prompt_cache_supported, prompt_plan
 from rlspec.algo.losses import LossInputs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
-from rlspec.engines.deepspeed_engine import begin_micro_batch, init_distributed, make_engine
+from rlspec.engines.deepspeed_engine import init_distributed, make_engine
 from rlspec.engines.weight_sync import LearnerSource, endpoint
 from rlspec.messages import MiniBatch, TrainBatch
 from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
@@ -52,7 +52,9 @@ class Learner:
                                and not trainer.gradient_checkpointing)
         # DeepSpeed's batch is one optimizer step's: a mini-batch
         samples_per_step = trainer.mini_batch_size or generation.num_prompts_per_step * generation.num_generations_per_prompt
-        self.engine, self.sched = make_engine(module, trainer, samples_per_step, world_size)
+        # the engine runs log-probs as its module's forward: DeepSpeed's forward and hooks run for
+        # every micro-batch (engine.module.lm is the causal LM)
+        self.engine, self.sched = make_engine(LogprobModel(module), trainer, samples_per_step, world_size)
         self.policy_version = 0
         self.sender = None  # connect_weights: its end of the refit (vllm_transfer.WeightSender)
 
@@ -112,8 +114,8 @@ class Learner:
         out = torch.zeros(batch.loss_mask.shape)
         for idx, width in micro_batches(batch.attention_mask, self.trainer.micro_batch_size, count or None):
             mb = batch.rows(idx, width).to(self.device)
-            out[idx, : width - 1] = sequence_logprobs(self.engine, mb.input_ids, mb.attention_mask, self.temperature,
-                                                      chunk_tokens=self.trainer.logit_chunk_tokens).cpu()
+            out[idx, : width - 1] = self.engine(mb.input_ids, mb.attention_mask, self.temperature,
+                                                chunk_tokens=self.trainer.logit_chunk_tokens).cpu()
         return out * (batch.loss_mask != 0)
 
     def _optimizer_step(self, part: MiniBatch, steps: int, first_epoch: bool) -> tuple[dict, int]:
@@ -131,13 +133,14 @@ class Learner:
         rescale = (num_seqs / max(trained_seqs, 1.0) if self.algo.loss_agg == "seq_mean"
                    else num_tokens / max(trained_tokens, 1.0))
         for i, (idx, width) in enumerate(chunks):
-            begin_micro_batch(self.engine, last=i == len(chunks) - 1)
+            # the step's micro-batch count varies, so the boundary is set by hand, not counted
+            self.engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
             host = batch.rows(idx, width)
             mb = host.to(self.device)
             shared = self.shared_prompts and host.prompt_lengths is not None
             plan = prompt_plan(host.input_ids, host.attention_mask, host.prompt_lengths) if shared else None
-            logp, ent = sequence_logprobs(self.engine, mb.input_ids, mb.attention_mask, self.temperature,
-                                          with_entropy=True, plan=plan, chunk_tokens=self.trainer.logit_chunk_tokens)
+            logp, ent = self.engine(mb.input_ids, mb.attention_mask, self.temperature, with_entropy=True, plan=plan,
+                                    chunk_tokens=self.trainer.logit_chunk_tokens)
             # The proximal policy is the weights before the batch's first update: with one step per
             # batch the weights do not move between micro-batches, so without a recompute it is
             # this forward pass, detached (ratio 1, as in PPO's first epoch); with several, the
@@ -189,7 +192,7 @@ class Learner:
     def full_weights(self, dtype: str = "float32", tied_head: bool = True) -> dict[str, torch.Tensor]:
         """Hugging Face-named full weights (gathered under ZeRO-3) on CPU in `dtype` (the
         engines' for a refit: a tied output layer as lm_head.weight too); empty off rank 0."""
-        source = LearnerSource(self.engine.module, self.trainer.zero_stage == 3, getattr(torch, dtype), 256 << 20,
+        source = LearnerSource(self.engine.module.lm, self.trainer.zero_stage == 3, getattr(torch, dtype), 256 << 20,
                                tied_head)
         if self.rank != 0:
             for _ in source:  # the gathers are collectives
@@ -202,7 +205,7 @@ class Learner:
         weights = self.full_weights(tied_head=False)
         if self.rank != 0:
             return
-        self.engine.module.save_pretrained(path, state_dict=weights)
+        self.engine.module.lm.save_pretrained(path, state_dict=weights)
         if tokenizer_dir:
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
@@ -218,7 +221,7 @@ class Learner:
         in the engines' `dtype`; rank 0 rendezvouses with the receivers ((name, actor, first rank))."""
         from rlspec.engines.vllm_transfer import WeightSender
 
-        source = LearnerSource(self.engine.module, self.trainer.zero_stage == 3, getattr(torch, dtype), bucket_bytes)
+        source = LearnerSource(self.engine.module.lm, self.trainer.zero_stage == 3, getattr(torch, dtype), bucket_bytes)
         self.sender = WeightSender(transport, source, receivers, self.rank, address, port, world_size, bucket_bytes,
                                    "nccl" if self.device.type == "cuda" else "gloo", timeout_s)
         return self.rank
