@@ -5,7 +5,7 @@ EXTRA ?= cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlspec-$(EXTRA)-installed
 
-.PHONY: setup demo test test-all assets gpu-check gpu-kit suffix-install slurm-check clean-venv
+.PHONY: setup demo test lint test-all assets gpu-check gpu-kit suffix-install slurm-check clean-venv
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check rlspec tests scripts
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m ""

@@ -118,7 +118,8 @@ def summarise(runs: list[dict]) -> list[dict]:
     rows = []
     for name in [c for c in CELLS if any(r["cell"] == c for r in runs)]:
         mine = [r for r in runs if r["cell"] == name]
-        row = {"cell": name, "seeds": [r["seed"] for r in mine], "policy_lag_max": max(r["policy_lag_max"] for r in mine)}
+        row = {"cell": name, "seeds": [r["seed"] for r in mine],
+               "policy_lag_max": max(r["policy_lag_max"] for r in mine)}
         for m in METRICS:
             row[m], row[f"{m}_std"] = mean_std([r[m] for r in mine])
         rows.append(row)

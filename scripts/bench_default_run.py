@@ -123,7 +123,8 @@ def summarise(runs: list[dict]) -> list[dict]:
             row["val_seconds"], row["val_seconds_std"] = mean_std([statistics.mean(r["val_seconds"]) for r in mine])
         row["val_accuracy"] = [statistics.mean(r["val_accuracy"][i] for r in mine)
                                for i in range(len(row["val_steps"]))]
-        row["val_accuracy_std"] = [mean_std([r["val_accuracy"][i] for r in mine])[1] for i in range(len(row["val_steps"]))]
+        row["val_accuracy_std"] = [mean_std([r["val_accuracy"][i] for r in mine])[1]
+                                   for i in range(len(row["val_steps"]))]
         row["epochs"] = []
         for e in range(n_ep):
             gen = [r["epochs"][e]["generation_seconds"] for r in mine]

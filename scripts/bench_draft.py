@@ -49,7 +49,13 @@ def experiment_cfg(overrides: list[str]):
 
 def generic_text(path: Path, lines: int) -> Path:
     """Unrelated text of the same tokenizer: non-blank lines of a fixed list of stdlib modules."""
-    import argparse as a, json as j, logging, statistics as st, subprocess as sp, textwrap, typing
+    import argparse as a
+    import json as j
+    import logging
+    import statistics as st
+    import subprocess as sp
+    import textwrap
+    import typing
     out = []
     for mod in (a, j, logging, st, sp, textwrap, typing):
         out += [ln.strip() for ln in Path(mod.__file__).read_text().splitlines() if len(ln.strip()) >= 20]
@@ -79,7 +85,8 @@ def generic_head_command(domain_log: dict, text: Path, head: Path, work: Path) -
     model = c["model"]
     # a shipped policy by its family (its recorded path is the machine's that trained it); any other by path
     target = ([] if "rlspec/assets/" in model["path"] else
-              leaves({k: model[k] for k in ("path", "tokenizer", "revision", "trust_remote_code") if k in model}, "model."))
+              leaves({k: model[k] for k in ("path", "tokenizer", "revision", "trust_remote_code") if k in model},
+                     "model."))
     recorded = [f"assets={c.get('assets', 'tiny')}", *target, f"model.max_model_len={model['max_model_len']}",
                 *leaves(c["data"], "data."), *leaves(c["generation"], "generation."),
                 *[o for o in leaves(c["draft"], "draft.")
@@ -111,8 +118,9 @@ def run_arm(arm: str, head: Path | None, seed: int, steps: int, overrides: list[
     spec = ["speculation=none"] if head is None else [
         "speculation=eagle3", f"speculation.model={head}",
         f"speculation.online.enabled={'true' if arm.endswith('/ on') else 'false'}"]
-    cmd = [sys.executable, "-m", "rlspec.train", *overrides, *spec, f"trainer.max_steps={steps}", f"trainer.seed={seed}",
-           f"trainer.val_every={steps}", f"trainer.save_final={arm == 'none'}", *RUN_FLAGS, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "rlspec.train", *overrides, *spec, f"trainer.max_steps={steps}",
+           f"trainer.seed={seed}", f"trainer.val_every={steps}", f"trainer.save_final={arm == 'none'}", *RUN_FLAGS,
+           f"hydra.run.dir={run_dir}"]
     # what the directory's finished run was made by: the command and its head's training log
     made = {"command": cmd, "head": None if head is None else (head / "train_log.json").read_text()}
     kept = run_dir / "bench_made.json"
@@ -190,7 +198,8 @@ def summarise(runs: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| init / online adaptation | acceptance, first quarter | acceptance, last quarter | rollout tokens/s | speedup vs no spec |"
+    head = ("| init / online adaptation | acceptance, first quarter | acceptance, last quarter | rollout tokens/s | "
+            "speedup vs no spec |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r['arm']} | {fmt(r['early_acceptance'], r['early_acceptance_std'])} | "
@@ -269,15 +278,18 @@ def main() -> None:
         "experiment": experiment_of(args.set), "overrides": args.set, "k": cfg.speculation.num_speculative_tokens,
         "steps": steps, "seeds": args.seeds, "wall_seconds": time.time() - t0,
         "version": rlspec_version(),
-        "generic_head": {"train_sequences": glog["train_sequences"], "vllm_acceptance": glog["vllm"]["acceptance_length"],
+        "generic_head": {"train_sequences": glog["train_sequences"],
+                         "vllm_acceptance": glog["vllm"]["acceptance_length"],
                          "vllm_k": glog["vllm"]["k"],
                          "proxy": glog["evals"][-1]["acceptance_length_proxy"]},
         "domain_head": {"path": str(domain.relative_to(ROOT) if domain.is_relative_to(ROOT) else domain),
-                        "train_sequences": dlog["train_sequences"], "vllm_acceptance": dlog["vllm"]["acceptance_length"],
+                        "train_sequences": dlog["train_sequences"],
+                        "vllm_acceptance": dlog["vllm"]["acceptance_length"],
                         "vllm_k": dlog["vllm"]["k"],
                         "proxy": dlog["evals"][-1]["acceptance_length_proxy"]},
         "drift": {"kl": [drift(str(Path(r["run_dir"]) / "final"), cfg, seed=r["seed"]) for r in finals],
-                  "val_start": [r["val_accuracy"][0] for r in finals], "val_end": [r["val_accuracy"][-1] for r in finals]},
+                  "val_start": [r["val_accuracy"][0] for r in finals],
+                  "val_end": [r["val_accuracy"][-1] for r in finals]},
         "runs": runs, "reused_runs": [f"{r['arm']} seed {r['seed']}" for r in runs if r["reused"]],
     }
     result["rows"] = summarise(runs)

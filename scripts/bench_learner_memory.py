@@ -117,12 +117,14 @@ def main() -> None:
                  "resident": learner_role.resident, "total": learner_role.total}
     command = " ".join(["python scripts/bench_learner_memory.py", f"--layers {a.layers}", f"--role {a.role}",
                         f"--out {a.out}", *a.overrides])
-    out = {"command": command, "role": a.role, "overrides": a.overrides, "device": torch.cuda.get_device_name(), "layers": a.layers, "model": {**QWEN3_8B, "num_hidden_layers": a.layers},
+    out = {"command": command, "role": a.role, "overrides": a.overrides, "device": torch.cuda.get_device_name(),
+           "layers": a.layers, "model": {**QWEN3_8B, "num_hidden_layers": a.layers},
            "trainer": {"dtype": t.dtype, "zero_stage": t.zero_stage, "gradient_checkpointing": t.gradient_checkpointing,
                        "micro_batch_size": t.micro_batch_size, "logit_chunk_tokens": t.logit_chunk_tokens,
                        "tokens_per_row": cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens},
-           "predicted_gib": predicted, "measured_gib": {"after_build": built, "resident_after_steps": steps[-1]["allocated_after_gib"],
-                                                        "peak": peak},
+           "predicted_gib": predicted,
+           "measured_gib": {"after_build": built, "resident_after_steps": steps[-1]["allocated_after_gib"],
+                            "peak": peak},
            "peak_over_predicted_total": peak / learner_role.total,
            "resident_over_predicted": steps[-1]["allocated_after_gib"] / learner_role.resident,
            "steps": steps, "wall_seconds": time.time() - t0}

@@ -116,7 +116,8 @@ def main() -> None:
         line = (f"{name:>22}: {plain / 1024:7.1f} KiB/token kept (model {model / 1024:7.1f}, "
                 f"{100 * (model / plain - 1):+.1f}%), checkpointed {ckpt / 1024:.2f} KiB")
         if a.device == "cuda":
-            row["peak_bytes_per_token"] = measure_layer(h, i, heads, kv, hd, tokens=a.tokens, device=a.device, peak=True)
+            row["peak_bytes_per_token"] = measure_layer(h, i, heads, kv, hd, tokens=a.tokens, device=a.device,
+                                                        peak=True)
             row["checkpointed_peak_bytes_per_token"] = measure_layer(h, i, heads, kv, hd, tokens=a.tokens,
                                                                      checkpointing=True, device=a.device, peak=True)
             row["forward_peak_bytes_per_token"] = measure_layer(h, i, heads, kv, hd, tokens=a.tokens, device=a.device,
@@ -130,8 +131,8 @@ def main() -> None:
         layers.append(row)
         print(line, flush=True)
     head = head_bytes(1024, 4096, 151936, 256, a.device)
-    print(f"output layer, vocab 151936: model's logits {head['model_logits_bytes_per_token'] / 2**20:.2f} MiB/token kept, "
-          f"chunked head {head['chunked_head_bytes_per_token'] / 1024:.2f} KiB/token", flush=True)
+    print(f"output layer, vocab 151936: model's logits {head['model_logits_bytes_per_token'] / 2**20:.2f} "
+          f"MiB/token kept, chunked head {head['chunked_head_bytes_per_token'] / 1024:.2f} KiB/token", flush=True)
     if a.device == "cuda":
         print(f"  allocator peak: model's logits {head['model_logits_peak_bytes_per_token'] / 2**20:.2f} MiB/token, "
               f"chunked head {head['chunked_head_peak_bytes_per_token'] / 1024:.2f} KiB/token", flush=True)
@@ -139,10 +140,12 @@ def main() -> None:
     for name, r in t.items():
         print(f"\n{name}\n{r['table']}", flush=True)
     git = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    commit = git("rev-parse", "--short", "HEAD") + (" with uncommitted changes" if git("status", "--porcelain", "rlspec") else "")
+    commit = git("rev-parse", "--short", "HEAD") + (" with uncommitted changes"
+                                                    if git("status", "--porcelain", "rlspec") else "")
     device = torch_device_name(a.device)
-    a.out.write_text(json.dumps({"version": commit, "device": device, "tokens_per_layer_measurement": a.tokens, "layers": layers,
-                                 "output_layer": head, "experiments": t, "wall_seconds": time.time() - t0},
+    a.out.write_text(json.dumps({"version": commit, "device": device, "tokens_per_layer_measurement": a.tokens,
+                                 "layers": layers, "output_layer": head, "experiments": t,
+                                 "wall_seconds": time.time() - t0},
                                 indent=1) + "\n")
     print(f"wrote {a.out}")
 

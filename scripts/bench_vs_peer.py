@@ -387,7 +387,8 @@ def spread(by_seed: dict | None, seeds: int) -> str:
     """The same ratio seed by seed: its range, or its one value, and on how many of the seeds."""
     v = sorted((by_seed or {}).values())
     of = "" if len(v) == seeds else f", {len(v)} of {seeds} seeds"
-    return "" if not v else f" ({v[0]:.2f}-{v[-1]:.2f} by seed{of})" if len(v) > 1 else f" ({v[0]:.2f} on seed {next(iter(by_seed))}{of})"
+    return ("" if not v else f" ({v[0]:.2f}-{v[-1]:.2f} by seed{of})" if len(v) > 1
+            else f" ({v[0]:.2f} on seed {next(iter(by_seed))}{of})")
 
 
 def table(s: dict) -> str:
@@ -397,9 +398,12 @@ def table(s: dict) -> str:
     for r in s["rows"]:
         st = r["stage_seconds"]
         stages = " / ".join(f(st.get(k), p=1) for k in ("generation", "prep", "logprob", "train"))
-        to = "not reached" if r["time_to_target"] is None else f"{f(r['time_to_target'], p=0)} (step {r['step_to_target']})"
+        to = ("not reached" if r["time_to_target"] is None
+              else f"{f(r['time_to_target'], p=0)} (step {r['step_to_target']})")
         lines.append(f"| {r['mode']} | {f(r['steady_step_seconds'], r['steady_step_seconds_std'])} | "
-                     f"{times(r.get('step_time_ratio_vs_peer'))}{spread(r.get('step_time_ratio_by_seed'), len(r['seeds']))} | {stages} | {f(r['tokens_per_second'], p=0)} | "
+                     f"{times(r.get('step_time_ratio_vs_peer'))}"
+                     f"{spread(r.get('step_time_ratio_by_seed'), len(r['seeds']))} | {stages} | "
+                     f"{f(r['tokens_per_second'], p=0)} | "
                      f"{f(r['peak_memory_gib'], r['peak_memory_gib_std'])} | "
                      f"{f(r['step0_accuracy'], p=3)} → {f(r['final_accuracy'], r['final_accuracy_std'], 3)} | "
                      f"{to} | "
@@ -507,7 +511,8 @@ def main() -> None:
         except ImportError:
             if set(PEERS) & set(a.modes):
                 raise SystemExit('TRL is not installed: pip install -c constraints.txt -e ".[peer]" '
-                                 f"(or leave the peers out: --modes {' '.join(repr(m) for m in MODES if m not in PEERS)})")
+                                 "(or leave the peers out: --modes "
+                                 f"{' '.join(repr(m) for m in MODES if m not in PEERS)})")
         if a.steps is None or a.val_every is None:
             from rlspec.train import compose_config
 

@@ -31,7 +31,8 @@ PROMPTS = ["Compute 9", "Compute 47", "Q: 7*8\nA:"]
 
 
 def overrides(on_gpu: bool) -> list[str]:
-    base = ["+experiment=tiny_cpu", "speculation=draft_model", "speculation.num_speculative_tokens=3", "generation.num_prompts_per_step=8",
+    base = ["+experiment=tiny_cpu", "speculation=draft_model", "speculation.num_speculative_tokens=3",
+            "generation.num_prompts_per_step=8",
             "generation.num_generations_per_prompt=4", "generation.max_new_tokens=48", "trainer.micro_batch_size=8",
             "trainer.save_final=false", "logging.wandb_mode=disabled", "logging.progress_bar=false",
             "data.train.num_rows=256",

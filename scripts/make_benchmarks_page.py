@@ -23,8 +23,8 @@ import bench_vs_peer  # noqa: E402
 
 # bench_rollout.py writes bare records; the commands that produced the committed files:
 ROLLOUT = {
-    "rollout_chain_replay.json": ("The default experiment's policy (chain_cpu: reasoning-length answers) and its draft, "
-                                  "batch 1, 8 and 48 (its rollout batch: 12 prompts x 4 answers)",
+    "rollout_chain_replay.json": ("The default experiment's policy (chain_cpu: reasoning-length answers) and its "
+                                  "draft, batch 1, 8 and 48 (its rollout batch: 12 prompts x 4 answers)",
                                   "python scripts/bench_rollout.py --experiment chain_cpu --widen 1 --extra-layers 0 "
                                   "--batch-sizes 1 8 48 --methods none draft_model:1 draft_model:3 draft_model:5 "
                                   "ngram:3 history:5 history:8 history:12 history:auto "
@@ -57,13 +57,15 @@ ROLLOUT = {
                                  "--batch-sizes 64 256 --methods none draft_model:1 draft_model:3 draft_model:5 "
                                  "draft_model:7 draft_model:auto ngram:3 history:5 history:auto --repeats 31 "
                                  "--out docs/bench/rollout_default_big.json"),
-    "rollout_wide_small.json": ("A widened dense target (the tiny policy at 4x width and 8 layers: 101M parameters, bf16), "
-                                "batch 1 and 8",
-                                "python scripts/bench_rollout.py --batch-sizes 1 8 --methods none draft_model:3 draft_model:5 "
-                                "draft_model:7 draft_model:auto --repeats 5 --out docs/bench/rollout_wide_small.json"),
+    "rollout_wide_small.json": ("A widened dense target (the tiny policy at 4x width and 8 layers: 101M parameters, "
+                                "bf16), batch 1 and 8",
+                                "python scripts/bench_rollout.py --batch-sizes 1 8 --methods none draft_model:3 "
+                                "draft_model:5 draft_model:7 draft_model:auto --repeats 5 "
+                                "--out docs/bench/rollout_wide_small.json"),
     "rollout_wide_big.json": ("The same widened target, batch 64 and 256",
-                              "python scripts/bench_rollout.py --batch-sizes 64 256 --methods none draft_model:3 draft_model:5 "
-                              "draft_model:7 draft_model:auto --repeats 3 --out docs/bench/rollout_wide_big.json"),
+                              "python scripts/bench_rollout.py --batch-sizes 64 256 --methods none draft_model:3 "
+                              "draft_model:5 draft_model:7 draft_model:auto --repeats 3 "
+                              "--out docs/bench/rollout_wide_big.json"),
     "rollout_moe.json": ("A sparse-MoE target (512 experts of the tiny MLP, 2 active, load-balanced router; bf16)",
                          "python scripts/bench_rollout.py --widen 1 --extra-layers 0 --experts 512 --top-k 2 "
                          "--batch-sizes 1 8 64 256 --methods none draft_model:3 draft_model:5 draft_model:auto "
@@ -77,11 +79,13 @@ def peer_section(path: Path) -> list[str]:
     rows = {x["mode"]: x for x in s["rows"]}
     peer = rows.get(bench_vs_peer.PEER)
     out = ["## rlspec against TRL's GRPOTrainer", "",
-           f"`{path.relative_to(ROOT)}`, produced at rlspec {r['versions'].get('rlspec', '?')} by:", "", "```bash", r["command"], "```", "",
+           f"`{path.relative_to(ROOT)}`, produced at rlspec {r['versions'].get('rlspec', '?')} by:", "",
+           "```bash", r["command"], "```", "",
            f"Machine: {m['cpu_count']} CPU cores, {m['memory_gib']} GiB, {m['platform']}, Python {m['python']}. "
            "Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + ".", "",
            f"{r['steps']} steps, seeds {r['seeds']}, held-out accuracy (256 problems, one answer each at the "
-           f"experiment's generation.val_temperature; 0: greedy) every {r['val_every']} steps; the benchmark took {r['bench_seconds'] / 60:.1f} min. Modes and their "
+           f"experiment's generation.val_temperature; 0: greedy) every {r['val_every']} steps; the benchmark took "
+           f"{r['bench_seconds'] / 60:.1f} min. Modes and their "
            "overrides: " + "; ".join(f"{k}: `{' '.join(x) if x else '(the peer)'}`" for k, x in r["modes"].items())
            + (f"; for every trainer: `{' '.join(r['overrides'])}`" if r["overrides"] else "") + ".", "",
            bench_vs_peer.report(r), ""]
@@ -105,7 +109,8 @@ def peer_section(path: Path) -> list[str]:
         out += [f"Reading: rlspec's best mode ({best['mode']}) reached the target {when(gap)} "
                 f"({best['time_to_target_ratio_vs_peer']:.2f}x TRL's speed to it), at step {best['step_to_target']} "
                 f"against TRL's step {peer['step_to_target']}. Its first validation came {when(start)} (start-up) "
-                f"and its steps took {abs(d_step):.2f} s {'less' if d_step < 0 else 'more'} each than TRL's: {share}.", ""]
+                f"and its steps took {abs(d_step):.2f} s {'less' if d_step < 0 else 'more'} each than TRL's: "
+                f"{share}.", ""]
     if peer is not None:
         others = [x for x in s["rows"] if x is not peer]
         out.append(f"Evaluation parity: at step 0 (the same initial weights) TRL's `generate` scored "
@@ -238,7 +243,8 @@ def default_run_lines(path: Path) -> list[str]:
             f"At {r['version']}{machine(r)}: `python -m rlspec.train` as `make demo` runs it (chain_cpu), only the "
             f"speculation group, the seed and logging switched{sets and ' (and' + sets[6:] + ')'}; "
             + (f"mean ± std over seeds {r['seeds']}, settings interleaved per seed" if len(r["seeds"]) > 1 else
-               f"one seed ({r['seeds'][0]}), settings one after the other") + ". An epoch is one pass over the training problems "
+               f"one seed ({r['seeds'][0]}), settings one after the other")
+            + ". An epoch is one pass over the training problems "
             f"({r['steps_per_epoch']:.4g} steps); speedups are against no speculation of the same seed.", "",
             "```bash", f"python scripts/bench_default_run.py --settings {' '.join(settings)} --seeds "
             f"{' '.join(map(str, r['seeds']))}{sets} --out {path.relative_to(ROOT)}", "```", "",
@@ -342,12 +348,15 @@ def gpu_memory_section(layers: Path | None, learners: list[Path]) -> list[str]:
                 "| layer | kept KiB/token | model | peak KiB/token | checkpointed: kept | checkpointed: peak | "
                 "no-grad forward: peak | model |", "|---|---|---|---|---|---|---|---|"]
         for x in r["layers"]:
-            out.append(f"| {x['layer']} | {x['measured_bytes_per_token'] / 1024:.1f} | {x['model_bytes_per_token'] / 1024:.1f} | "
+            out.append(f"| {x['layer']} | {x['measured_bytes_per_token'] / 1024:.1f} | "
+                       f"{x['model_bytes_per_token'] / 1024:.1f} | "
                        f"{x['peak_bytes_per_token'] / 1024:.1f} | {x['checkpointed_bytes_per_token'] / 1024:.2f} | "
-                       f"{x['checkpointed_peak_bytes_per_token'] / 1024:.1f} | {x['forward_peak_bytes_per_token'] / 1024:.1f} | "
+                       f"{x['checkpointed_peak_bytes_per_token'] / 1024:.1f} | "
+                       f"{x['forward_peak_bytes_per_token'] / 1024:.1f} | "
                        f"{x['forward_model_bytes_per_token'] / 1024:.1f} |")
         out += ["", "The no-grad forward (a log-prob recompute) is one layer's own peak above its input; the memory "
-                "model's 2h + 3i (FORWARD_ELEMENTS) adds the two hidden-sized tensors the model's loop holds beside it."]
+                "model's 2h + 3i (FORWARD_ELEMENTS) adds the two hidden-sized tensors the model's loop holds "
+                "beside it."]
         n = h["tokens"]
         out += ["", f"Output layer at hidden {h['hidden']}, vocabulary {h['vocab']:,}, {n} tokens: kept for backward, "
                 f"the model's logits path {h['model_logits_bytes_per_token'] * n / 2**30:.2f} GiB, the chunked head "
@@ -374,7 +383,8 @@ def gpu_memory_section(layers: Path | None, learners: list[Path]) -> list[str]:
             t, pr, me = r["trainer"], r["predicted_gib"], r["measured_gib"]
             out.append(f"| `{p.name}` | {r.get('role', 'learner')} | {r['layers']} | {t['micro_batch_size']} x "
                        f"{t['tokens_per_row']:,} | {t['zero_stage']} | "
-                       f"{pr['resident']:.2f} | {me['resident_after_steps']:.2f} | {pr['total']:.2f} | {me['peak']:.2f} | "
+                       f"{pr['resident']:.2f} | {me['resident_after_steps']:.2f} | {pr['total']:.2f} | "
+                       f"{me['peak']:.2f} | "
                        f"{r['peak_over_predicted_total']:.3f} | {r['steps'][-1]['seconds']:.2f} |")
         ratios = [r["peak_over_predicted_total"] for r in rows]
         gaps = {}
@@ -439,8 +449,8 @@ def history_store_section(scale: Path | None, replays: list[Path]) -> list[str]:
     if scale is not None:
         r = json.loads(scale.read_text())
         out += [f"### `{scale.relative_to(ROOT)}`", "",
-                f"The synthetic trace with the paper's shape (the similarity model in the script's docstring), each store "
-                f"filled to a size and then measured, each in its own process; k={r['k']}{machine(r)}, "
+                f"The synthetic trace with the paper's shape (the similarity model in the script's docstring), "
+                f"each store filled to a size and then measured, each in its own process; k={r['k']}{machine(r)}, "
                 f"{r.get('date', '')}.", "", "```bash", r["command"], "```", "",
                 "| store | size | stored tokens | bytes/token (RSS) | bytes/token (arrays) | us per inserted token "
                 "| us/row at batch 1 / 64 / 512 | tok/verif. | hit rate (2,000 prompts) |",
@@ -449,11 +459,13 @@ def history_store_section(scale: Path | None, replays: list[Path]) -> list[str]:
             us = x["us_per_row_per_propose"]
             arrays = x.get("arrays_bytes_per_stored_token")
             hit = x.get("hit_rate_2000_prompts")
-            out.append(f"| {x['store']} | {x['size']:.0e} | {x['stored_tokens']:,} | {x['rss_bytes_per_stored_token']:.0f} | "
+            out.append(f"| {x['store']} | {x['size']:.0e} | {x['stored_tokens']:,} | "
+                       f"{x['rss_bytes_per_stored_token']:.0f} | "
                        + (f"{arrays:.0f}" if arrays is not None else "-")
                        + f" | {x['us_per_inserted_token']:.2f} | "
                        + " / ".join(f"{us[b]:.1f}" if us.get(b) is not None else "-" for b in ("1", "64", "512"))
-                       + f" | {x['tokens_per_verification']:.3f} | " + (f"{hit:.0%}" if hit is not None else "-") + " |")
+                       + f" | {x['tokens_per_verification']:.3f} | "
+                       + (f"{hit:.0%}" if hit is not None else "-") + " |")
         out += [""] + [f"- {n}" for n in r["notes"]] + ([""] if r["notes"] else [])
     return out
 

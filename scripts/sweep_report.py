@@ -30,7 +30,8 @@ def load_job(d: Path) -> dict | None:
     n_pos = max((len(r["spec"]["acceptance_per_pos"]) for r in recs), default=0)
     per_pos = [sum(r["spec"]["acceptance_per_pos"][i] * r["spec"]["drafts"] for r in recs) / drafts
                if drafts else 0.0 for i in range(n_pos)]
-    return {"job": d.name, "method": cfg["speculation"]["method"], "k": k, "seed": cfg.get("trainer", {}).get("seed", 0),
+    return {"job": d.name, "method": cfg["speculation"]["method"], "k": k,
+            "seed": cfg.get("trainer", {}).get("seed", 0),
             "tokens_per_second": summary["tokens_per_second"],
             "generation_seconds": summary["stage_seconds"]["generation"],
             "step_seconds": summary["step_seconds"],
@@ -70,9 +71,11 @@ def over_seeds(jobs: list[dict]) -> str:
         return f"{fmt.format(statistics.mean(v))} +- {fmt.format(sd)} [{fmt.format(min(v))}, {fmt.format(max(v))}]"
 
     lines = ["\nOver seeds (mean +- stdev [min, max]):\n",
-             "| method | k | seeds | gen s/step | gen tokens/s | step s | final val acc |", "|---|---|---|---|---|---|---|"]
+             "| method | k | seeds | gen s/step | gen tokens/s | step s | final val acc |",
+             "|---|---|---|---|---|---|---|"]
     for (method, k), g in groups.items():
-        lines.append(f"| {method} | {k} | {', '.join(str(j['seed']) for j in g)} | {stat(g, 'generation_seconds', '{:.3f}')} | "
+        lines.append(f"| {method} | {k} | {', '.join(str(j['seed']) for j in g)} | "
+                     f"{stat(g, 'generation_seconds', '{:.3f}')} | "
                      f"{stat(g, 'tokens_per_second', '{:.0f}')} | {stat(g, 'step_seconds', '{:.2f}')} | "
                      f"{stat(g, 'final_val_accuracy', '{:.3f}')} |")
     return "\n".join(lines) + "\n"

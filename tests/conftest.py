@@ -119,9 +119,11 @@ def host_batch(seed: int = 0, n: int = 8, group: int = 2):
     from rlspec.messages import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, 282, (int(k),), generator=g).tolist() for k in torch.randint(5, 12, (n // group,), generator=g)]
+    prompts = [torch.randint(1, 282, (int(k),), generator=g).tolist()
+               for k in torch.randint(5, 12, (n // group,), generator=g)]
     prompts = [p for p in prompts for _ in range(group)]
-    responses = [torch.randint(1, 282, (int(k),), generator=g).tolist() for k in torch.randint(3, 20, (n,), generator=g)]
+    responses = [torch.randint(1, 282, (int(k),), generator=g).tolist()
+                 for k in torch.randint(3, 20, (n,), generator=g)]
     ro = RolloutBatch(prompts, responses, [[-1.0] * len(r) for r in responses], [False] * n, policy_version=0)
     adv = torch.linspace(-1, 1, n)
     return build_train_batch(ro, adv, torch.ones(n), 0)

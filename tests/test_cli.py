@@ -111,7 +111,8 @@ def test_skipped_recompute_trains_like_the_recompute(tmp_path):
     for name, extra in (("skip", []), ("recompute", ["algo.recompute_logprobs=true"])):
         p = subprocess.run([sys.executable, "-m", "rlspec.train", *SMALL, "trainer.val_every=0", *extra,
                             "trainer.optimizer=sgd", "trainer.lr=0.1",
-                            "trainer.max_steps=3", "async_grpo.enabled=true", "algo.off_policy_correction=decoupled_ppo",
+                            "trainer.max_steps=3", "async_grpo.enabled=true",
+                            "algo.off_policy_correction=decoupled_ppo",
                             "trainer.save_final=false", "logging.plot=false",
                             "logging.wandb_mode=disabled", f"hydra.run.dir={tmp_path / name}"],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -150,7 +151,8 @@ def test_nonfinite_updates_in_a_row_stop_with_exit_4_and_a_checkpoint(tmp_path):
     w["model.layers.3.mlp.down_proj.weight"][0, 0] = float("nan")
     save_file(w, policy / "model.safetensors", metadata={"format": "pt"})
     run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "rlspec.train", TEST_EXPERIMENT, f"model.path={policy}", "trainer.max_steps=6",
+    p = subprocess.run([sys.executable, "-m", "rlspec.train", TEST_EXPERIMENT, f"model.path={policy}",
+                        "trainer.max_steps=6",
                         "trainer.max_nonfinite_steps=1", "trainer.val_every=0", "trainer.checkpoint_every=0",
                         "generation.num_prompts_per_step=4", "generation.num_generations_per_prompt=4",
                         "trainer.micro_batch_size=8", "data.val.num_rows=16", "generation.max_new_tokens=16",

@@ -159,7 +159,8 @@ def test_draft_checks_against_the_target(tmp_path, tiny_policy):
 def test_speculation_maps_to_vllm_config():
     from rlspec.speculation.vllm_config import vllm_speculative_config
 
-    d = vllm_speculative_config(compose(["speculation=draft_model", "speculation.num_speculative_tokens=5"]).speculation, "/d")
+    d = vllm_speculative_config(compose(["speculation=draft_model",
+                                         "speculation.num_speculative_tokens=5"]).speculation, "/d")
     assert d == {"method": "draft_model", "num_speculative_tokens": 5, "model": "/d",
                  "draft_sample_method": "probabilistic"}
     n = vllm_speculative_config(compose(["speculation=ngram"]).speculation, None)

@@ -72,7 +72,8 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative import
-                pkg = name.split(".")[: len(name.split(".")) - node.level + (name in known and path.name == "__init__.py")]
+                pkg = name.split(".")[: len(name.split(".")) - node.level
+                                      + (name in known and path.name == "__init__.py")]
                 base = ".".join(pkg + ([base] if base else []))
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         else:
@@ -136,7 +137,8 @@ def violations(g: dict[str, set[str]], pkg_dir: Path = PKG) -> list[str]:
                     if hit:
                         out.append(f"{mod} imports {d} ({room} may not import {hit[0]})")
         if mod in PURE and any(d.startswith("rlspec") for d in deps):
-            out.append(f"{mod} must import nothing from rlspec, imports {sorted(d for d in deps if d.startswith('rlspec'))}")
+            out.append(f"{mod} must import nothing from rlspec, imports "
+                       f"{sorted(d for d in deps if d.startswith('rlspec'))}")
     tops = {m for m in g if m.count(".") == 1 and not (pkg_dir / m.split(".")[1]).is_dir()}
     out += [f"{m}: only {sorted(TOP - {'rlspec'})} stay at the top of the package" for m in sorted(tops - TOP)]
     return out

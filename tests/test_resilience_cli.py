@@ -110,7 +110,8 @@ def test_sigterm_checkpoints_exits_3_and_resume_continues_exactly(tmp_path):
     got = records(run)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     for g, w in zip(got, want):  # exact: same floats, not approximately
-        assert (g["loss"], g["reward_mean"], g["generated_tokens"]) == (w["loss"], w["reward_mean"], w["generated_tokens"])
+        assert (g["loss"], g["reward_mean"], g["generated_tokens"]) == (w["loss"], w["reward_mean"],
+                                                                        w["generated_tokens"])
     print(f"preempted at step {k}, exit {exit_s:.1f}s after SIGTERM; losses {[r['loss'] for r in got]}")
 
 
@@ -133,7 +134,8 @@ def test_killed_actor_restarts_from_checkpoint_and_finishes(tmp_path):
 @pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
 def test_sigusr2_checkpoints_and_the_run_goes_on(tmp_path):
     run = tmp_path / "run"
-    proc, _, err, _ = interrupted(run, "trainer.max_steps=5", after_steps=1, act=lambda p: p.send_signal(signal.SIGUSR2))
+    proc, _, err, _ = interrupted(run, "trainer.max_steps=5", after_steps=1,
+                                  act=lambda p: p.send_signal(signal.SIGUSR2))
     assert proc.returncode == 0, err[-3000:]
     saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
     assert len(saved) == 1 and 1 <= int(saved[0].split("_")[1]) < 5, saved  # checkpoint_every=0: only the signal's
@@ -173,7 +175,8 @@ def test_sigkill_of_the_driver_mid_checkpoint_leaves_the_last_one_loadable(tmp_p
                 pass
         for d in set(Path("/tmp").glob("rlspec-ray-*")) - ray_dirs:  # no __exit__ ran to remove it
             shutil.rmtree(d, ignore_errors=True)
-    assert caught, "the run ended before a second checkpoint was being written:\n" + (tmp_path / "killed.log").read_text()[-3000:]
+    assert caught, ("the run ended before a second checkpoint was being written:\n"
+                    + (tmp_path / "killed.log").read_text()[-3000:])
     assert proc.returncode == -signal.SIGKILL and not orphans
     assert (ckpts / caught).is_dir()  # killed mid-write: the half-written checkpoint is still on disk
     k = int(caught.split("_")[1].split("-")[0])

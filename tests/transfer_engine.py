@@ -28,5 +28,6 @@ def transfer_engine(dtype=torch.float32, rank=0, tied=False, device=torch.device
 
     vllm_transfer.register()
     cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=rank),
-                          model_config=SimpleNamespace(dtype=dtype, hf_config=SimpleNamespace(tie_word_embeddings=tied)))
+                          model_config=SimpleNamespace(dtype=dtype,
+                                                       hf_config=SimpleNamespace(tie_word_embeddings=tied)))
     return WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="rlspec"), cfg, device, Recorder())

@@ -31,7 +31,8 @@ def split_head(model):
     if cfg is None or not (hasattr(m, "get_decoder") and hasattr(m, "get_output_embeddings")):
         return None
     head = m.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in LOGIT_MODIFIERS):
+    if not isinstance(head, torch.nn.Linear) or any(getattr(cfg, k, None) not in (None, 1, 1.0)
+                                                    for k in LOGIT_MODIFIERS):
         return None
     return m.get_decoder(), head
 
@@ -54,7 +55,8 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
         with torch.no_grad():
             return lp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
-    parts = [torch.utils.checkpoint.checkpoint(chunk, hidden[:, s:s + step], targets[:, s:s + step], use_reentrant=False)
+    parts = [torch.utils.checkpoint.checkpoint(chunk, hidden[:, s:s + step], targets[:, s:s + step],
+                                               use_reentrant=False)
              if torch.is_grad_enabled() else chunk(hidden[:, s:s + step], targets[:, s:s + step])
              for s in range(0, T, step)]
     lp = torch.cat([p[0] for p in parts], 1)

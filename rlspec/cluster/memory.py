@@ -21,7 +21,8 @@ estimated as a forward pass's peak over the largest captured batch (vLLM capture
 min(512, 2 x 256 sequences x (k + 1)) tokens), not yet measured on a GPU (scripts/gpu_vllm_check.py
 reports what a sleeping engine keeps). Learner, under the `ipc` refit: each rank's IPC buffer,
 as large as the engines' largest tensor (the embedding) or cluster.refit_bucket_mb if larger,
-kept from one refit to the next (the receivers map it until their update finishes). Log-prob worker: its weights (and the reference's), plus a forward's output-layer
+kept from one refit to the next (the receivers map it until their update finishes). Log-prob
+worker: its weights (and the reference's), plus a forward's output-layer
 chunk. Colocated roles share a GPU one stage at a time, so a GPU's peak is its largest stage.
 
 DraftTrainer (online draft adaptation, on the last learner rank's GPU): the head in float32 with
@@ -148,7 +149,8 @@ def ipc_buffer_gib(cfg, m) -> float:
     embedding, or cluster.refit_bucket_mb if larger (rlspec/engines/vllm_transfer.trainer_init_info)."""
     if cfg.cluster.refit != "ipc":
         return 0.0
-    return max(cfg.cluster.refit_bucket_mb << 20, m.vocab_size * m.hidden_size * DTYPE_BYTES[cfg.generation.dtype]) / GIB
+    return max(cfg.cluster.refit_bucket_mb << 20,
+               m.vocab_size * m.hidden_size * DTYPE_BYTES[cfg.generation.dtype]) / GIB
 
 
 @dataclass
@@ -214,7 +216,8 @@ def gpu_memory(cfg, plan) -> GPUMemory | None:
     W, z = c.learner_world_size, t.zero_stage
     shard = lambda stage_from: W if z >= stage_from else 1  # noqa: E731
     tokens = t.micro_batch_size * (cfg.data.max_prompt_tokens + g.max_new_tokens)
-    chunk = min(t.logit_chunk_tokens, tokens) * m.vocab_size * (2 * 4 + tb)  # fp32 logits and their grad, the head's output
+    # fp32 logits and their grad, the head's output
+    chunk = min(t.logit_chunk_tokens, tokens) * m.vocab_size * (2 * 4 + tb)
     # bf16 under ZeRO 1-2 accumulates gradients in fp32 too (deepspeed_engine.ds_config):
     # BF16_Optimizer's buffer is whole under ZeRO-1, ZeRO-2's is its partition
     accum = 4 * P / shard(2) if tb < 4 and z in (1, 2) else 0.0
@@ -302,7 +305,8 @@ def measure_draft_head(hidden: int, intermediate: int, heads: int, kv_heads: int
     head = Eagle3Head(cfg, torch.randn(vocab, hidden, generator=g))
     ids = torch.randint(0, vocab, (1, tokens), generator=g)
     aux = torch.randn(1, tokens, 3 * hidden, generator=g)
-    top_ids, top_logp = torch.randint(0, vocab, (1, tokens, topk), generator=g), torch.randn(1, tokens, topk, generator=g)
+    top_ids, top_logp = (torch.randint(0, vocab, (1, tokens, topk), generator=g),
+                         torch.randn(1, tokens, topk, generator=g))
     kept = {}
 
     def pack(t):

@@ -88,7 +88,8 @@ def _read_rows(ds: DatasetConfig, synth: SyntheticConfig, key: str) -> Iterator[
                 raise DataError(f"{key}.source={ds.source!r}: unsupported file type {path.suffix!r} "
                                 "(use .jsonl, .json, .parquet or .csv)")
             data = datasets.load_dataset(fmt, data_files=str(path), split="train")
-        elif path.is_dir() and any((path / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        elif path.is_dir() and any((path / f).exists()
+                                   for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
             data = datasets.load_from_disk(str(path))
             if isinstance(data, datasets.DatasetDict):
                 data = data[ds.split]

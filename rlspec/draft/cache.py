@@ -64,7 +64,8 @@ class FeatureCache:
             self.cropped += w < n
             cut = slice(s, s + w)
             self.add(CachedSequence(ids[b, cut].to(torch.int32).clone(), aux_hidden[b, cut].to(torch.bfloat16).clone(),
-                                    topk_ids[b, cut].to(torch.int32).clone(), topk_logp[b, cut].to(torch.float16).clone(),
+                                    topk_ids[b, cut].to(torch.int32).clone(),
+                                    topk_logp[b, cut].to(torch.float16).clone(),
                                     max(int(loss_from[b]) - s, 0), policy_version, s))
 
     def add(self, item: CachedSequence) -> None:

@@ -67,7 +67,8 @@ class Eagle3Head(nn.Module):
             raise ValueError("EAGLE-3 head config has no eagle_aux_hidden_state_layer_ids "
                              "(from_checkpoint fills EAGLE-3's default from the target's depth)")
         self.config = config
-        H, Ht, inter = config["hidden_size"], config.get("target_hidden_size", config["hidden_size"]), config["intermediate_size"]
+        H, Ht, inter = (config["hidden_size"], config.get("target_hidden_size", config["hidden_size"]),
+                        config["intermediate_size"])
         self.n, self.kv = config["num_attention_heads"], config["num_key_value_heads"]
         self.d = config.get("head_dim") or H // self.n
         self.theta = rope_theta(config)

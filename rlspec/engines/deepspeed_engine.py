@@ -12,7 +12,8 @@ from rlspec.config import TrainerConfig
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
                      timeout_s: float = 1800.0) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK="0" if not torch.cuda.is_available() else os.environ.get("LOCAL_RANK", "0"),
+    os.environ.update(RANK=str(rank),
+                      LOCAL_RANK="0" if not torch.cuda.is_available() else os.environ.get("LOCAL_RANK", "0"),
                       WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     import logging
 

@@ -85,7 +85,8 @@ def send_state(group: RefitGroup, metas: list[ParamMeta], pairs: Iterable[tuple[
     return time.perf_counter() - t0
 
 
-def recv_state(group: RefitGroup, metas: list[ParamMeta], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def recv_state(group: RefitGroup, metas: list[ParamMeta],
+               bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Ranks > 0: rank 0's tensors, one bucket at a time, on this rank's device."""
     for idx in buckets(metas, bucket_bytes):
         ms = [metas[i] for i in idx]

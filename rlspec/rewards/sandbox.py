@@ -9,7 +9,8 @@ Layers, outermost first (each would stop the escape tests on its own where noted
   home directories, no /proc), and its own pid namespace, so killing its first process kills
   every process the program started, `setsid` or not;
 - otherwise (`isolation='audit'`, the documented fallback) the process runs in its own session
-  and, when started as root, as user nobody (if nobody can run the interpreter); the audit hook below is then the file/network fence;
+  and, when started as root, as user nobody (if nobody can run the interpreter); the audit hook
+  below is then the file/network fence;
 - in both modes an audit hook in the interpreter refuses files outside the sandbox, sockets,
   new processes, signals, ctypes and rlimit changes (sandbox_boot.py);
 - rlimits: CPU seconds, address space, file size (caps output), open files, no core dumps, and

@@ -357,13 +357,13 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
         tail = max(0, plen - max_match)
         if fresh_prompt[i]:
             llast[s] = -1
-            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s, PROMPT,
-                                 row, 0, plen, 0, salt, min_match, gkeys)
+            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s,
+                                 PROMPT, row, 0, plen, 0, salt, min_match, gkeys)
         if fresh[i]:  # [prompt tail | answer so far]: the tail drafts as the prompt, the answer as a sibling
             llast[s] = -1
             pend_len[s] = 0
-            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s, PROMPT,
-                                 row, tail, plen, tail, salt, min_match, gkeys)
+            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s,
+                                 PROMPT, row, tail, plen, tail, salt, min_match, gkeys)
             lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s,
                                  SIBLINGS, row, plen, n, tail, salt, min_match, gkeys)
         elif new_counts[i] > 0:

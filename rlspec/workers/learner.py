@@ -51,7 +51,8 @@ class Learner:
         self.shared_prompts = (trainer.shared_prompt_forward and prompt_cache_supported(module)
                                and not trainer.gradient_checkpointing)
         # DeepSpeed's batch is one optimizer step's: a mini-batch
-        samples_per_step = trainer.mini_batch_size or generation.num_prompts_per_step * generation.num_generations_per_prompt
+        samples_per_step = (trainer.mini_batch_size
+                            or generation.num_prompts_per_step * generation.num_generations_per_prompt)
         # the engine runs log-probs as its module's forward: DeepSpeed's forward and hooks run for
         # every micro-batch (engine.module.lm is the causal LM)
         self.engine, self.sched = make_engine(LogprobModel(module), trainer, samples_per_step, world_size)

@@ -10,7 +10,8 @@ from rlspec.messages import RolloutBatch
 def ragged_batch(seed: int, n: int = 10):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, 282, (int(k),), generator=g).tolist() for k in torch.randint(4, 9, (n,), generator=g)]
-    responses = [torch.randint(1, 282, (int(k),), generator=g).tolist() for k in torch.randint(1, 30, (n,), generator=g)]
+    responses = [torch.randint(1, 282, (int(k),), generator=g).tolist()
+                 for k in torch.randint(1, 30, (n,), generator=g)]
     logprobs = [(-torch.rand(len(r), generator=g)).tolist() for r in responses]
     ro = RolloutBatch(prompts, responses, logprobs, [False] * n, policy_version=3)
     return build_train_batch(ro, torch.randn(n, generator=g), torch.ones(n), 0)
@@ -62,7 +63,8 @@ def grouped_batch(seed: int, prompts: int = 4, group: int = 3):
     g = torch.Generator().manual_seed(seed)
     ps = [torch.randint(1, 282, (int(k),), generator=g).tolist() for k in torch.randint(4, 9, (prompts,), generator=g)]
     rows = [p for p in ps for _ in range(group)]
-    responses = [torch.randint(1, 282, (int(k),), generator=g).tolist() for k in torch.randint(0, 30, (len(rows),), generator=g)]
+    responses = [torch.randint(1, 282, (int(k),), generator=g).tolist()
+                 for k in torch.randint(0, 30, (len(rows),), generator=g)]
     responses[1] = []  # an empty response carries no loss and must not break the pass
     logprobs = [(-torch.rand(len(r), generator=g)).tolist() for r in responses]
     ro = RolloutBatch(rows, responses, logprobs, [False] * len(rows), policy_version=0)

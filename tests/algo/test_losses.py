@@ -155,7 +155,8 @@ def test_dual_clip_bounds_a_negative_advantage_at_c_times_its_size():
     assert m["dual_clip_frac"].item() == pytest.approx(0.25)
     off, _ = ppo_clip_loss(x, 0.2, 0.28, 0.0, "token_mean", 4.0, 1.0, clip_ratio_c=None)
     assert off.item() == pytest.approx((0.8 + 1.0 + 2.0 + 10.0) / 4)
-    pos = LossInputs(logp=ratio.log(), old_logp=torch.zeros(1, 4), advantages=torch.tensor([1.0]), mask=torch.ones(1, 4))
+    pos = LossInputs(logp=ratio.log(), old_logp=torch.zeros(1, 4), advantages=torch.tensor([1.0]),
+                     mask=torch.ones(1, 4))
     _, mp = ppo_clip_loss(pos, 0.2, 0.28, 0.0, "token_mean", 4.0, 1.0, clip_ratio_c=3.0)
     assert mp["dual_clip_frac"].item() == 0.0
 

@@ -31,7 +31,8 @@ def big_str(n: int) -> str:
 
 CONTROL = st.characters(min_codepoint=0, max_codepoint=31) | st.sampled_from("\x7f\u200b\u202e\ufeff\ud7ff")
 HUGE = st.integers(30, 6000).flatmap(lambda d: st.integers(10**d, 10**(d + 1)) | st.integers(-(10**(d + 1)), -(10**d)))
-NASTY_TEXT = st.lists(st.text(max_size=20) | CONTROL | HUGE.map(big_str) | st.just("\\boxed{"), max_size=12).map("".join)
+NASTY_TEXT = st.lists(st.text(max_size=20) | CONTROL | HUGE.map(big_str) | st.just("\\boxed{"),
+                      max_size=12).map("".join)
 SCALAR = (st.none() | st.booleans() | st.integers() | HUGE | st.floats(allow_nan=True, allow_infinity=True)
           | st.text(max_size=50) | NASTY_TEXT | st.binary(max_size=20))
 JSONISH = st.recursive(SCALAR, lambda kids: st.lists(kids, max_size=4)

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, TEST_EXPERIMENT, compose, logprob_worker, report, rounding_bound, tiny_paths
 
-SMALL = [TEST_EXPERIMENT, "speculation=eagle3", "trainer.max_steps=3", "trainer.val_every=0", "generation.num_prompts_per_step=4",
+SMALL = [TEST_EXPERIMENT, "speculation=eagle3", "trainer.max_steps=3", "trainer.val_every=0",
+         "generation.num_prompts_per_step=4",
          "generation.num_generations_per_prompt=4", "trainer.micro_batch_size=8", "data.train.num_rows=64",
          "data.val.num_rows=16", "generation.max_new_tokens=40", "logging.wandb_mode=disabled",
          "logging.plot=false", "logging.progress_bar=false"]
@@ -119,7 +120,8 @@ def _run(tmp_path, name, extra):
     p = subprocess.run([sys.executable, "-m", "rlspec.train", *SMALL, "algo.recompute_logprobs=true", *extra,
                         f"hydra.run.dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads((out / "summary.json").read_text())["records"], load_file(str(out / "final" / "model.safetensors"))
+    return (json.loads((out / "summary.json").read_text())["records"],
+            load_file(str(out / "final" / "model.safetensors")))
 
 
 @pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
@@ -152,7 +154,8 @@ def _captured_batch(seed: int):
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, 282, (int(n),), generator=g).tolist() for n in torch.randint(5, 12, (6,), generator=g)]
-    responses = [torch.randint(1, 282, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (6,), generator=g)]
+    responses = [torch.randint(1, 282, (int(n),), generator=g).tolist()
+                 for n in torch.randint(3, 20, (6,), generator=g)]
     ro = RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], [False] * 6, policy_version=seed)
     batch = build_train_batch(ro, torch.zeros(6), torch.ones(6), 0)
     w = logprob_worker(4, capture={"layer_ids": [1, 2, 3], "topk": 8})
@@ -173,10 +176,12 @@ def test_capture_keeps_logprobs_and_the_draft_state_round_trips(tmp_path):
     assert feats[0]["loss_from"] == [len(prompts[i]) for i in first]
     cfg = OnlineDraftConfig(enabled=True, batch_size=4)
     spec = SpeculationConfig(method="eagle3", num_speculative_tokens=3, online=cfg)
-    a = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(dtype="float32"), seed=0, threads=1)
+    a = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(dtype="float32"), seed=0,
+                     threads=1)
     assert a.update(2, feats)["optimizer_steps"] == 2
     a.save(str(tmp_path / "draft.pt"))
-    b = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(dtype="float32"), seed=5, threads=1)
+    b = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(dtype="float32"), seed=5,
+                     threads=1)
     b.load(str(tmp_path / "draft.pt"))
     assert all(torch.equal(a.weights()[k], v) for k, v in b.weights().items())
     b.add(feats)  # the same cache content and RNG: the next steps are the same steps

@@ -43,8 +43,10 @@ def test_a_tensors_round_loads_as_given_and_ties_the_head():
 
 def test_a_tensor_in_another_dtype_than_the_engines_is_refused_by_name():
     e = engine(dtype=torch.float32)
-    with pytest.raises(TypeError, match="model.layers.0.w arrives as torch.bfloat16, the engine computes in torch.float32"):
-        update(e, {"mode": "tensors", "names": ["model.layers.0.w"], "tensors": [WEIGHTS["model.layers.0.w"].bfloat16()]})
+    with pytest.raises(TypeError, match="model.layers.0.w arrives as torch.bfloat16, the engine computes in "
+                                        "torch.float32"):
+        update(e, {"mode": "tensors", "names": ["model.layers.0.w"],
+                   "tensors": [WEIGHTS["model.layers.0.w"].bfloat16()]})
     with pytest.raises(ValueError, match="mode 'carrier_pigeon'"):
         update(e, {"mode": "carrier_pigeon"})
     with pytest.raises(RuntimeError, match="a nccl update, but this engine joined no transport"):

@@ -36,7 +36,8 @@ def test_draft_trainer_on_the_gpu_takes_the_hosts_steps():
     feats = logprob_worker(4, capture={"layer_ids": [1, 2, 3], "topk": 8}, device="cpu")
     feats.compute_logprobs(host_batch())
     features = feats.take_features()
-    spec = SpeculationConfig(method="eagle3", num_speculative_tokens=3, online=OnlineDraftConfig(enabled=True, batch_size=4))
+    spec = SpeculationConfig(method="eagle3", num_speculative_tokens=3,
+                             online=OnlineDraftConfig(enabled=True, batch_size=4))
     pushed = {}
     for device in ("cuda", "cpu"):
         t = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(dtype="float32"),
@@ -129,7 +130,8 @@ def _ipc_receiver(conn) -> None:
 def test_the_learners_weights_reach_another_process_through_vllms_ipc_engine():
     """vLLM's CUDA IPC transport end to end on one GPU (the `ipc` refit of colocated plans):
     vLLM's trainer engine, from its factory over rlspec's LearnerSource, packs the tiny policy's GPU
-    weights into buffers of its largest tensor (141 KiB, above the 64 KiB asked for) and hands their IPC handles through the client protocol; rlspec's
+    weights into buffers of its largest tensor (141 KiB, above the 64 KiB asked for) and hands their IPC
+    handles through the client protocol; rlspec's
     engine in a second process hands them to vLLM's IPC engine, which maps them and loads each
     bucket as it lands: several load_weights calls, together every tensor bit for bit in bfloat16,
     the tied output layer included. (vLLM's `nccl` engine needs a GPU per rank: not on one GPU.)"""

@@ -176,7 +176,8 @@ def test_synthetic_code_data_is_selectable_and_solvable(tokenizer):
     validate(cfg)
     assert cfg.data.reward == "code" and cfg.data.train.source == "synthetic_code"
     ps = load_prompts(cfg.data.train.__class__(source="synthetic_code", num_rows=10), cfg.data.synthetic,
-                      key="data.train", tokenizer=tokenizer, template="raw", max_prompt_tokens=cfg.data.max_prompt_tokens, on_bad_row="error")
+                      key="data.train", tokenizer=tokenizer, template="raw",
+                      max_prompt_tokens=cfg.data.max_prompt_tokens, on_bad_row="error")
     assert len(ps) == 10
     for p in ps.prompts:
         task = next(i for i, t in enumerate(TASKS) if t[0] in p.text)

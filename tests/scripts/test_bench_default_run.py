@@ -26,7 +26,8 @@ def write_run(path, gen_seconds, spec=None, val=(0.3, 0.5, 0.8)):
     (path / "summary.json").write_text(json.dumps({
         "records": recs, "steps": len(recs), "wall_seconds": 60.0 * len(recs), "step_seconds": 2.0,
         "stage_share": {"generation": 0.6}, "stage_seconds": {"generation": sum(gen_seconds) / len(recs)},
-        "val_steps": [0, 2, 4], "val_accuracy": list(val), "val_seconds": [3.0, 1.0, 2.0], "acceptance_length": None, "tokens_per_second": 1.0}))
+        "val_steps": [0, 2, 4], "val_accuracy": list(val), "val_seconds": [3.0, 1.0, 2.0], "acceptance_length": None,
+        "tokens_per_second": 1.0}))
     return path
 
 
@@ -58,7 +59,8 @@ def test_epochs_speedups_and_acceptance(tmp_path):
     assert hist["val_seconds"] == pytest.approx(2.0)  # per validation: (3 + 1 + 2) / 3
     text = bdr.table(list(rows.values()))
     assert h0["speculation"] == {"method": "history", "num_speculative_tokens": 8, "max_speculative_tokens": 8}
-    assert "| history (k=8) |" in text and "| none |" in text and "2.00x ± 0.00" in text and "epoch 2 (steps 3-4)" in text
+    assert ("| history (k=8) |" in text and "| none |" in text and "2.00x ± 0.00" in text
+            and "epoch 2 (steps 3-4)" in text)
 
 
 def test_a_step_belongs_to_the_epoch_of_its_first_prompt(tmp_path):
@@ -106,8 +108,8 @@ def test_a_setting_may_carry_overrides_of_its_own():
 
     assert bdr.overrides("none+trainer.skip_zero_gradient_rows=false") == [
         "speculation=none", "trainer.skip_zero_gradient_rows=false"]
-    assert bdr.overrides("draft_model:3+a.b=1+c=2") == ["speculation=draft_model", "speculation.num_speculative_tokens=3",
-                                                        "a.b=1", "c=2"]
+    assert bdr.overrides("draft_model:3+a.b=1+c=2") == ["speculation=draft_model",
+                                                        "speculation.num_speculative_tokens=3", "a.b=1", "c=2"]
     spec = {"method": "history", "num_speculative_tokens": 5, "max_speculative_tokens": 5}
     r = {"settings": ["none", "history+x.y=1"], "overrides": [],
          "rows": [{"setting": "none", "speculation": {**spec, "method": "none"}},

@@ -26,7 +26,8 @@ def test_the_generic_head_is_the_domain_heads_command_on_text(assets, tmp_path):
     rec = log["config"]
     assert c.model.path == str(ROOT / "rlspec" / "assets" / assets / "policy")
     assert c.model.max_model_len == rec["model"]["max_model_len"]
-    assert (c.draft.corpus, c.draft.text_file, c.draft.out_dir) == ("text", str(tmp_path / "g.txt"), str(tmp_path / "head"))
+    assert (c.draft.corpus, c.draft.text_file, c.draft.out_dir) == ("text", str(tmp_path / "g.txt"),
+                                                                    str(tmp_path / "head"))
     draft = OmegaConf.to_container(OmegaConf.structured(c.draft))
     assert {k: draft[k] for k in rec["draft"] if k not in ("corpus", "text_file", "out_dir")} == \
         {k: v for k, v in rec["draft"].items() if k not in ("corpus", "text_file", "out_dir")}

@@ -171,7 +171,8 @@ def test_a_per_request_drafter_is_planned_per_row_from_its_fill():
     pl = DraftLengthPlanner(k_max=k_max, max_batch=64, step_seconds=dict(secs))
     pl.observe(drafts=100, accepted_per_pos=[40, 20, 0, 0], k_min=2, drafted_per_pos=[50, 30, 0, 0])
     assert pl.fill[:2] == pytest.approx([0.5, 0.6])   # 50 of 100 rows drafted position 0, 30 of those 50 position 1
-    assert pl.cost(64, 4) == pytest.approx(secs[(64, 0)] + (0.5 + 0.3 + 0.3 + 0.3) / 4 * (secs[(64, 4)] - secs[(64, 0)]))
+    assert pl.cost(64, 4) == pytest.approx(secs[(64, 0)] + (0.5 + 0.3 + 0.3 + 0.3) / 4
+                                           * (secs[(64, 4)] - secs[(64, 0)]))
     # a model drafter (no fill passed) pays the timed cost of k
     pl = DraftLengthPlanner(k_max=k_max, max_batch=64, step_seconds=dict(secs))
     pl.observe(drafts=100, accepted_per_pos=[40, 20, 10, 5], k_min=4)

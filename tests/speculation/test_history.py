@@ -581,7 +581,8 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
     # switched off, it measured in shadow: the same greedy answers again, so shadow drafts are accepted
     from rlspec.speculation import history_proposer
     st = ray.get(auto.__ray_call__.remote(
-        lambda g: g.engine.llm.collective_rpc(history_proposer.finish_call, args=(off.prompt_ids, off.response_ids))[0]),
+        lambda g: g.engine.llm.collective_rpc(history_proposer.finish_call,
+                                              args=(off.prompt_ids, off.response_ids))[0]),
         timeout=60)
     assert st["rows"] == 0 and st["shadow_rows"] > 0 and st["shadow_accepted_ge_1"] > 0, st
     ray.kill(auto)

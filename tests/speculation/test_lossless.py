@@ -3,7 +3,8 @@
 Test: for each sampling setting and drafting method, a Generator actor on the tiny policy (the
 training path: vLLM with rlspec's lossless CPU rejection-sampler kernels) samples 1000
 continuations of up to 8 tokens for each of 3 high-entropy prompts with speculation (engine seed
-1), and one without (engine seed 0); a sample that ends early reads -1 at later positions. Per (prompt, position) the token counts form a 2 x K contingency table (tokens
+1), and one without (engine seed 0); a sample that ends early reads -1 at later positions. Per
+(prompt, position) the token counts form a 2 x K contingency table (tokens
 with pooled count < 10 merged): a chi-square test of homogeneity, 24 tests per case. A case fails
 if any p < 0.01/24 (Bonferroni, family-wise level 0.01); seeds are fixed, so outcomes are
 deterministic. Power at N = 1000 per side (noncentral chi-square, df = 9): moving 5 / 6 / 8 points

@@ -44,7 +44,8 @@ class ReferencePolicy:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
 
     def logprobs(self, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
-        return sequence_logprobs(self.model, batch.input_ids, batch.attention_mask, temperature) * (batch.loss_mask != 0)
+        return sequence_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                 temperature) * (batch.loss_mask != 0)
 
     def step(self, batch: TrainBatch, weight: torch.Tensor, algo: AlgoConfig,
              temperature: float = 1.0) -> dict[str, float]:

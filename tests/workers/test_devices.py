@@ -75,10 +75,11 @@ def test_learner_step_moves_its_batch_onto_its_device(monkeypatch):
 
     monkeypatch.setattr(learner_mod, "init_distributed", lambda *a, **kw: None)
     monkeypatch.setattr(learner_mod, "make_engine", eager)
-    learner = learner_mod.Learner(paths=tiny_paths(), model=ModelConfig(), algo=AlgoConfig(off_policy_correction="none"),
-                                  trainer=TrainerConfig(micro_batch_size=4, dtype="float32"), generation=GenerationConfig(
-                                      num_prompts_per_step=4, num_generations_per_prompt=2), rank=0, world_size=1,
-                                  rendezvous=("127.0.0.1", 0), threads=1, device="meta")
+    learner = learner_mod.Learner(paths=tiny_paths(), model=ModelConfig(),
+                                  algo=AlgoConfig(off_policy_correction="none"),
+                                  trainer=TrainerConfig(micro_batch_size=4, dtype="float32"),
+                                  generation=GenerationConfig(num_prompts_per_step=4, num_generations_per_prompt=2),
+                                  rank=0, world_size=1, rendezvous=("127.0.0.1", 0), threads=1, device="meta")
     batch = host_batch()
     with OnDevice():
         sums, stats = learner.train_step([MiniBatch(batch, float(batch.loss_mask.sum()), float(len(batch)))])
@@ -92,9 +93,10 @@ def test_draft_trainer_trains_on_its_device_and_pushes_host_tensors():
 
     feats = logprob_worker(4, capture={"layer_ids": [1, 2, 3], "topk": 8})
     feats.compute_logprobs(host_batch())
-    spec = SpeculationConfig(method="eagle3", num_speculative_tokens=3, online=OnlineDraftConfig(enabled=True, batch_size=4))
-    t = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(dtype="float32"), seed=0, threads=1,
-                     device="meta")
+    spec = SpeculationConfig(method="eagle3", num_speculative_tokens=3,
+                             online=OnlineDraftConfig(enabled=True, batch_size=4))
+    t = DraftTrainer(paths=tiny_paths("eagle3"), speculation=spec, generation=GenerationConfig(dtype="float32"), seed=0,
+                     threads=1, device="meta")
     with OnDevice():
         st = t.update(2, feats.take_features())
         pushed = t.weights()

@@ -57,8 +57,10 @@ def gradient_fault(zero_stage: int, dtype: str = "float32") -> None:
     t = TrainerConfig(micro_batch_size=2, zero_stage=zero_stage, warmup_steps=10, dtype=dtype)
     learner = learner_of(t, 29610 + 2 * zero_stage + (dtype == "bfloat16"))
     wrapper = type(learner.engine.optimizer).__name__
-    assert wrapper == {(0, "float32"): "SkippingAdamW", (0, "bfloat16"): "FP16_UnfusedOptimizer"}.get((zero_stage, dtype), wrapper)
-    assert learner.train_step([MiniBatch(batch(nan_advantage=False), 28.0, 4.0)])[1]["skipped"] == 0.0  # moments exist now
+    assert wrapper == {(0, "float32"): "SkippingAdamW",
+                       (0, "bfloat16"): "FP16_UnfusedOptimizer"}.get((zero_stage, dtype), wrapper)
+    # moments exist now
+    assert learner.train_step([MiniBatch(batch(nan_advantage=False), 28.0, 4.0)])[1]["skipped"] == 0.0
     before, lr = learner.full_weights(), learner.sched.get_last_lr()
     moments = [v.clone() for s in learner.engine.optimizer.state.values() for v in s.values()
                if torch.is_tensor(v)] if zero_stage == 0 else []
@@ -80,7 +82,8 @@ def gradient_fault(zero_stage: int, dtype: str = "float32") -> None:
 @pytest.mark.parametrize("zero_stage,dtype", [(0, "float32"), (1, "float32"), (0, "bfloat16"), (1, "bfloat16")])
 def test_nonfinite_gradient_is_skipped_by_the_engine(zero_stage, dtype):
     """In a fresh process per stage (DeepSpeed keeps its process groups)."""
-    r = subprocess.run([sys.executable, "-c", f"from test_learner import gradient_fault; gradient_fault({zero_stage}, {dtype!r})"],
+    r = subprocess.run([sys.executable, "-c", ("from test_learner import gradient_fault; "
+                                               f"gradient_fault({zero_stage}, {dtype!r})")],
                        cwd=Path(__file__).parent, env=child_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "gradient fault skipped" in r.stdout, r.stderr[-3000:]

@@ -88,12 +88,14 @@ def apply(cfg, cell: dict):
     cfg.generation.num_prompts_per_step, cfg.generation.num_generations_per_prompt = PROMPTS, G
     cfg.cluster.learner_world_size = cell["world"]
     t = cfg.trainer
-    t.zero_stage, t.dtype, t.optimizer, t.lr, t.grad_clip, t.warmup_steps = cell["zero_stage"], cell["dtype"], "sgd", LR[cell["dtype"]], 1.0, 0
+    t.zero_stage, t.dtype, t.optimizer, t.lr, t.grad_clip, t.warmup_steps = (cell["zero_stage"], cell["dtype"], "sgd",
+                                                                              LR[cell["dtype"]], 1.0, 0)
     t.micro_batch_size, t.mini_batch_size = micro, (None if cell["mini_batches"] == 1 else mini)
     t.ppo_epochs, t.skip_zero_gradient_rows = cell["ppo_epochs"], cell["skip_rows"]
     t.shared_prompt_forward, t.gradient_checkpointing = cell["shared_prompts"], cell["checkpointing"]
     a = cfg.algo
-    a.loss, a.loss_agg, a.off_policy_correction, a.kl_coef = "grpo", cell["loss_agg"], cell["correction"], cell["kl_coef"]
+    a.loss, a.loss_agg, a.off_policy_correction, a.kl_coef = ("grpo", cell["loss_agg"], cell["correction"],
+                                                              cell["kl_coef"])
     a.clip_low, a.clip_high, a.clip_ratio_c = (0.2, 0.28, 3.0) if cell["clip"] == "higher_dual" else (0.2, 0.2, None)
     a.behaviour_weight_cap = 2.0
     a.recompute_logprobs = cell["recompute"]
@@ -167,7 +169,8 @@ def make_batches(path: Path, dtype: str) -> None:
         seqs, plens = [], []
         for p in prompts:
             for _ in range(G):
-                seqs.append(p + torch.randint(5, 200, (int(torch.randint(3, 11, (1,), generator=g)),), generator=g).tolist())
+                seqs.append(p + torch.randint(5, 200, (int(torch.randint(3, 11, (1,), generator=g)),),
+                                              generator=g).tolist())
                 plens.append(len(p))
         width = max(map(len, seqs))
         ids = torch.zeros(ROWS, width, dtype=torch.long)
@@ -307,7 +310,8 @@ def run_cell(cell: dict, tmp_path: Path, port: int) -> None:
     want_steps = reference_of(cell, str(batches), starts)
     data = torch.load(batches, weights_only=False)
     for i, want in enumerate(want_steps):
-        loss, clip, dual = (sum(r["steps"][i]["sums"].get(k, 0.0) for r in ranks) for k in ("loss", "clip_frac", "dual_clip_frac"))
+        loss, clip, dual = (sum(r["steps"][i]["sums"].get(k, 0.0) for r in ranks)
+                            for k in ("loss", "clip_frac", "dual_clip_frac"))
         stats = have[i]["stats"]
         assert stats["skipped"] == 0.0 and stats["optimizer_steps"] == want["optimizer_steps"], (stats, want)
         tol = bound(cell, want["optimizer_steps"])
@@ -336,7 +340,8 @@ def test_a_cell_trains_the_reference_update(index, tmp_path):
 
 def test_the_cells_cover_every_pair_and_the_pairs_left_out_are_refused():
     """The committed cells are what cells() makes now (regenerate: python
-    tests/workers/test_reference_matrix.py). Every pair of two settings' values is in some cell, or a config holding it (the other
+    tests/workers/test_reference_matrix.py). Every pair of two settings' values is in some cell, or a config
+    holding it (the other
     settings at their first value, or the first values validation accepts) is refused naming one of
     the two settings' keys."""
     assert cells() == CELLS, "the settings changed: regenerate reference_matrix_cells.json"
