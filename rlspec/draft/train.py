@@ -27,9 +27,8 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import hydra
 import torch
@@ -37,62 +36,12 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from rlspec.config import (ConfigError, DataConfig, GenerationConfig, LoggingConfig, ModelConfig,
-                           SpeculationConfig, resolve_engine)
+from rlspec.config import ConfigError, DraftConfig, DraftTrainConfig, SpeculationConfig, resolve_engine
 from rlspec.data.loading import DataError, load_split
 from rlspec.draft.eagle3 import head_step
 from rlspec.loops.runlog import open_wandb, progress_bar
 from rlspec.messages import Sampling
 from rlspec.models import ModelError, check_context, load_causal_lm, load_tokenizer, local_device, resolve_checkpoint
-
-
-@dataclass
-class DraftConfig:
-    # "eagle3": an EAGLE-3 head on the target's hidden states; "draft_model": a small causal LM.
-    kind: str = "eagle3"
-    # What to continue from (a directory vLLM loads): an EAGLE-3 head (null: a fresh head from
-    # `seed`), or for draft_model the small model (required; same tokenizer as the target).
-    init: Optional[str] = None
-    # Where the trained head goes; null: <hydra run dir>/head.
-    out_dir: Optional[str] = None
-    # "target": data.train prompts with responses the target regenerates; "text": lines of text_file.
-    corpus: str = "target"
-    text_file: Optional[str] = None
-    num_prompts: int = 2048
-    samples_per_prompt: int = 1
-    # Held-out prompts (data.val) for the acceptance proxy and the vLLM measurement.
-    val_prompts: int = 128
-    # A fresh EAGLE-3 head's draft vocabulary: the this-many target tokens most frequent in the
-    # training responses (EAGLE-3's rule; public heads use 32000 of Qwen3's 151936). null: all.
-    draft_vocab_size: Optional[int] = None
-    ttt_steps: int = 3          # draft steps unrolled in training (the k the head is trained for)
-    #                             (draft_model trains one step; ttt_steps is the k of its proxy)
-    topk: int = 20              # target log-probs kept per position as the soft label
-    loss_decay: float = 0.8     # weight of draft step j: decay**j
-    steps: int = 800            # 0: no training, measure draft.init as it is
-    batch_size: int = 32
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 50
-    grad_clip: float = 1.0
-    eval_every: int = 250
-    seed: int = 0
-    threads: int = 2
-    # After training, start vLLM with the new head and measure acceptance on the val prompts.
-    eval_vllm: bool = True
-    eval_k: int = 3
-    actor_timeout_s: float = 900.0
-
-
-@dataclass
-class DraftTrainConfig:
-    # The shipped family of tiny models the model group names (rlspec.config.RLSpecConfig.assets).
-    assets: str = "tiny"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    draft: DraftConfig = field(default_factory=DraftConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 ConfigStore.instance().store(name="draft_schema", node=DraftTrainConfig)
@@ -316,11 +265,77 @@ def plot(history: list[dict], evals: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def corpus(cfg: DraftTrainConfig, target: str, tokenizer, val_prompts: list[list[int]]):
+    """(training sequences, held-out sequences): the target's own responses to data.train's
+    prompts, or lines of draft.text_file; the held-out set is always the target's own responses,
+    the distribution the head must match."""
+    d = cfg.draft
+    if d.corpus == "target":
+        return regenerate(cfg, target, (_prompts(cfg, tokenizer, "train", d.num_prompts), d.samples_per_prompt),
+                          (val_prompts, 1))
+    (val_seqs,) = regenerate(cfg, target, (val_prompts, 1))
+    return text_corpus(d.text_file, tokenizer, cfg.model.max_model_len), val_seqs
+
+
+def make_trainer(cfg: DraftTrainConfig, target: str, init: str, pad: int) -> HeadTrainer:
+    """The frozen target and the draft being trained (draft.kind), on this machine's device."""
+    from rlspec.draft.eagle3 import Eagle3Head
+    from rlspec.draft.heads import eagle3_aux_layer_ids
+
+    d = cfg.draft
+    device = local_device()
+    model = load_causal_lm(target, trust_remote_code=cfg.model.trust_remote_code).to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if d.kind == "draft_model":
+        head = load_causal_lm(init, trust_remote_code=cfg.model.trust_remote_code).to(device).train()
+        return DraftModelTrainer(model, head, d, cfg.generation.temperature, pad)
+    layer_ids = eagle3_aux_layer_ids(model.config.num_hidden_layers)
+    head = Eagle3Head.from_checkpoint(init, model.get_input_embeddings().weight,
+                                      model.config.num_hidden_layers).to(device)
+    if head.config["eagle_aux_hidden_state_layer_ids"] != list(layer_ids):
+        raise ConfigError(f"draft.init={d.init!r}: head reads layers "
+                          f"{head.config['eagle_aux_hidden_state_layer_ids']}, the target's EAGLE-3 layers "
+                          f"are {list(layer_ids)}")
+    return HeadTrainer(model, head, layer_ids, d, cfg.generation.temperature, pad)
+
+
+def fit(cfg: DraftTrainConfig, trainer: HeadTrainer, train_seqs: list[Sequence], val_seqs: list[Sequence],
+        wb) -> tuple[list[dict], list[dict]]:
+    """draft.steps optimizer steps on random batches of the corpus: (the loss curve, about 200
+    points; the held-out evaluations, every draft.eval_every steps and at the end)."""
+    d = cfg.draft
+    bar = progress_bar(cfg.logging, d.steps, "draft")
+    rng = random.Random(d.seed)
+    history, evals = [], [{"step": 0, **trainer.evaluate(val_seqs)}]
+    for step in range(1, d.steps + 1):
+        h = {"step": step, **trainer.step(rng.sample(train_seqs, min(d.batch_size, len(train_seqs))))}
+        if step % max(1, d.steps // 200) == 0:  # ~200 points: enough for the curve
+            history.append({k: h[k] for k in ("step", "loss", "grad_norm")} | {"accept": h["accept"]})
+        if step % d.eval_every == 0 or step == d.steps:
+            evals.append({"step": step, **trainer.evaluate(val_seqs)})
+            if bar is None:
+                print(f"step {step}: train loss {h['loss']:.3f}, held-out acceptance-length proxy "
+                      f"{evals[-1]['acceptance_length_proxy']:.3f}", flush=True)
+        if wb is not None:
+            wb.log({"draft/loss": h["loss"], "draft/grad_norm": h["grad_norm"],
+                    **{f"draft/accept_proxy_{j}": a for j, a in enumerate(h["accept"])},
+                    **({"val/acceptance_length_proxy": evals[-1]["acceptance_length_proxy"]}
+                       if evals[-1]["step"] == step else {})}, step=step)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{h['loss']:.3f}", val_al=f"{evals[-1]['acceptance_length_proxy']:.2f}")
+    if bar is not None:
+        bar.close()
+    return history, evals
+
+
 def train(cfg: DraftTrainConfig, run_dir: str) -> dict:
+    """The stages: the corpus (in a vLLM engine actor), the draft's vocabulary, training, saving,
+    and with draft.eval_vllm the acceptance vLLM measures with the new draft."""
     import ray
 
-    from rlspec.draft.eagle3 import Eagle3Head
-    from rlspec.draft.heads import eagle3_aux_layer_ids, init_eagle3_head
+    from rlspec.draft.heads import init_eagle3_head
 
     validate(cfg)
     resolve_engine(cfg.generation, on_gpu=torch.cuda.is_available())
@@ -341,13 +356,7 @@ def train(cfg: DraftTrainConfig, run_dir: str) -> dict:
     t0 = time.perf_counter()
     ray.init(num_cpus=max(2, d.threads), include_dashboard=False, log_to_driver=False)
     try:
-        # the held-out set is always the target's own distribution: it is what the head must match
-        if d.corpus == "target":
-            train_seqs, val_seqs = regenerate(cfg, target, (_prompts(cfg, tokenizer, "train", d.num_prompts),
-                                                            d.samples_per_prompt), (val_prompts, 1))
-        else:
-            train_seqs = text_corpus(d.text_file, tokenizer, cfg.model.max_model_len)
-            (val_seqs,) = regenerate(cfg, target, (val_prompts, 1))
+        train_seqs, val_seqs = corpus(cfg, target, tokenizer, val_prompts)
         corpus_s = time.perf_counter() - t0
         print(f"corpus: {len(train_seqs)} training sequences ({d.corpus}), {len(val_seqs)} held-out, "
               f"{corpus_s:.0f} s", flush=True)
@@ -356,58 +365,19 @@ def train(cfg: DraftTrainConfig, run_dir: str) -> dict:
                                     json.loads((Path(target) / "config.json").read_text())["vocab_size"])
             init = init_eagle3_head(target, str(out_dir), seed=d.seed, draft_vocab=vocab)
             print(f"draft vocabulary: {len(vocab)} tokens", flush=True)
-
-        device = local_device()
-        model = load_causal_lm(target, trust_remote_code=cfg.model.trust_remote_code).to(device).eval()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        if d.kind == "eagle3":
-            layer_ids = eagle3_aux_layer_ids(model.config.num_hidden_layers)
-            head = Eagle3Head.from_checkpoint(init, model.get_input_embeddings().weight,
-                                              model.config.num_hidden_layers).to(device)
-            if head.config["eagle_aux_hidden_state_layer_ids"] != list(layer_ids):
-                raise ConfigError(f"draft.init={d.init!r}: head reads layers "
-                                  f"{head.config['eagle_aux_hidden_state_layer_ids']}, the target's EAGLE-3 layers "
-                                  f"are {list(layer_ids)}")
-            trainer = HeadTrainer(model, head, layer_ids, d, cfg.generation.temperature, pad)
-        else:
-            head = load_causal_lm(init, trust_remote_code=cfg.model.trust_remote_code).to(device).train()
-            trainer = DraftModelTrainer(model, head, d, cfg.generation.temperature, pad)
-
+        trainer = make_trainer(cfg, target, init, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         wb = open_wandb(cfg.logging, run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), job_type="draft")
-        bar = progress_bar(cfg.logging, d.steps, "draft")
-        rng = random.Random(d.seed)
-        history, evals = [], [{"step": 0, **trainer.evaluate(val_seqs)}]
         t_train = time.perf_counter()
-        for step in range(1, d.steps + 1):
-            h = {"step": step, **trainer.step(rng.sample(train_seqs, min(d.batch_size, len(train_seqs))))}
-            if step % max(1, d.steps // 200) == 0:  # ~200 points: enough for the curve
-                history.append({k: h[k] for k in ("step", "loss", "grad_norm")} | {"accept": h["accept"]})
-            if step % d.eval_every == 0 or step == d.steps:
-                evals.append({"step": step, **trainer.evaluate(val_seqs)})
-                if bar is None:
-                    print(f"step {step}: train loss {h['loss']:.3f}, held-out acceptance-length proxy "
-                          f"{evals[-1]['acceptance_length_proxy']:.3f}", flush=True)
-            if wb is not None:
-                wb.log({"draft/loss": h["loss"], "draft/grad_norm": h["grad_norm"],
-                        **{f"draft/accept_proxy_{j}": a for j, a in enumerate(h["accept"])},
-                        **({"val/acceptance_length_proxy": evals[-1]["acceptance_length_proxy"]}
-                           if evals[-1]["step"] == step else {})}, step=step)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{h['loss']:.3f}", val_al=f"{evals[-1]['acceptance_length_proxy']:.2f}")
-        if bar is not None:
-            bar.close()
+        history, evals = fit(cfg, trainer, train_seqs, val_seqs, wb)
         train_s = time.perf_counter() - t_train
         if d.kind == "eagle3":
-            head.save(out_dir, tokenizer_dir=target)
+            trainer.head.save(out_dir, tokenizer_dir=target)
         else:
-            save_draft_model(head, init, out_dir, target)
-        result = {"head": str(out_dir), "kind": d.kind, "init": init, "target": target, "corpus": d.corpus, "train_sequences": len(train_seqs),
-                  "val_sequences": len(val_seqs), "corpus_seconds": corpus_s, "train_seconds": train_s,
-                  "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "evals": evals,
-                  "history": history}
+            save_draft_model(trainer.head, init, out_dir, target)
+        result = {"head": str(out_dir), "kind": d.kind, "init": init, "target": target, "corpus": d.corpus,
+                  "train_sequences": len(train_seqs), "val_sequences": len(val_seqs), "corpus_seconds": corpus_s,
+                  "train_seconds": train_s, "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+                  "evals": evals, "history": history}
         if d.eval_vllm:
             result["vllm"] = measure_in_vllm(cfg, target, str(out_dir), val_prompts)
             v = result["vllm"]

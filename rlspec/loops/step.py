@@ -137,11 +137,20 @@ def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
         refit_s = time.perf_counter() - refit_t0
     draft = {} if draft_call is None else online_draft(run, counters, draft_call, step, version, ro.policy_version,
                                                        timer)
+    return step_record(step, version, ro, rw, timer, totals, metrics, {**stats, **draft, "refit_seconds": refit_s},
+                       time.perf_counter() - t0, stale)
+
+
+def step_record(step: int, version: int, ro: RolloutBatch, rw: torch.Tensor, timer: StageTimer, totals: GenTotals,
+                metrics: dict, extra: dict, step_s: float, stale: int) -> StepRecord:
+    """The step's record (summary.json, wandb) from what its stages measured: the rollouts and
+    their rewards rw [P, G], the stage times, the generation totals, the learners' summed metrics
+    (their sampler-mismatch and importance-weight sums are folded here), and `extra` (the groups'
+    statistics, the online draft's, the refit time)."""
     # sampler vs trainer log-probs of the sampled tokens, summed by the learners over their forward
     # passes (the current weights, which are also what a recompute would use)
     mismatch = metrics.pop("mismatch_sum", 0.0) / max(metrics.pop("mismatch_tokens", 0.0), 1.0)
     iw = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("iw_")]}  # offpolicy.weight_sums
-    step_s = time.perf_counter() - t0
     spec = totals.spec
     exposed = timer.seconds["generation"]
     return StepRecord(
@@ -159,7 +168,7 @@ def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
                                         **{f"history_{k}": v for k, v in (totals.history or {}).items()},
                                         **({} if totals.draft_schedule is None else
                                            {"draft_schedule": totals.draft_schedule})},
-        extra={**{f"train/{k}": v for k, v in metrics.items()}, **stats, **draft, "refit_seconds": refit_s,
+        extra={**{f"train/{k}": v for k, v in metrics.items()}, **extra,
                "response_length": ro.num_tokens / len(ro.response_ids),
                **length_quantiles([len(r) for r in ro.response_ids]),
                "truncated_frac": sum(ro.truncated) / len(ro.truncated),

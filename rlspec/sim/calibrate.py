@@ -28,8 +28,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlspec.sim.config import (CONF_DIR, ClusterConfig, EfficiencyConfig, GPUSpec, ModelPair, SimConfig,
-                               SpeculationConfig, WorkloadConfig, validate)
+from rlspec.sim.config import (CONF_DIR, EfficiencyConfig, GPUSpec, ModelPair, SimClusterConfig, SimConfig,
+                               SimSpeculationConfig, WorkloadConfig, validate)
 from rlspec.sim.cost import step, tokens_per_verification, verification_seconds
 from rlspec.sim.shapes import shape_from_hf_config
 
@@ -154,8 +154,8 @@ def sim_config_for_run(rcfg: dict, m: Measured, gpu: GPUSpec, length_cv: float, 
             mean_response_tokens=min(m.response_length, g["max_new_tokens"]), response_length_cv=length_cv,
             padded=True, kl_reference=rcfg["algo"]["kl_coef"] > 0,
             recompute_logprobs=m.stage_seconds.get("logprob", 0.0) > 0),
-        spec=SpeculationConfig(method=method, k=k, acceptance_per_pos=m.acceptance_per_pos[:k]),
-        cluster=ClusterConfig(num_gpus=1, mode="sync", gen_tp=1),
+        spec=SimSpeculationConfig(method=method, k=k, acceptance_per_pos=m.acceptance_per_pos[:k]),
+        cluster=SimClusterConfig(num_gpus=1, mode="sync", gen_tp=1),
         eff=eff or EfficiencyConfig(), plot=False)
     validate(cfg)
     return cfg

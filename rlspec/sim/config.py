@@ -93,7 +93,7 @@ class WorkloadConfig:
 
 
 @dataclass
-class SpeculationConfig:
+class SimSpeculationConfig:
     # none | eagle3 | mtp | draft_model (cost: k forwards of model.draft per verification) |
     # ngram (no draft forward).
     method: str = "eagle3"
@@ -111,7 +111,7 @@ class SpeculationConfig:
 
 
 @dataclass
-class ClusterConfig:
+class SimClusterConfig:
     num_gpus: int = 32
     # sync: every GPU generates, then every GPU computes log-probs and trains (colocated, NeMo RL
     # default). async: gen_gpus generate while the rest train, overlapped up to policy_lag steps.
@@ -161,8 +161,8 @@ class SimConfig:
     gpu: GPUSpec = field(default_factory=GPUSpec)
     model: ModelPair = field(default_factory=ModelPair)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    spec: SpeculationConfig = field(default_factory=SpeculationConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    spec: SimSpeculationConfig = field(default_factory=SimSpeculationConfig)
+    cluster: SimClusterConfig = field(default_factory=SimClusterConfig)
     eff: EfficiencyConfig = field(default_factory=EfficiencyConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     # A scenario's figures to print beside the simulator's, e.g. {rollout_speedup: 1.8}.

@@ -21,7 +21,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from rlspec.sim.config import ClusterConfig, EfficiencyConfig, GPUSpec, ModelShape, SimConfig, SpeculationConfig
+from rlspec.sim.config import EfficiencyConfig, GPUSpec, ModelShape, SimClusterConfig, SimConfig, SimSpeculationConfig
 from rlspec.sim.shapes import (active_params, attn_flops, kv_bytes_per_token, sequence_flops, total_params,
                                weight_bytes_read)
 
@@ -32,7 +32,7 @@ STAGES = ("data", "prep", "generation", "logprob", "train", "refit")
 # Acceptance
 
 
-def acceptance_per_pos(s: SpeculationConfig) -> list[float]:
+def acceptance_per_pos(s: SimSpeculationConfig) -> list[float]:
     """[k] probability that draft position i (1-based) is accepted in a verification (vLLM's
     per-position acceptance: cumulative, since acceptance stops at the first rejection)."""
     if s.method == "none" or s.k == 0:
@@ -46,7 +46,7 @@ def acceptance_per_pos(s: SpeculationConfig) -> list[float]:
     return p
 
 
-def tokens_per_verification(s: SpeculationConfig) -> float:
+def tokens_per_verification(s: SimSpeculationConfig) -> float:
     """Expected tokens a verification emits: accepted drafts plus the target's own token."""
     return 1.0 + sum(acceptance_per_pos(s))
 
@@ -231,7 +231,7 @@ def rollout(cfg: SimConfig) -> RolloutEstimate:
 # Log-prob recompute, training, refit
 
 
-def _train_gpus(c: ClusterConfig) -> int:
+def _train_gpus(c: SimClusterConfig) -> int:
     return c.num_gpus - c.gen_gpus if c.mode == "async" else c.num_gpus
 
 

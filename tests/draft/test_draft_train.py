@@ -117,8 +117,8 @@ def test_ttt_loss_masks_and_proxy():
 
 
 def test_config_errors_name_the_key(tmp_path):
-    from rlspec.config import ConfigError
-    from rlspec.draft.train import DraftConfig, DraftTrainConfig, validate
+    from rlspec.config import ConfigError, DraftConfig, DraftTrainConfig
+    from rlspec.draft.train import validate
 
     with pytest.raises(ConfigError, match="draft.corpus"):
         validate(DraftTrainConfig(draft=DraftConfig(corpus="web")))
@@ -190,7 +190,8 @@ def test_cli_trains_a_draft_model_that_vllm_serves(tmp_path):
     v = logd["vllm"]
     assert v["k"] == 3 and v["drafts"] > 0 and len(v["acceptance_per_pos"]) == 3 and v["acceptance_length"] > 1.0
     saved = json.loads((out / "config.json").read_text())
-    assert saved["dtype"] == json.loads((fresh / "config.json").read_text())["dtype"] and saved["vocab_size"] == 282 and (out / "tokenizer.json").exists()
+    assert (saved["dtype"] == json.loads((fresh / "config.json").read_text())["dtype"] and saved["vocab_size"] == 282
+            and (out / "tokenizer.json").exists())
 
 
 def test_cli_refuses_a_bad_key_and_a_missing_model(tmp_path):
@@ -304,7 +305,8 @@ def test_a_public_format_head_with_a_smaller_vocabulary_trains_serves_and_adapts
     assert json.loads((out / "train_log.json").read_text())["vllm"]["acceptance_length"] > 1.5
     pub = to_public_format(str(out), str(tmp_path / "public"))
     run = tmp_path / "rl"
-    r = subprocess.run([sys.executable, "-m", "rlspec.train", TEST_EXPERIMENT, "speculation=eagle3", f"speculation.model={pub}",
+    r = subprocess.run([sys.executable, "-m", "rlspec.train", TEST_EXPERIMENT, "speculation=eagle3",
+                        f"speculation.model={pub}",
                         "speculation.online.enabled=true", "trainer.max_steps=2", f"hydra.run.dir={run}",
                         "logging.progress_bar=false"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
