@@ -7,10 +7,7 @@ import time
 import pytest
 
 from conftest import ROOT, TEST_EXPERIMENT
-
-SMALL = [TEST_EXPERIMENT, "trainer.max_steps=2", "trainer.val_every=1", "generation.num_prompts_per_step=4",
-         "generation.num_generations_per_prompt=4", "trainer.micro_batch_size=8", "data.train.num_rows=64",
-         "data.val.num_rows=16", "generation.max_new_tokens=40", "logging.wandb_mode=offline"]
+from helpers.cli import SMALL
 
 
 def test_two_step_run_writes_summary_plot_and_final_policy(tmp_path):

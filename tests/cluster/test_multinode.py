@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from test_cli import SMALL
+from helpers.cli import SMALL
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 

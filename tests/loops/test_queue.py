@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from test_resilience_cli import interrupted, kill_actor_of, left_behind, ray_processes, records, train
+from helpers.cli import interrupted, kill_actor_of, left_behind, ray_processes, records, train
 
 ASYNC = "async_grpo.enabled=true"
 

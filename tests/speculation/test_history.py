@@ -592,7 +592,7 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
 def test_a_run_keeps_its_history_through_a_checkpoint(tmp_path):
     """8 prompts, 4 per step: steps 3-4 are the second epoch. A run stopped after step 2 and
     resumed drafts step 3 from step 1-2's rollouts, restored from the checkpoint."""
-    from test_resilience_cli import records, train
+    from helpers.cli import records, train
 
     hist = ["speculation=history", "data.train.num_rows=8", "trainer.checkpoint_every=2"]
     first = train(tmp_path, *hist, "trainer.max_steps=2")
@@ -612,7 +612,7 @@ def test_async_grpo_drafts_from_history(tmp_path):
     """Async GRPO (lag 1, generation a step ahead of the learner) over 8 prompts, 4 per step: steps
     3-4 come back to step 1-2's prompts and draft from their rollouts (recorded by the Generator as
     each call ends, whichever step the learner is at)."""
-    from test_resilience_cli import records, train
+    from helpers.cli import records, train
 
     run = train(tmp_path, "speculation=history", "data.train.num_rows=8",
                 "async_grpo.enabled=true", "async_grpo.max_policy_lag=1")

@@ -1,0 +1,1 @@
+"""Code the tests share (import as `helpers.<module>`: tests/ is on the path)."""
