@@ -101,7 +101,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per measured layer")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: measured there, with the allocator's peaks too")
     a = ap.parse_args()
-    from rlspec.cluster.memory import ACT_ELEMENTS, FORWARD_ELEMENTS, measure_layer
+    from memory_probe import measure_layer
+    from rlspec.cluster.memory import ACT_ELEMENTS, FORWARD_ELEMENTS
 
     t0 = time.time()
     layers = []

@@ -3,8 +3,8 @@ experiment's table on a GB200, and validation refusing what does not fit, naming
 import pytest
 
 from conftest import compose
-from rlspec.cluster.memory import (ACT_ELEMENTS, check_fits, draft_activation_bytes, gpu_memory, measure_draft_head,
-                                   measure_layer)
+from memory_probe import measure_draft_head, measure_layer
+from rlspec.cluster.memory import ACT_ELEMENTS, check_fits, draft_activation_bytes, gpu_memory
 from rlspec.config import ConfigError, plan_of, resolve_auto, validate
 
 QWEN3_8B_LAYER = dict(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128)

@@ -77,7 +77,8 @@ def test_the_memory_model_holds_on_the_gpu_at_qwen3_8b_width(checkpointing):
     (its SDPA kernels) within 10% of ACT_ELEMENTS (fitted on the CPU), nothing but the layer's input
     under checkpointing, and the allocator's peak over forward and backward (backward's transients
     beside what is kept, or the recomputed layer's) below twice the model's figure."""
-    from rlspec.cluster.memory import ACT_ELEMENTS, measure_layer
+    from memory_probe import measure_layer
+    from rlspec.cluster.memory import ACT_ELEMENTS
 
     h, i, heads, kv, hd = 4096, 12288, 32, 8, 128
     e = ACT_ELEMENTS
@@ -97,7 +98,8 @@ def test_the_memory_model_holds_on_the_gpu_at_qwen3_8b_width(checkpointing):
 def test_a_log_prob_pass_peaks_where_the_memory_model_says():
     """Without autograd (a log-prob recompute), one Qwen3-8B layer over 8192 tokens peaks at
     FORWARD_ELEMENTS (2h + 3i) above its input, within 2%."""
-    from rlspec.cluster.memory import FORWARD_ELEMENTS, measure_layer
+    from memory_probe import measure_layer
+    from rlspec.cluster.memory import FORWARD_ELEMENTS
 
     h, i = 4096, 12288
     peak = measure_layer(h, i, 32, 8, 128, tokens=8192, device="cuda", peak=True, backward=False)

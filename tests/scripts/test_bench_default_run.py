@@ -1,14 +1,10 @@
 """scripts/bench_default_run.py's bookkeeping on hand-made run directories: epochs, per-epoch
 speedups against the same seed's no-speculation run, acceptance, lengths (figures by hand)."""
 import json
-import sys
 
 import pytest
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import bench_default_run as bdr  # noqa: E402
+import bench_default_run as bdr
 
 
 def write_run(path, gen_seconds, spec=None, val=(0.3, 0.5, 0.8)):

@@ -1,14 +1,12 @@
 """scripts/bench_draft.py's generic head: the draft trainer's command the shipped domain head's
 train_log.json records, same budget, on unrelated text; and the page's command for a file."""
 import json
-import sys
 
 import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import bench_draft  # noqa: E402
+import bench_draft
 
 
 @pytest.mark.parametrize("assets", ["chain", "tiny"])

@@ -1,13 +1,8 @@
 """scripts/bench_minibatch.py's cells: the experiment as it is, and split into mini-batches that
 divide its rollout batch (else a clear error)."""
-import sys
-
 import pytest
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import bench_minibatch  # noqa: E402
+import bench_minibatch
 
 
 def test_cells_split_the_experiments_rollout_batch():

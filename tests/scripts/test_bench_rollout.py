@@ -1,13 +1,8 @@
 """bench_rollout: its MoE router (load-balanced where a random gate on raw hidden states is not), and
 its tail bookkeeping (decode seconds by running batch, figures by hand)."""
-import sys
-
 import torch
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import bench_rollout  # noqa: E402
+import bench_rollout
 
 
 def _hidden_states(n: int, dim: int = 64, seed: int = 0) -> torch.Tensor:

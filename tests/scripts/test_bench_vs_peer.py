@@ -8,8 +8,7 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import bench_vs_peer as bvp  # noqa: E402
+import bench_vs_peer as bvp
 
 
 def test_curve_takes_validation_time_out_of_the_time_axis():
