@@ -63,28 +63,144 @@ class Checks:
         return "\n".join(out)
 
 
+class Stack:
+    """What the checks share: the run's config and data, the launched actors, and a reference
+    engine without speculation outside the placement plan."""
+
+    def __init__(self, cfg, paths, tok, train_set, val_set, samples: int, run_dir: Path, on_gpu: bool):
+        self.cfg, self.paths, self.tok, self.train_set, self.val_set = cfg, paths, tok, train_set, val_set
+        self.samples, self.run_dir, self.on_gpu = samples, run_dir, on_gpu
+        self.held_out = [p.token_ids for p in val_set.prompts[:16]]
+        self.actors = self.plain = None
+
+    def wait(self, call):
+        from rlspec.cluster.calls import wait
+
+        return wait(call, self.actors.timeout_s)
+
+    def plain_generate(self, prompts, sampling):
+        import ray
+
+        return ray.get(self.plain.generate.remote(prompts, sampling), timeout=self.actors.timeout_s)
+
+
+def start(s: Stack):
+    import ray
+
+    from rlspec.cluster.launch import launch_actors
+    from rlspec.workers.generator import Generator
+
+    t0 = time.perf_counter()
+    s.actors = launch_actors(s.cfg, s.paths)
+    plain_spec = type(s.cfg.speculation)(method="none")
+    # the reference engine stays outside the plan (whose bundle holds the GPU): an actor that asks
+    # for no GPU sees every GPU of its node
+    s.plain = ray.remote(Generator).options(num_cpus=0).remote(
+        paths=s.paths, model=s.cfg.model, generation=s.cfg.generation, speculation=plain_spec, seed=0, threads=2)
+    ray.get(s.plain.ping.remote(), timeout=s.cfg.cluster.actor_timeout_s)
+    return True, {"seconds_to_start": time.perf_counter() - t0}
+
+
+def greedy_equal(s: Stack):
+    from rlspec.messages import Sampling
+
+    spec = s.wait(s.actors.generators.generate(s.held_out, Sampling(1, 0.0, 48)))
+    base = s.plain_generate(s.held_out, Sampling(1, 0.0, 48))
+    return spec.response_ids == base.response_ids, {"prompts": len(s.held_out), "tokens": spec.num_tokens,
+                                                    "acceptance_length": spec.spec.acceptance_length}
+
+
+def distribution(s: Stack):
+    from rlspec.messages import Sampling
+    from rlspec.speculation.lossless import two_sample_p
+
+    ids = [s.tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    n = s.samples
+    got = s.wait(s.actors.generators.generate(ids, Sampling(n, 1.0, 6, seed=1)))
+    ref = s.plain_generate(ids, Sampling(n, 1.0, 6, seed=2))
+    pad = lambda ro: [r + [-1] * (6 - len(r)) for r in ro.response_ids]  # noqa: E731
+    g, r = pad(got), pad(ref)
+    pvals = [two_sample_p([x[pos] for x in g[i * n:(i + 1) * n]], [x[pos] for x in r[i * n:(i + 1) * n]])
+             for i in range(len(ids)) for pos in range(6)]
+    level = 0.01 / len(pvals)
+    return min(pvals) >= level and got.spec.accepted_tokens > 0, {
+        "tests": len(pvals), "min_p": min(pvals), "bonferroni_level": level,
+        "accepted_draft_tokens": got.spec.accepted_tokens}
+
+
+def grpo_step(s: Stack):
+    from rlspec.data.loading import PromptSampler
+    from rlspec.loops.runlog import RunLog
+    from rlspec.loops.state import Counters, Run
+    from rlspec.loops.step import train_step
+
+    log = RunLog(str(s.run_dir), {}, 1, s.cfg.logging)
+    run = Run(s.cfg, s.actors, s.tok, s.train_set, s.val_set, log)
+    rec = train_step(run, Counters(), PromptSampler(s.train_set, seed=0), step=1)
+    version = s.wait(s.actors.generators.ping())[0]
+    bound = 0.05 if s.on_gpu else 1e-3
+    return version == 1 and rec.logprob_mismatch < bound, {
+        "policy_version": version, "logprob_mismatch": rec.logprob_mismatch, "mismatch_bound": bound,
+        "importance_weight": rec.importance_weight, "refit_seconds": rec.extra["refit_seconds"],
+        "step_seconds": rec.step_seconds}
+
+
+def draft_refit(s: Stack):
+    import torch
+
+    from rlspec.messages import Sampling
+    from rlspec.models import load_causal_lm
+    from rlspec.workers.generator import Generator
+
+    gen = s.actors.generators
+    draft = {k: v.to(getattr(torch, s.cfg.generation.dtype)) for k, v in
+             load_causal_lm(s.paths.draft).named_parameters()}
+    g = torch.Generator().manual_seed(3)
+    scrambled = {k: v + torch.randn(v.shape, generator=g).to(v.dtype) for k, v in draft.items()}
+    before = s.wait(gen.generate(s.held_out, Sampling(1, 0.0, 48))).spec
+    s.wait(gen.all(Generator.push_draft_weights, scrambled, 2))
+    bad = s.wait(gen.generate(s.held_out, Sampling(1, 0.0, 48))).spec
+    s.wait(gen.all(Generator.push_draft_weights, draft, 3))
+    back = s.wait(gen.generate(s.held_out, Sampling(1, 0.0, 48))).spec
+    ok = bad.acceptance_rate < 0.5 * before.acceptance_rate and back.accepted_tokens == before.accepted_tokens
+    return ok, {"acceptance_rate": before.acceptance_rate, "scrambled": bad.acceptance_rate,
+                "restored": back.acceptance_rate}
+
+
+def speed(s: Stack):
+    from rlspec.messages import Sampling
+
+    prompts = [p.token_ids for p in s.train_set.prompts[:32]]
+    sampling = Sampling(4, 1.0, 64, seed=5)
+    rates = {}
+    for name, call in (("speculation", lambda: s.wait(s.actors.generators.generate(prompts, sampling))),
+                       ("none", lambda: s.plain_generate(prompts, sampling))):
+        call()  # warm-up at this shape
+        ro = call()
+        rates[name] = ro.num_tokens / ro.seconds
+    return True, {"tokens_per_second": rates, "speedup": rates["speculation"] / rates["none"],
+                  "batch": "32 prompts x 4 samples x 64 tokens"}
+
+
+CHECKS = [("greedy: speculation equals no speculation", greedy_equal),
+          ("sampled: speculation keeps the distribution", distribution),
+          ("GRPO step, refit, sampler/learner mismatch", grpo_step),
+          ("draft refit takes effect and restores", draft_refit),
+          ("rollout speed with and without speculation", speed)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     ap.add_argument("--samples", type=int, default=1000, help="samples per prompt for the two-sample test")
     a = ap.parse_args()
 
-    import ray
     import torch
 
-    from rlspec.cluster.calls import wait
-    from rlspec.cluster.launch import launch_actors
     from rlspec.cluster.ray_cluster import RayCluster
     from rlspec.config import resolve_auto, validate
-    from rlspec.data.loading import PromptSampler
-    from rlspec.loops.runlog import RunLog
-    from rlspec.loops.state import Counters, Run
-    from rlspec.loops.step import train_step
-    from rlspec.messages import Sampling
-    from rlspec.models import load_causal_lm, load_tokenizer
-    from rlspec.speculation.lossless import two_sample_p
+    from rlspec.models import load_tokenizer
     from rlspec.train import compose_config, load_data, resolve_paths
-    from rlspec.workers.generator import Generator
 
     on_gpu = torch.cuda.is_available()
     cfg = compose_config(overrides(on_gpu))
@@ -98,98 +214,12 @@ def main() -> int:
     paths = resolve_paths(cfg)
     tok = load_tokenizer(paths.tokenizer, "model.path")
     train_set, val_set = load_data(cfg, tok)
-    run_dir = a.out.resolve().parent
+    stack = Stack(cfg, paths, tok, train_set, val_set, a.samples, a.out.resolve().parent, on_gpu)
     with RayCluster(cfg):
-        stack = {}
-
-        def start():
-            t0 = time.perf_counter()
-            stack["actors"] = launch_actors(cfg, paths)
-            plain_spec = type(cfg.speculation)(method="none")
-            # the reference engine stays outside the plan (whose bundle holds the GPU): an actor that
-            # asks for no GPU sees every GPU of its node
-            stack["plain"] = ray.remote(Generator).options(num_cpus=0).remote(
-                paths=paths, model=cfg.model, generation=cfg.generation, speculation=plain_spec, seed=0, threads=2)
-            ray.get(stack["plain"].ping.remote(), timeout=cfg.cluster.actor_timeout_s)
-            return True, {"seconds_to_start": time.perf_counter() - t0}
-
-        checks.run("stack starts (engine + draft, learner, weight sync)", start)
-        if "actors" not in stack:
-            return finish(a.out, checks, platform, t_all)
-        actors, plain = stack["actors"], stack["plain"]
-        gen = actors.generators
-        held_out = [p.token_ids for p in val_set.prompts[:16]]
-
-        def greedy(handle_call):
-            return wait(handle_call, actors.timeout_s)
-
-        def greedy_equal():
-            spec = greedy(gen.generate(held_out, Sampling(1, 0.0, 48)))
-            base = ray.get(plain.generate.remote(held_out, Sampling(1, 0.0, 48)), timeout=actors.timeout_s)
-            return spec.response_ids == base.response_ids, {"prompts": len(held_out), "tokens": spec.num_tokens,
-                                                            "acceptance_length": spec.spec.acceptance_length}
-
-        checks.run("greedy: speculation equals no speculation", greedy_equal)
-
-        def distribution():
-            ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-            s = Sampling(a.samples, 1.0, 6, seed=1)
-            got = greedy(gen.generate(ids, s))
-            ref = ray.get(plain.generate.remote(ids, Sampling(a.samples, 1.0, 6, seed=2)), timeout=actors.timeout_s)
-            pad = lambda ro: [r + [-1] * (6 - len(r)) for r in ro.response_ids]  # noqa: E731
-            g, r = pad(got), pad(ref)
-            n = a.samples
-            pvals = [two_sample_p([x[pos] for x in g[i * n:(i + 1) * n]], [x[pos] for x in r[i * n:(i + 1) * n]])
-                     for i in range(len(ids)) for pos in range(6)]
-            level = 0.01 / len(pvals)
-            return min(pvals) >= level and got.spec.accepted_tokens > 0, {
-                "tests": len(pvals), "min_p": min(pvals), "bonferroni_level": level,
-                "accepted_draft_tokens": got.spec.accepted_tokens}
-
-        checks.run("sampled: speculation keeps the distribution", distribution)
-
-        def step():
-            log = RunLog(str(run_dir), {}, 1, cfg.logging)
-            run = Run(cfg, actors, tok, train_set, val_set, log)
-            rec = train_step(run, Counters(), PromptSampler(train_set, seed=0), step=1)
-            version = wait(gen.ping(), actors.timeout_s)[0]
-            bound = 0.05 if on_gpu else 1e-3
-            return version == 1 and rec.logprob_mismatch < bound, {
-                "policy_version": version, "logprob_mismatch": rec.logprob_mismatch, "mismatch_bound": bound,
-                "importance_weight": rec.importance_weight, "refit_seconds": rec.extra["refit_seconds"],
-                "step_seconds": rec.step_seconds}
-
-        checks.run("GRPO step, refit, sampler/learner mismatch", step)
-
-        def draft_refit():
-            draft = {k: v.to(getattr(torch, cfg.generation.dtype)) for k, v in
-                     load_causal_lm(paths.draft).named_parameters()}
-            g = torch.Generator().manual_seed(3)
-            scrambled = {k: v + torch.randn(v.shape, generator=g).to(v.dtype) for k, v in draft.items()}
-            before = greedy(gen.generate(held_out, Sampling(1, 0.0, 48))).spec
-            wait(gen.all(Generator.push_draft_weights, scrambled, 2), actors.timeout_s)
-            bad = greedy(gen.generate(held_out, Sampling(1, 0.0, 48))).spec
-            wait(gen.all(Generator.push_draft_weights, draft, 3), actors.timeout_s)
-            back = greedy(gen.generate(held_out, Sampling(1, 0.0, 48))).spec
-            ok = bad.acceptance_rate < 0.5 * before.acceptance_rate and back.accepted_tokens == before.accepted_tokens
-            return ok, {"acceptance_rate": before.acceptance_rate, "scrambled": bad.acceptance_rate,
-                        "restored": back.acceptance_rate}
-
-        checks.run("draft refit takes effect and restores", draft_refit)
-
-        def speed():
-            prompts = [p.token_ids for p in train_set.prompts[:32]]
-            rates = {}
-            for name, call in (("speculation", lambda: greedy(gen.generate(prompts, Sampling(4, 1.0, 64, seed=5)))),
-                               ("none", lambda: ray.get(plain.generate.remote(prompts, Sampling(4, 1.0, 64, seed=5)),
-                                                        timeout=actors.timeout_s))):
-                call()  # warm-up at this shape
-                ro = call()
-                rates[name] = ro.num_tokens / ro.seconds
-            return True, {"tokens_per_second": rates, "speedup": rates["speculation"] / rates["none"],
-                          "batch": "32 prompts x 4 samples x 64 tokens"}
-
-        checks.run("rollout speed with and without speculation", speed)
+        checks.run("stack starts (engine + draft, learner, weight sync)", lambda: start(stack))
+        if stack.actors is not None:
+            for name, check in CHECKS:
+                checks.run(name, lambda: check(stack))
     return finish(a.out, checks, platform, t_all)
 
 
