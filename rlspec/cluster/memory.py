@@ -207,6 +207,7 @@ class GPUMemory:
 def gpu_memory(cfg, plan) -> GPUMemory | None:
     """The run's per-GPU memory (cfg resolved: config.resolve_auto); None on CPU machines or when
     the model's shapes are not at hand."""
+    from rlspec.config.resolve import fp32_grad_accumulation
     from rlspec.sim.shapes import total_params
 
     c, t, g = cfg.cluster, cfg.trainer, cfg.generation
@@ -220,9 +221,9 @@ def gpu_memory(cfg, plan) -> GPUMemory | None:
     tokens = t.micro_batch_size * (cfg.data.max_prompt_tokens + g.max_new_tokens)
     # fp32 logits and their grad, the head's output
     chunk = min(t.logit_chunk_tokens, tokens) * m.vocab_size * (2 * 4 + tb)
-    # bf16 under ZeRO 1-2 accumulates gradients in fp32 too (deepspeed_engine.ds_config):
-    # BF16_Optimizer's buffer is whole under ZeRO-1, ZeRO-2's is its partition
-    accum = 4 * P / shard(2) if tb < 4 and z in (1, 2) else 0.0
+    # an fp32 gradient accumulation buffer besides the bf16 gradients: BF16_Optimizer's is whole
+    # under ZeRO-1, ZeRO-2's is its partition
+    accum = 4 * P / shard(2) if fp32_grad_accumulation(t) else 0.0
     learner = RoleMemory("learner", weights=tb * P / shard(3) / GIB, gradients=(tb * P / shard(2) + accum) / GIB,
                          optimizer=(12 if tb < 4 else 8) * P / shard(1) / GIB,
                          activations=(tokens * tb * activation_elements(m, t.gradient_checkpointing) + chunk) / GIB,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from rlspec.cluster.plan import PlanError, make_plan, refit_transport
-from rlspec.config.schema import ConfigError, GenerationConfig, RLSpecConfig
+from rlspec.config.schema import ConfigError, GenerationConfig, RLSpecConfig, TrainerConfig
 
 
 def off_policy_correction(cfg: RLSpecConfig) -> str:
@@ -32,6 +32,12 @@ def engine_dtype(cfg: RLSpecConfig) -> str:
 
 def default_dtype(on_gpu: bool) -> str:
     return "bfloat16" if on_gpu else "float32"
+
+
+def fp32_grad_accumulation(t: TrainerConfig) -> bool:
+    """Whether the learner's micro-batch gradients add up in fp32 while it computes in bf16: where
+    DeepSpeed takes grad_accum_dtype (ZeRO 1 and 2; ZeRO 0 refuses the mix, ZeRO-3 ignores it)."""
+    return t.dtype == "bfloat16" and t.zero_stage in (1, 2)
 
 
 def recompute_logprobs(cfg: RLSpecConfig) -> bool:

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from rlspec.config import TrainerConfig
+from rlspec.config import TrainerConfig, fp32_grad_accumulation
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
@@ -45,7 +45,7 @@ def ds_config(t: TrainerConfig, samples_per_step: int, world_size: int) -> dict:
         raise ValueError("trainer.dtype is unresolved: resolve_auto(cfg) first")
     if t.dtype == "bfloat16":  # bf16 compute, fp32 master weights and optimizer state
         cfg["bf16"] = {"enabled": True}
-        if t.zero_stage in (1, 2):  # where DeepSpeed takes it: micro-batches' gradients add up in fp32
+        if fp32_grad_accumulation(t):
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
 

@@ -71,11 +71,10 @@ class ReferencePolicy:
                 x = LossInputs(logp=logp, old_logp=old, advantages=part.advantages, mask=mask,
                                ref_logp=part.ref_logprobs, weight=bw)
                 loss, metrics = policy_loss(algo.loss, x, clip_low=algo.clip_low, clip_high=algo.clip_high,
-                                      kl_coef=algo.kl_coef, agg=algo.loss_agg,
-                                      num_tokens=float(part.loss_mask.sum()), num_seqs=float((w > 0).sum()),
-                                      clip_ratio_c=algo.clip_ratio_c)
-                self.opt.zero_grad()
-                for p in self.params:
+                                            kl_coef=algo.kl_coef, agg=algo.loss_agg,
+                                            num_tokens=float(part.loss_mask.sum()), num_seqs=float((w > 0).sum()),
+                                            clip_ratio_c=algo.clip_ratio_c)
+                for p in {*self.params, *self.master}:
                     p.grad = None
                 loss.backward()
                 if self.lowp:

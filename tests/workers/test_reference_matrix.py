@@ -1,8 +1,8 @@
 """Every learner configuration the validator accepts trains GRPO's update: a covering set of cells
 (every pair of two settings' values in at least one cell), each two RL steps through the real
 Learner (DeepSpeed over gloo, one process per rank), compared with the plain-torch reference
-(reference_step.py) in what is exact up to rounding: each step's loss and gradient norm, and the
-weights after both steps under SGD.
+(reference_step.py) in what is exact up to rounding: each step's loss, gradient norm and SGD
+update of the (master) weights.
 
 The pairs no cell holds are the ones validation refuses: a test composes each and checks that the
 error names a key of one of its two settings.
@@ -223,27 +223,26 @@ def cell_run(cell: dict, rank: int, port: int, batches: str, out: str) -> None:
 
 
 def master_weights(learner) -> dict:
-    """The weights the optimizer steps, by name, on every rank (a collective: every rank calls):
-    fp32 as they are, bf16's fp32 master copy (DeepSpeed's public accessor under ZeRO 1-3; under
-    ZeRO 0 the fp32 groups of the FP16_UnfusedOptimizer wrapper, which has none)."""
+    """The weights the optimizer steps, by name, on every rank (a collective: every rank calls): the
+    parameters themselves in fp32 without ZeRO-3's partitions; else DeepSpeed's public accessor of
+    the fp32 (master) copy, which the FP16_UnfusedOptimizer wrapper of bf16 ZeRO 0 lacks: its fp32
+    groups are read instead."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    named = list(learner.engine.module.lm.named_parameters())
-    if learner.trainer.dtype == "float32":
-        if learner.trainer.zero_stage < 3:
-            return {n: p.detach().clone() for n, p in named}
-        return {n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in named}
-    if learner.trainer.zero_stage == 0:
+    t, named = learner.trainer, list(learner.engine.module.lm.named_parameters())
+    if t.dtype == "float32" and t.zero_stage < 3:
+        return {n: p.detach().clone() for n, p in named}
+    if t.zero_stage == 0:
         opt = learner.engine.optimizer
         master = {id(lp): hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups) for lp, hp in zip(lps, hps)}
         return {n: master[id(p)].detach().clone() for n, p in named}
     return {n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in named}
 
 
-def reference_of(cell: dict, batches: str, starts: list[dict]) -> list[dict]:
-    """The reference's RL steps, step i from the weights `starts[i]` (the Learner's before it):
-    each step is compared from the same weights, so one step's rounding is not amplified by the
-    next step's large learning rate."""
+def reference_of(cell: dict, data: list, starts: list[dict]) -> list[dict]:
+    """The reference's RL steps over `data` (make_batches'), step i from the weights `starts[i]`
+    (the Learner's before it): each step is compared from the same weights, so one step's rounding
+    is not carried into the next."""
     from reference_step import ReferencePolicy
     from rlspec.config import resolve_auto
     from rlspec.models import load_causal_lm
@@ -254,7 +253,7 @@ def reference_of(cell: dict, batches: str, starts: list[dict]) -> list[dict]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = ReferencePolicy(model, cfg.trainer)
     steps = []
-    for (batch, weight), start in zip(torch.load(batches, weights_only=False), starts):
+    for (batch, weight), start in zip(copy.deepcopy(data), starts):
         policy.load(start)
         if cfg.algo.recompute_logprobs:
             with torch.no_grad():
@@ -307,8 +306,8 @@ def run_cell(cell: dict, tmp_path: Path, port: int) -> None:
     ranks = [torch.load(f"{tmp_path / 'cell'}.{r}", weights_only=False) for r in range(cell["world"])]
     have = ranks[0]["steps"]
     starts = [ranks[0]["start"]] + [step["weights"] for step in have[:-1]]
-    want_steps = reference_of(cell, str(batches), starts)
     data = torch.load(batches, weights_only=False)
+    want_steps = reference_of(cell, data, starts)
     for i, want in enumerate(want_steps):
         loss, clip, dual = (sum(r["steps"][i]["sums"].get(k, 0.0) for r in ranks)
                             for k in ("loss", "clip_frac", "dual_clip_frac"))
@@ -340,10 +339,9 @@ def test_a_cell_trains_the_reference_update(index, tmp_path):
 
 def test_the_cells_cover_every_pair_and_the_pairs_left_out_are_refused():
     """The committed cells are what cells() makes now (regenerate: python
-    tests/workers/test_reference_matrix.py). Every pair of two settings' values is in some cell, or a config
-    holding it (the other
-    settings at their first value, or the first values validation accepts) is refused naming one of
-    the two settings' keys."""
+    tests/workers/test_reference_matrix.py). Every pair of two settings' values is in some cell, or
+    a config holding it (the other settings at their first value) is refused naming one of the two
+    settings' keys."""
     assert cells() == CELLS, "the settings changed: regenerate reference_matrix_cells.json"
     names = list(SETTINGS)
     seen = {(a, cell[a], b, cell[b]) for cell in CELLS for a, b in combinations(names, 2)}
