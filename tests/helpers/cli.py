@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from conftest import ROOT, TEST_EXPERIMENT
+from helpers.procs import processes_with
 
 SMALL = [TEST_EXPERIMENT, "trainer.max_steps=2", "trainer.val_every=1", "generation.num_prompts_per_step=4",
          "generation.num_generations_per_prompt=4", "trainer.micro_batch_size=8", "data.train.num_rows=64",
@@ -53,16 +54,7 @@ def interrupted(run_dir: Path, *extra: str, after_steps: int, act, timeout: int 
 
 def ray_processes() -> set[int]:
     """Live processes of any rlspec local Ray cluster (raylet, gcs, workers)."""
-    out = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            if b"rlspec-ray-" in Path(f"/proc/{d}/cmdline").read_bytes():
-                out.add(int(d))
-        except OSError:
-            continue
-    return out
+    return processes_with(b"rlspec-ray-")
 
 
 def left_behind(before: set[int], within_s: float = 20.0) -> list[int]:

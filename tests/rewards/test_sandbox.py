@@ -3,15 +3,14 @@ calling process and machine as they were. Each escape is written to print exactl
 output if it succeeds, so a 0 proves the sandbox stopped it (not that the program was wrong)."""
 import dataclasses
 import json
-import os
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
+from helpers.procs import processes_with
 from rlspec.rewards import REWARDS
 from rlspec.rewards.code import code_reward, extract_code, parse_cases
 from rlspec.rewards.sandbox import Limits, namespaces_available, run_python
@@ -25,17 +24,9 @@ def cases(stdout: str) -> str:
     return json.dumps([{"stdin": "", "stdout": stdout}])
 
 
-def sandbox_processes() -> list[int]:
+def sandbox_processes() -> set[int]:
     """Processes started by any sandbox still alive (their command line names the sandbox dir)."""
-    pids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit() and int(d) != os.getpid():
-            try:
-                if b"rlspec-sandbox-" in Path(f"/proc/{d}/cmdline").read_bytes():
-                    pids.append(int(d))
-            except OSError:
-                pass
-    return pids
+    return processes_with(b"rlspec-sandbox-")
 
 
 def test_correct_partial_and_wrong_programs():
