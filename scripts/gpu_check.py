@@ -158,9 +158,9 @@ def draft_refit(s: Stack):
     g = torch.Generator().manual_seed(3)
     scrambled = {k: v + torch.randn(v.shape, generator=g).to(v.dtype) for k, v in draft.items()}
     before = s.wait(gen.generate(s.held_out, Sampling(1, 0.0, 48))).spec
-    s.wait(gen.all(Generator.push_draft_weights, scrambled, 2))
+    s.wait(gen.all(Generator.refit_tensors, scrambled, 2, True))
     bad = s.wait(gen.generate(s.held_out, Sampling(1, 0.0, 48))).spec
-    s.wait(gen.all(Generator.push_draft_weights, draft, 3))
+    s.wait(gen.all(Generator.refit_tensors, draft, 3, True))
     back = s.wait(gen.generate(s.held_out, Sampling(1, 0.0, 48))).spec
     ok = bad.acceptance_rate < 0.5 * before.acceptance_rate and back.accepted_tokens == before.accepted_tokens
     return ok, {"acceptance_rate": before.acceptance_rate, "scrambled": bad.acceptance_rate,

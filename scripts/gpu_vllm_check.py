@@ -227,8 +227,8 @@ def main() -> int:
         new_target = perturbed(paths.model, g)
         new_draft = perturbed(resolve_paths(cfg).draft, g)
         dtype = getattr(torch, cfg.generation.dtype)
-        gen.push_weights({k: v.to(device, dtype) for k, v in new_target.items()}, 1)
-        gen.push_draft_weights({k: v.to(device, dtype) for k, v in new_draft.items()}, 1)
+        gen.refit_tensors({k: v.to(device, dtype) for k, v in new_target.items()}, 1)
+        gen.refit_tensors({k: v.to(device, dtype) for k, v in new_draft.items()}, 1, draft=True)
         got = gen.generate(held_out, Sampling(1, 0.0, max_new))
         release(gen)
         with tempfile.TemporaryDirectory() as d:

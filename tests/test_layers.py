@@ -29,15 +29,20 @@ RULES = {
     "rlspec.draft": {"rlspec.workers", "rlspec.cluster"},
     "rlspec.engines": {"rlspec.workers", "rlspec.cluster", "rlspec.loops", "rlspec.speculation"},
     "rlspec.speculation": {"rlspec.workers", "rlspec.cluster", "rlspec.loops"},
-    "rlspec.workers": {"rlspec.cluster", "rlspec.loops"},
+    "rlspec.workers": {"rlspec.cluster", "rlspec.loops", "rlspec.refit.driver"},
     "rlspec.cluster": {"rlspec.loops"},
+    # the refit: the driver's Refit calls the actors; the rest runs inside them
+    "rlspec.refit": {"rlspec.loops"},
+    **{f"rlspec.refit.{m}": {"rlspec.workers", "rlspec.cluster", "rlspec.loops", "rlspec.engines",
+                             "rlspec.refit.driver"} for m in ("engine", "group", "receiver", "sender", "source")},
     # the top: config may check the pure placement plan (which imports no rlspec module)
     "rlspec.config": {"rlspec.workers", "rlspec.engines", "rlspec.loops", "rlspec.speculation", "rlspec.draft",
-                      "rlspec.cluster.launch", "rlspec.cluster.handles", "rlspec.cluster.refit"},
+                      "rlspec.cluster.launch", "rlspec.cluster.handles", "rlspec.refit.driver",
+                      "rlspec.refit.engine", "rlspec.refit.receiver", "rlspec.refit.sender"},
     "rlspec.messages": {"rlspec.workers", "rlspec.engines", "rlspec.cluster", "rlspec.loops"},
     "rlspec.models": {"rlspec.workers", "rlspec.engines", "rlspec.cluster", "rlspec.loops"},
 }
-PURE = {"rlspec.cluster.plan"}  # modules that import nothing from rlspec
+PURE = {"rlspec.cluster.plan", "rlspec.refit"}  # modules that import nothing from rlspec
 
 
 def modules(pkg_dir: Path = PKG) -> dict[str, Path]:

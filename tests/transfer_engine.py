@@ -1,5 +1,5 @@
 """rlspec's weight-transfer engine backend as vLLM's factory builds it inside a worker, over a model
-that records what it loads: the receiving end of the refit tests (tests/engines/test_vllm_transfer.py
+that records what it loads: the receiving end of the refit tests (tests/refit/test_engine.py
 on the host, tests/gpu/test_cuda.py on a GPU)."""
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def transfer_engine(dtype=torch.float32, rank=0, tied=False, device=torch.device
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from rlspec.engines import vllm_transfer
+    from rlspec.refit import engine
 
-    vllm_transfer.register()
+    engine.register()
     cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=rank),
                           model_config=SimpleNamespace(dtype=dtype,
                                                        hf_config=SimpleNamespace(tie_word_embeddings=tied)))

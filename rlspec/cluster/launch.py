@@ -11,9 +11,9 @@ from rlspec.cluster.groups import actor_nodes, actor_options, create_placement_g
 from rlspec.cluster.handles import DraftTrainerHandle, Generators, Learners, LogprobWorkers
 from rlspec.cluster.plan import DRAFT, GEN, LEARNER, LOGPROB
 from rlspec.cluster.ray_cluster import ACTOR_ENV_DEFAULTS
-from rlspec.cluster.refit import WeightSync
 from rlspec.config import RLSpecConfig, plan_of
 from rlspec.models import ModelPaths
+from rlspec.refit.driver import Refit
 from rlspec.workers.draft_trainer import DraftTrainer
 from rlspec.workers.generator import Generator
 from rlspec.workers.learner import Learner
@@ -22,11 +22,11 @@ from rlspec.workers.logprob import LogprobWorker
 
 @dataclass
 class Actors:
-    """Every actor of a run, and the weight sync between them."""
+    """Every actor of a run, and the refit between them."""
     generators: Generators
     logprobs: LogprobWorkers
     learners: Learners
-    weights: WeightSync
+    refit: Refit
     timeout_s: float
     draft_trainer: DraftTrainerHandle | None = None  # online draft adaptation (speculation.online.enabled)
     nodes: dict[str, str] = field(default_factory=dict)  # actor name -> Ray node ID
@@ -85,9 +85,9 @@ def launch_actors(cfg: RLSpecConfig, paths: ModelPaths) -> Actors:
                                generation=g, rank=r, world_size=c.learner_world_size, rendezvous=rendezvous,
                                threads=threads, timeout_s=c.actor_timeout_s) for r in range(c.learner_world_size)])
     wait([*generators.ping(), *logprobs.ping(), *learners.ping()], c.actor_timeout_s)
-    weights = WeightSync(c.refit, learners, generators, logprobs, c.actor_timeout_s, c.refit_bucket_mb << 20,
-                         g.dtype, g.tensor_parallel_size)
-    actors = Actors(generators, logprobs, learners, weights, c.actor_timeout_s, draft_trainer,
+    refit = Refit(c.refit, learners, generators, logprobs, c.actor_timeout_s, c.refit_bucket_mb << 20, g.dtype,
+                  g.tensor_parallel_size)
+    actors = Actors(generators, logprobs, learners, refit, c.actor_timeout_s, draft_trainer,
                     actor_nodes({**generators.names(), **logprobs.names(), **learners.names()}))
-    weights.connect()
+    refit.connect()
     return actors

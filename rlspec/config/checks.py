@@ -7,6 +7,7 @@ import copy
 from rlspec.cluster.plan import receivers_off_learner_gpus, shared_weight_group_gpus
 from rlspec.config.resolve import plan_of, recompute_logprobs, resolve_auto
 from rlspec.config.schema import ASSETS, SPEC_METHODS, V1_ONLY_METHODS, ConfigError, RLSpecConfig
+from rlspec.refit import TRANSPORTS
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -178,8 +179,7 @@ def _validate_run(cfg: RLSpecConfig) -> None:
     plan_of(cfg)  # raises naming the key that does not fit
     shipped = sorted(d.name for d in ASSETS.iterdir() if (d / "policy").is_dir())
     _check(cfg.assets in shipped, "assets", f"{cfg.assets!r} is not a shipped model family {shipped}")
-    _check(c.refit in (None, "nccl", "ipc", "group", "object_store"), "cluster.refit",
-           "must be nccl, ipc, group, object_store or null (auto)")
+    _check(c.refit in (None, *TRANSPORTS), "cluster.refit", f"must be one of {', '.join(TRANSPORTS)} or null (auto)")
     plan = plan_of(cfg)
     if c.refit in ("nccl", "ipc"):
         _check(plan.on_gpu, "cluster.refit", f"{c.refit} is vLLM's GPU transport; this plan has no GPUs "

@@ -110,7 +110,7 @@ class Eagle3Head(nn.Module):
     MAPS = ("d2t", "t2d")  # the vocabulary maps: checkpoint names without ".weight", never cast
 
     def vllm_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Weights under vLLM's checkpoint names (the names `push_draft_weights` takes)."""
+        """Weights under vLLM's checkpoint names (the names a draft refit takes)."""
         dt = dtype or getattr(torch, self.config.get("dtype", "float32"))
         out = {}
         for k, v in self.state_dict().items():

@@ -1,7 +1,7 @@
 """The vLLM engine rlspec samples with: set-up, generate calls that return RolloutBatch with
 behaviour log-probs and speculation counters, engine-step timing, sleep mode, and weight refit
 through vLLM's RL weight-update API, received inside every worker of the engine
-(rlspec/engines/vllm_transfer.py). A plain class: the Generator actor wraps it; offline draft
+(rlspec/refit/engine.py). A plain class: the Generator actor wraps it; offline draft
 training runs it as an actor of its own."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def engine_kwargs(model_path: str, gen: GenerationConfig, max_model_len: int, se
     """The keyword arguments rlspec gives vLLM's LLM (and EngineArgs: `vllm_config_of`)."""
     if gen.enforce_eager is None:
         raise ValueError("generation.enforce_eager is unresolved: config.resolve_engine (or resolve_auto) first")
-    from rlspec.engines import vllm_transfer
+    from rlspec.refit import engine as refit_engine
 
     kwargs = dict(
         model=model_path, tokenizer=tokenizer or model_path, dtype=gen.dtype, seed=seed,
@@ -45,8 +45,8 @@ def engine_kwargs(model_path: str, gen: GenerationConfig, max_model_len: int, se
         logprobs_mode="processed_logprobs",
         disable_log_stats=False,  # spec-decode counters come from get_metrics()
         enable_prefix_caching=False,
-        # refit through vLLM's RL weight-update API, into every worker (rlspec/engines/vllm_transfer.py)
-        weight_transfer_config={"backend": vllm_transfer.BACKEND},
+        # refit through vLLM's RL weight-update API, into every worker (rlspec/refit/engine.py)
+        weight_transfer_config={"backend": refit_engine.BACKEND},
     )
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization
@@ -71,9 +71,9 @@ def vllm_config_of(model_path: str, gen: GenerationConfig, max_model_len: int, s
     engine_env(gen)
     from vllm.engine.arg_utils import EngineArgs
 
-    from rlspec.engines import vllm_transfer
+    from rlspec.refit import engine as refit_engine
 
-    vllm_transfer.register()
+    refit_engine.register()
     return EngineArgs(**engine_kwargs(model_path, gen, max_model_len, seed, tokenizer,
                                       speculative_config)).create_engine_config()
 
@@ -101,9 +101,9 @@ def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: i
                                "(set generation.sleep_mode=false)")
     from vllm import LLM
 
-    from rlspec.engines import vllm_transfer
+    from rlspec.refit import engine as refit_engine
 
-    vllm_transfer.register()
+    refit_engine.register()
 
     # Engine start-up runs gc.collect() seven times over the heap that vLLM's imports left (half
     # of the start on a tiny CPU model). That heap lives as long as the process: take it out
@@ -254,30 +254,21 @@ class VLLMEngine:
             self.llm.wake_up(tags=todo)
             self.asleep -= set(todo)
 
-    # -- refit through vLLM's RL weight-update API (rlspec/engines/vllm_transfer.py) --------------
-    def init_weight_transfer(self, init_info: dict) -> None:
+    # -- the refit's target in vLLM's workers (rlspec/refit/receiver.py's RefitTarget) -------------
+    def init_refit(self, init_info: dict) -> None:
         """Every worker of this engine joins the transport init_info names (RLSpecInitInfo's fields)."""
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
-    def start_weight_update(self, draft: bool = False) -> None:
+    def start_refit(self, draft: bool) -> None:
         if draft and (self.spec_config is None or "model" not in self.spec_config):
             raise RuntimeError("this engine has no draft model to refit")
         self.wake_up(("weights",))  # sleep mode: the KV cache waits for the next generate call
         (self.llm.start_draft_weight_update if draft else self.llm.start_weight_update)()
 
-    def update_weights(self, update_info: dict) -> None:
+    def receive(self, update_info: dict) -> None:
         """One update (RLSpecUpdateInfo's fields), received inside vLLM's workers."""
         self.llm.update_weights({"update_info": update_info})
 
-    def finish_weight_update(self, version: int, draft: bool = False) -> None:
+    def finish_refit(self, version: int, draft: bool) -> None:
         self.llm.finish_weight_update(None if draft else str(version))
         self.llm.reset_prefix_cache()
-
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int, draft: bool = False) -> float:
-        """New weights given as tensors (Hugging Face names); seconds taken."""
-        t0 = time.perf_counter()
-        names = list(weights)
-        self.start_weight_update(draft)
-        self.update_weights({"mode": "tensors", "names": names, "tensors": [weights[n] for n in names]})
-        self.finish_weight_update(version, draft)
-        return time.perf_counter() - t0

@@ -204,11 +204,11 @@ class Checkpointer:
         state = read_driver_state(ckpt)
         wait([*a.learners.load_checkpoint(str(ckpt)), *a.logprobs.load_reference(str(ckpt / "reference.pt"))],
              a.timeout_s)
-        a.weights.push_now(state.step)
+        a.refit.run(state.step)
         if a.draft_trainer is not None and (ckpt / "draft.pt").is_file():
             # the online-trained head (its optimizer too); its feature cache refills from new rollouts
             wait(a.draft_trainer.load(str(ckpt / "draft.pt")), a.timeout_s)
-            a.weights.push_draft(a.draft_trainer, state.step)
+            a.refit.draft(a.draft_trainer, state.step)
         if a.generators.sticky:  # speculation=history: the drafter's store, so drafting pays at once
             wait(a.generators.load_history(str(ckpt)), a.timeout_s)
         sampler.load_state(state.sampler)

@@ -69,10 +69,10 @@ class RolloutQueue:
             self.next_step += 1
 
     def before_refit(self, timer: StageTimer) -> None:
-        """A collective refit (the weight sync's `collective`): the learner would block in it
+        """A collective refit (Refit.collective): the learner would block in it
         until the Generator has finished the rollouts queued ahead of its receive. Wait for them
         here, where the wait counts as exposed generation time."""
-        if self.run.actors.weights.collective:
+        if self.run.actors.refit.collective:
             with timer("generation"):
                 self.drain()
 
@@ -82,7 +82,7 @@ class RolloutQueue:
         and waiting on its side too names a Generator that dies now instead of stalling the
         collective. Otherwise the Generator takes the weights after the rollouts already
         queued on it; the next `take` waits for that."""
-        if self.run.actors.weights.collective:
+        if self.run.actors.refit.collective:
             wait([*to_generator, *others], self.run.actors.timeout_s)
         else:
             wait(others, self.run.actors.timeout_s)

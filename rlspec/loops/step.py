@@ -129,7 +129,7 @@ def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
         queue.before_refit(timer)
     with timer("train"):
         refit_t0 = time.perf_counter()
-        to_generator, others = actors.weights.push(version)
+        to_generator, others = actors.refit.calls(version)
         if queue is None:
             wait([*to_generator, *others], actors.timeout_s)
         else:
@@ -197,7 +197,7 @@ def online_draft(run: Run, counters: Counters, call: Call, step: int, version: i
         st = wait(call, actors.timeout_s)
         pushed = step % o.push_every == 0 and bool(st)
         if pushed:
-            actors.weights.push_draft(actors.draft_trainer, version)
+            actors.refit.draft(actors.draft_trainer, version)
             counters.draft_head_version, counters.draft_head_data_version = version, st["newest_version"]
     return {"draft/head_version": float(head_version), "draft/staleness": float(rollout_version - head_data),
             "draft/pushed": float(pushed), "draft/exposed_seconds": time.perf_counter() - t0,

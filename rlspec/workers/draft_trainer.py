@@ -132,7 +132,7 @@ class DraftTrainer:
         return loss, accept
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The head under vLLM's checkpoint names in the engines' dtype, for Generator.push_draft_weights."""
+        """The head under vLLM's checkpoint names in the engines' dtype, for RefitReceiver.refit_tensors."""
         return {k: v.cpu() for k, v in self.head.vllm_state_dict(self.engine_dtype).items()}
 
     def save(self, path: str) -> None:

@@ -4,7 +4,6 @@ are refit from the learner and the DraftTrainer."""
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import asdict
 
 import torch
@@ -13,12 +12,13 @@ from rlspec.config import GenerationConfig, ModelConfig, SpeculationConfig
 from rlspec.engines.vllm_engine import VLLMEngine
 from rlspec.messages import RolloutBatch, Sampling
 from rlspec.models import ModelPaths
+from rlspec.refit.receiver import RefitReceiver
 from rlspec.speculation import history_proposer
 from rlspec.speculation.calibration import AdaptiveK
 from rlspec.speculation.vllm_config import vllm_speculative_config
 
 
-class Generator:
+class Generator(RefitReceiver):
     def __init__(self, *, paths: ModelPaths, model: ModelConfig, generation: GenerationConfig,
                  speculation: SpeculationConfig, seed: int, threads: int, nice: int = 0):
         paths.check_visible("Generator")
@@ -82,38 +82,8 @@ class Generator:
         states = [torch.load(p, weights_only=True) for p in paths]
         self.load_history_state({"prompts": [x for s in states for x in s["prompts"]]})
 
-    def push_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
-        """Refit the target from tensors (the object-store transport); seconds taken."""
-        seconds = self.engine.load_weights(weights, version)
-        self.policy_version = version
-        return seconds
-
-    def push_draft_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
-        """Refit the draft model or head alone (online draft training pushes through here)."""
-        seconds = self.engine.load_weights(weights, version, draft=True)
-        self.draft_version = version
-        return seconds
-
-    # -- vLLM's weight-sync client protocol (VLLMWeightSyncClient), driven by learner rank 0 ------
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        """Every worker of the engine joins the refit transport (rlspec/engines/vllm_transfer.py)."""
-        self.engine.init_weight_transfer(init_info)
-
-    def start_weight_update(self, draft: bool = False) -> None:
-        self.engine.start_weight_update(draft)
-        self._update_t0 = time.perf_counter()
-
-    def update_weights(self, update_info: dict) -> None:
-        self.engine.update_weights(update_info)
-
-    def finish_weight_update(self, version: int, draft: bool = False) -> float:
-        """The update is in: the engine samples `version` (seconds since its start)."""
-        self.engine.finish_weight_update(version, draft)
-        if draft:
-            self.draft_version = version
-        else:
-            self.policy_version = version
-        return time.perf_counter() - self._update_t0
+    def refit_target(self) -> VLLMEngine:
+        return self.engine
 
     def decode_steps(self) -> list[tuple[int, float]]:
         """The last generate call's decode steps: (running batch, seconds) each, in order."""

@@ -14,7 +14,8 @@ from rlspec.algo.logprobs import LogprobModel, prompt_cache_supported, prompt_pl
 from rlspec.algo.losses import LossInputs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
 from rlspec.engines.deepspeed_engine import init_distributed, make_engine
-from rlspec.engines.weight_sync import LearnerSource, endpoint
+from rlspec.refit.group import endpoint
+from rlspec.refit.source import LearnerSource
 from rlspec.messages import MiniBatch, TrainBatch
 from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
 
@@ -57,7 +58,7 @@ class Learner:
         # every micro-batch (engine.module.lm is the causal LM)
         self.engine, self.sched = make_engine(LogprobModel(module), trainer, samples_per_step, world_size)
         self.policy_version = 0
-        self.sender = None  # connect_weights: its end of the refit (vllm_transfer.WeightSender)
+        self.sender = None  # join_refit: its end of the refit (refit.sender.RefitSender)
 
     def train_step(self, parts: list[MiniBatch], epochs: int = 1) -> tuple[dict, dict]:
         """epochs x len(parts) optimizer steps, one per mini-batch of this rank's shard, in order.
@@ -211,23 +212,23 @@ class Learner:
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
 
-    # -- the refit (rlspec/engines/vllm_transfer.py): rank 0 drives vLLM's weight-transfer API ------
-    def weight_endpoint(self) -> tuple[str, int]:
+    # -- the refit (rlspec/refit/): rank 0 drives vLLM's weight-transfer API ----------------------
+    def refit_endpoint(self) -> tuple[str, int]:
         """Where the refit group meets (rank 0's node, a free port)."""
         return endpoint()
 
-    def connect_weights(self, transport: str, receivers: list, address: str, port: int, world_size: int,
+    def join_refit(self, transport: str, receivers: list, address: str, port: int, world_size: int,
                         dtype: str, bucket_bytes: int, timeout_s: float) -> int:
         """Every rank builds its end of `transport` (nccl, ipc or group) over this learner's weights
         in the engines' `dtype`; rank 0 rendezvouses with the receivers ((name, actor, first rank))."""
-        from rlspec.engines.vllm_transfer import WeightSender
+        from rlspec.refit.sender import RefitSender
 
         source = LearnerSource(self.engine.module.lm, self.trainer.zero_stage == 3, getattr(torch, dtype), bucket_bytes)
-        self.sender = WeightSender(transport, source, receivers, self.rank, address, port, world_size, bucket_bytes,
-                                   "nccl" if self.device.type == "cuda" else "gloo", timeout_s)
+        self.sender = RefitSender(transport, source, receivers, self.rank, address, port, world_size, bucket_bytes,
+                                  "nccl" if self.device.type == "cuda" else "gloo", timeout_s)
         return self.rank
 
-    def send_weights(self, version: int) -> float:
+    def refit(self, version: int) -> float:
         """One refit round: rank 0 sends, the other ranks take part in the gathers (ZeRO-3) and,
         under ipc, in the handle exchange; seconds taken."""
         return self.sender.send(version)

@@ -8,12 +8,12 @@ import torch
 from rlspec.algo.batching import micro_batches
 from rlspec.algo.logprobs import output_logprobs, sequence_logprobs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
-from rlspec.engines.vllm_transfer import HostedReceiver
 from rlspec.messages import TrainBatch
 from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
+from rlspec.refit.receiver import HostedReceiver, RefitReceiver
 
 
-class LogprobWorker:
+class LogprobWorker(RefitReceiver):
     """capture: {"layer_ids": [...], "topk": K} turns on online draft adaptation's capture: the
     policy's forward pass also keeps the hidden states at those layers and its top-K next-token
     log-probs (rlspec.draft.capture) until `take_features` collects them."""
@@ -85,28 +85,8 @@ class LogprobWorker:
         out, self.features = self.features, []
         return out
 
-    def push_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        missing, unexpected = self.policy.load_state_dict(weights, strict=False)  # copied onto its device
-        if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-            raise RuntimeError(f"weight refit mismatch: missing {missing}, unexpected {unexpected}")
-        self.policy_version = version
-
-    # -- vLLM's weight-sync client protocol, as the Generators expose it (learner rank 0 drives it)
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.receiver.init(init_info)
-
-    def start_weight_update(self, draft: bool = False) -> None:
-        if draft:
-            raise RuntimeError("a log-prob worker holds no draft model")
-        self.receiver.start()
-
-    def update_weights(self, update_info: dict) -> None:
-        self.receiver.update(update_info)
-
-    def finish_weight_update(self, version: int, draft: bool = False) -> float:
-        self.receiver.finish()
-        self.policy_version = version
-        return 0.0
+    def refit_target(self) -> HostedReceiver:
+        return self.receiver
 
     def save_reference(self, path: str) -> None:
         if self.reference is not None:

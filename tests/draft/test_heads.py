@@ -170,10 +170,10 @@ def test_eagle3_push_matches_a_fresh_engine(ray_session, built, prompts):
     pushed = start_generator(["speculation=eagle3", f"speculation.model={built['eagle3']}"], draft_dir=built["eagle3"])
     try:
         before = greedy(pushed).spec
-        ray.get(pushed.push_draft_weights.remote(engine_dtype(load_file(f"{TRAINED_EAGLE3}/model.safetensors")), 1),
+        ray.get(pushed.refit_tensors.remote(engine_dtype(load_file(f"{TRAINED_EAGLE3}/model.safetensors")), 1, True),
                 timeout=600)
         after = greedy(pushed)
-        ray.get(pushed.push_draft_weights.remote(engine_dtype(load_file(f"{built['eagle3']}/model.safetensors")), 2),
+        ray.get(pushed.refit_tensors.remote(engine_dtype(load_file(f"{built['eagle3']}/model.safetensors")), 2, True),
                 timeout=600)
         back = greedy(pushed).spec
     finally:

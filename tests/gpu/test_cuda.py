@@ -56,7 +56,8 @@ def test_the_refit_group_broadcasts_over_nccl_from_gpu_weights():
     """One rank (a second would need a second GPU: NCCL refuses two ranks on one): the learner's
     source yields its GPU weights in the engine's dtype and every bucket goes through NCCL."""
     from rlspec.cluster.ray_cluster import free_port
-    from rlspec.engines.weight_sync import LearnerSource, RefitGroup, send_state
+    from rlspec.refit.group import RefitGroup, send_state
+    from rlspec.refit.source import LearnerSource
     from rlspec.models import load_causal_lm
 
     model = load_causal_lm(tiny_paths().model).cuda()
@@ -141,8 +142,8 @@ def test_the_learners_weights_reach_another_process_through_vllms_ipc_engine():
 
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from rlspec.engines import vllm_transfer
-    from rlspec.engines.weight_sync import LearnerSource
+    from rlspec.refit import engine as refit_engine
+    from rlspec.refit.source import LearnerSource
     from rlspec.models import load_causal_lm
 
     ctx = mp.get_context("spawn")
@@ -180,9 +181,9 @@ def test_the_learners_weights_reach_another_process_through_vllms_ipc_engine():
 
     try:
         model = load_causal_lm(tiny_paths().model).cuda()
-        vllm_transfer.register()
+        refit_engine.register()
         source = LearnerSource(model, False, torch.bfloat16, 1 << 16)
-        info = vllm_transfer.trainer_init_info("ipc", rank=0, address="", port=0, world_size=2, bucket_bytes=1 << 16,
+        info = refit_engine.trainer_init_info("ipc", rank=0, address="", port=0, world_size=2, bucket_bytes=1 << 16,
                                                source=source)
         client = PipeClient()
         sender = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)

@@ -71,9 +71,9 @@ def test_generator_refit_is_not_a_no_op(stack):
     base = wait(a.generators.generate(prompts, sampling(1, 0.0, 16)), a.timeout_s).response_ids
     g = torch.Generator().manual_seed(0)
     noisy = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in w.items()}
-    wait(a.generators.all(Generator.push_weights, noisy, 100), a.timeout_s)
+    wait(a.generators.all(Generator.refit_tensors, noisy, 100), a.timeout_s)
     changed = wait(a.generators.generate(prompts, sampling(1, 0.0, 16)), a.timeout_s)
-    wait(a.generators.all(Generator.push_weights, w, 101), a.timeout_s)
+    wait(a.generators.all(Generator.refit_tensors, w, 101), a.timeout_s)
     restored = wait(a.generators.generate(prompts, sampling(1, 0.0, 16)), a.timeout_s)
     assert changed.response_ids != base and changed.policy_version == 100
     assert restored.response_ids == base

@@ -109,7 +109,8 @@ def test_weight_sender_sends_from_its_device_in_the_engines_dtype():
     gloo): the source yields device tensors in the receivers' dtype, and each bucket is moved
     explicitly onto the group's device."""
     from rlspec.cluster.ray_cluster import free_port
-    from rlspec.engines.weight_sync import LearnerSource, RefitGroup, send_state
+    from rlspec.refit.group import RefitGroup, send_state
+    from rlspec.refit.source import LearnerSource
 
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to("meta")
     group = RefitGroup("127.0.0.1", free_port(), 0, 1, "gloo")

@@ -98,8 +98,8 @@ def test_refit_keeps_acceptance_equal_to_a_fresh_engine(drafted, prompts, tiny_p
 
     target = _perturbed(tiny_policy, 0.01, 1)
     draft = _perturbed(DRAFT, 0.02, 2)
-    call(drafted.push_weights, target, 1)
-    call(drafted.push_draft_weights, draft, 1)
+    call(drafted.refit_tensors, target, 1)
+    call(drafted.refit_tensors, draft, 1, True)
     refit = generate(drafted, prompts, 1, 0.0, 48)
 
     dirs = {}
@@ -126,11 +126,11 @@ def test_draft_refit_changes_acceptance(drafted, prompts):
     from transformers import AutoModelForCausalLM
 
     orig = {k: v for k, v in AutoModelForCausalLM.from_pretrained(DRAFT, dtype=torch.float32).named_parameters()}
-    call(drafted.push_draft_weights, orig, 10)
+    call(drafted.refit_tensors, orig, 10, True)
     good = generate(drafted, prompts, 1, 0.0, 48).spec
-    call(drafted.push_draft_weights, _perturbed(DRAFT, 1.0, 3), 11)
+    call(drafted.refit_tensors, _perturbed(DRAFT, 1.0, 3), 11, True)
     bad = generate(drafted, prompts, 1, 0.0, 48).spec
-    call(drafted.push_draft_weights, orig, 12)
+    call(drafted.refit_tensors, orig, 12, True)
     back = generate(drafted, prompts, 1, 0.0, 48).spec
     assert bad.acceptance_rate < 0.5 * good.acceptance_rate
     assert back.accepted_tokens == good.accepted_tokens and back.drafts == good.drafts

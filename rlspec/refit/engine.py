@@ -1,4 +1,4 @@
-"""Refit through vLLM's RL weight-transfer API, both ends.
+"""rlspec's backend of vLLM's RL weight-transfer API, both ends.
 
 Engine side: backend "rlspec", registered through vLLM's `WeightTransferEngineFactory`; vLLM builds
 one in every worker of an engine (each tensor-parallel rank). It carries one of four transports,
@@ -6,7 +6,7 @@ chosen at `init_weight_transfer_engine` (`transport`) and named again by every u
 - `nccl` and `ipc`: vLLM's own engines (`NCCLWeightTransferEngine` for receivers on GPUs of
   their own, `IPCWeightTransferEngine` for receivers sharing the learners' GPUs), built inside
   this one with the same model and config, receive vLLM's own payloads (`inner`);
-- `group`: rlspec's torch.distributed group (gloo on CPU, NCCL on GPUs: `weight_sync.RefitGroup`),
+- `group`: rlspec's torch.distributed group (gloo on CPU, NCCL on GPUs: refit/group.py),
   the same round trip on machines without GPUs;
 - `tensors` (no init needed): the update carries the tensors (Ray's object store; the draft head
   of online draft training; checkpoint-free pushes).
@@ -16,16 +16,12 @@ floating-point tensor in another dtype than the engine's is refused.
 
 Trainer side: learner rank 0 holds one of vLLM's trainer engines (`WeightTransferTrainerFactory`:
 vLLM's `nccl` and `ipc`, and rlspec's `rlspec` for the group), which drives every round through a
-`VLLMWeightSyncClient`: ActorClient, which fans each call out to the receiving Ray actors (the
-Generators' engines, and the LogprobWorkers, which host this same engine around their model),
-giving each its first rank in the group and waiting a bounded time."""
+`VLLMWeightSyncClient` (refit/sender.py's ActorClient)."""
 from __future__ import annotations
 
 import math
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
@@ -35,12 +31,12 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    WeightTransferUpdateInfo)
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from rlspec.engines.weight_sync import RefitGroup, metas_from_lists, recv_state, send_state
-from rlspec.messages import PeerDied, error_line
+from rlspec.messages import PeerDied
+from rlspec.refit import COLLECTIVE
+from rlspec.refit.group import RefitGroup, metas_from_lists, recv_state, send_state
 
 BACKEND = "rlspec"
-TRANSPORTS = ("group", "nccl", "ipc")  # what init_weight_transfer_engine sets up
-MODES = ("tensors", *TRANSPORTS)       # what an update carries
+MODES = ("tensors", *COLLECTIVE)  # what an update carries
 
 
 def _inner_engine_class(transport: str) -> type[WeightTransferEngine]:
@@ -57,8 +53,8 @@ class RLSpecInitInfo(WeightTransferInitInfo):
     inner: dict = field(default_factory=dict)  # group: GroupInit's fields; nccl, ipc: vLLM's own init payload
 
     def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"rlspec weight transfer: transport {self.transport!r} not in {TRANSPORTS}")
+        if self.transport not in COLLECTIVE:
+            raise ValueError(f"rlspec weight transfer: transport {self.transport!r} not in {COLLECTIVE}")
 
 
 @dataclass
@@ -173,47 +169,6 @@ class RLSpecTransferEngine(WeightTransferEngine[RLSpecInitInfo, RLSpecUpdateInfo
         self.group, self.inner, self.transport = None, None, None
 
 
-class HostedReceiver:
-    """The engine-side backend outside vLLM: a LogprobWorker receives every transport through the
-    same engine class, around a stand-in whose `load_weights` copies into its model (cast to the
-    model's dtype: the weights travel in the engines')."""
-
-    def __init__(self, module: torch.nn.Module, device: torch.device, wire_dtype: torch.dtype):
-        self.module = module
-        self.names = dict(module.state_dict(keep_vars=True))
-
-        class Loader(torch.nn.Module):
-            def load_weights(inner_self, weights):
-                for name, t in weights:
-                    if name not in self.names:
-                        raise RuntimeError(f"weight refit: {name} is not a parameter of the log-prob worker's model")
-                    with torch.no_grad():
-                        self.names[name].copy_(t)
-
-        cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
-                              model_config=SimpleNamespace(dtype=wire_dtype))
-        self.engine = RLSpecTransferEngine(WeightTransferConfig(backend=BACKEND), cfg, device, Loader())
-
-    def init(self, init_info: dict) -> None:
-        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
-
-    def start(self) -> None:
-        """Opens an update as a vLLM worker does: vLLM's own engine (nccl, ipc) starts its own."""
-        if self.engine.inner is not None:
-            self.engine.inner.start_weight_update()
-
-    def update(self, update_info: dict) -> None:
-        self.engine.receive_weights(self.engine.parse_update_info(update_info))
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.device)
-
-    def finish(self) -> None:
-        """Closes it: under ipc vLLM's engine releases the learner's buffers this update mapped
-        (left open, the log-prob worker would hold them until the next update)."""
-        if self.engine.inner is not None:
-            self.engine.inner.finish_weight_update()
-
-
 # -- the trainer side ------------------------------------------------------------------------------
 @dataclass
 class RLSpecTrainerInitInfo(TrainerInitInfo):
@@ -306,76 +261,6 @@ def trainer_init_info(transport: str, *, rank: int, address: str, port: int, wor
         return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=rank)
     return RLSpecTrainerInitInfo(master_address=address, master_port=port, world_size=world_size,
                                  group_backend=group_backend, bucket_bytes=bucket_bytes, timeout_s=timeout_s, rank=rank)
-
-
-class ActorClient:
-    """vLLM's `VLLMWeightSyncClient` over rlspec's receiving actors: each call goes to every
-    receiver (Generators and LogprobWorkers expose the four methods) and waits at most timeout_s.
-    vLLM's trainer engines address one engine at rank_offset 1; receiver i gets its own first rank.
-    `draft` and `version` are this round's: set them before `send_weights`."""
-
-    def __init__(self, transport: str, receivers: list[tuple[str, Any, int]], timeout_s: float):
-        """receivers: (name, Ray actor handle, its first rank in the group)."""
-        self.transport, self.receivers, self.timeout_s = transport, receivers, timeout_s
-        self.draft, self.version = False, 0
-
-    def _all(self, method: str, args_of) -> list:
-        """Results in receiver order. The first receiver found dead raises PeerDied naming it (the
-        driver reports that receiver's death, not a failure of the learner that called it)."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        refs = [getattr(h, method).remote(*args_of(first)) for _, h, first in self.receivers]
-        name_of = {r: name for (name, _, _), r in zip(self.receivers, refs)}
-        pending, deadline, got = list(refs), time.monotonic() + self.timeout_s, {}
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
-            if not ready:
-                raise TimeoutError(f"weight refit: {', '.join(name_of[r] for r in pending)} did not answer "
-                                   f"{method} within {self.timeout_s:.0f}s (cluster.actor_timeout_s)")
-            try:
-                got[ready[0]] = ray.get(ready[0], timeout=0)
-            except RayActorError as e:
-                raise PeerDied(name_of[ready[0]], method, error_line(e)) from None
-        return [got[r] for r in refs]
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        def payload(first: int) -> tuple:
-            inner = {**init_info, "rank_offset": first} if "rank_offset" in init_info else dict(init_info)
-            return ({"transport": self.transport, "inner": inner},)
-        self._all("init_weight_transfer_engine", payload)
-
-    def start_weight_update(self) -> None:
-        self._all("start_weight_update", lambda _: (self.draft,))
-
-    def update_weights(self, update_info: dict) -> None:
-        self._all("update_weights", lambda _: ({"mode": self.transport, "inner": update_info},))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._all("finish_weight_update", lambda _: (self.version, self.draft))
-
-
-class WeightSender:
-    """A learner rank's end of the refit: vLLM's trainer engine for `transport` over the learner's
-    weights (every rank holds one; rank 0 sends)."""
-
-    def __init__(self, transport: str, source, receivers: list[tuple[str, Any, int]], rank: int, address: str,
-                 port: int, world_size: int, bucket_bytes: int, group_backend: str, timeout_s: float):
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-        register()
-        self.client = ActorClient(transport, receivers, timeout_s)
-        info = trainer_init_info(transport, rank=rank, address=address, port=port, world_size=world_size,
-                                 bucket_bytes=bucket_bytes, group_backend=group_backend, timeout_s=timeout_s,
-                                 source=source)
-        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=source)
-
-    def send(self, version: int) -> float:
-        """One round; seconds taken."""
-        t0 = time.perf_counter()
-        self.client.version, self.client.draft = version, False
-        self.engine.send_weights()
-        return time.perf_counter() - t0
 
 
 def register() -> None:

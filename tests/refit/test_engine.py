@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from rlspec.cluster.ray_cluster import free_port
-from rlspec.engines import vllm_transfer
-from rlspec.engines.weight_sync import LearnerSource
+from rlspec.refit import engine as refit_engine
+from rlspec.refit.sender import ActorClient
+from rlspec.refit.source import LearnerSource
 from transfer_engine import Recorder
 from transfer_engine import transfer_engine as engine
 
@@ -30,7 +31,7 @@ WEIGHTS = {"model.embed_tokens.weight": torch.randn(50, 8), "model.layers.0.w": 
 
 def test_a_tensors_round_loads_as_given_and_ties_the_head():
     e = engine()
-    vllm_transfer.register()  # registering again is a no-op
+    refit_engine.register()  # registering again is a no-op
     update(e, {"mode": "tensors", "names": list(WEIGHTS), "tensors": list(WEIGHTS.values())})
     (got,) = e.model.calls
     assert [n for n, _ in got] == list(WEIGHTS) and all(torch.equal(dict(got)[k], v) for k, v in WEIGHTS.items())
@@ -67,7 +68,7 @@ class TiedModule(torch.nn.Module):
 
 class EngineClient:
     """The client protocol over one in-process engine (the Ray fan-out is ActorClient's part;
-    tests/engines/test_weight_sync.py runs that across actors)."""
+    tests/refit/test_refit_actors.py runs that across actors)."""
 
     def __init__(self, e):
         self.e, self.log = e, []
@@ -96,9 +97,9 @@ def test_a_group_round_arrives_bucket_by_bucket_with_the_tied_head():
     module = TiedModule()
     e = engine(dtype=torch.bfloat16)
     client = EngineClient(e)
-    info = vllm_transfer.trainer_init_info("group", rank=0, address="127.0.0.1", port=free_port(), world_size=2,
+    info = refit_engine.trainer_init_info("group", rank=0, address="127.0.0.1", port=free_port(), world_size=2,
                                            bucket_bytes=1024)
-    vllm_transfer.register()
+    refit_engine.register()
     source = LearnerSource(module, zero3=False, dtype=torch.bfloat16, bucket_bytes=1024)
     # the engine's side blocks in the rendezvous, as a receiver actor would
     sender = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
@@ -112,7 +113,7 @@ def test_a_group_round_arrives_bucket_by_bucket_with_the_tied_head():
 
 
 def test_a_source_that_disagrees_with_its_metadata_is_named():
-    from rlspec.engines.weight_sync import RefitGroup, send_state
+    from rlspec.refit.group import RefitGroup, send_state
 
     source = LearnerSource(TiedModule(), zero3=False, dtype=torch.float32, bucket_bytes=1 << 20)
     meta = source.metadata()
@@ -146,7 +147,7 @@ def test_vllm_payloads_reach_vllm_engines_inside_rlspecs_with_each_receivers_ran
     monkeypatch.setattr(ray, "wait", lambda refs, **kw: (refs, []))
     monkeypatch.setattr(ray, "get", lambda refs, **kw: refs)
     receivers = [("generator[0]", Recording(), 1), ("generator[1]", Recording(), 3), ("logprob_worker", Recording(), 5)]
-    client = vllm_transfer.ActorClient(transport, receivers, timeout_s=5)
+    client = ActorClient(transport, receivers, timeout_s=5)
     client.version, client.draft = 7, False
     if transport == "nccl":
         init = worker_init_payload(nccl_engine.NCCLWeightTransferInitInfo(
@@ -172,7 +173,7 @@ def test_vllm_payloads_reach_vllm_engines_inside_rlspecs_with_each_receivers_ran
             assert got_init["inner"]["rank_offset"] == first and got_init["inner"]["world_size"] == 6
         e = engine(dtype=torch.bfloat16)
         # vLLM's engine class parses what it will get (its init would open NCCL: not on this machine)
-        cls = vllm_transfer._inner_engine_class(transport)
+        cls = refit_engine._inner_engine_class(transport)
         inner = cls(None, e.vllm_config, e.device, e.model)
         parsed = inner.parse_init_info(got_init["inner"])
         assert type(parsed).__name__ == ("NCCLWeightTransferInitInfo" if transport == "nccl" else
@@ -203,13 +204,13 @@ def test_the_ipc_buffer_holds_the_largest_tensor():
     largest tensor in the engine's dtype; vLLM's NCCL producer takes oversized tensors as they come."""
     source = LearnerSource(TiedModule(), zero3=False, dtype=torch.bfloat16, bucket_bytes=64)
     largest = 50 * 8 * 2  # the embedding in bfloat16
-    ipc = vllm_transfer.trainer_init_info("ipc", rank=0, address="", port=0, world_size=2, bucket_bytes=64,
+    ipc = refit_engine.trainer_init_info("ipc", rank=0, address="", port=0, world_size=2, bucket_bytes=64,
                                           source=source)
     assert ipc.packed and ipc.packed_buffer_size_bytes == largest
-    big = vllm_transfer.trainer_init_info("ipc", rank=0, address="", port=0, world_size=2, bucket_bytes=1 << 20,
+    big = refit_engine.trainer_init_info("ipc", rank=0, address="", port=0, world_size=2, bucket_bytes=1 << 20,
                                           source=source)
     assert big.packed_buffer_size_bytes == 1 << 20
-    nccl = vllm_transfer.trainer_init_info("nccl", rank=0, address="127.0.0.1", port=1, world_size=2, bucket_bytes=64,
+    nccl = refit_engine.trainer_init_info("nccl", rank=0, address="127.0.0.1", port=1, world_size=2, bucket_bytes=64,
                                            source=source)
     assert nccl.packed_buffer_size_bytes == 64
 
@@ -230,5 +231,6 @@ def test_the_logprob_worker_opens_and_closes_each_ipc_update_as_vllms_workers_do
     closed = inner._packed_importer.close
     monkeypatch.setattr(inner._packed_importer, "close", lambda: (calls.append("close"), closed()))
     w.start_weight_update()
+    inner.model.load_weights(list(w.policy.named_parameters()))  # what the IPC engine's receive ends in
     w.finish_weight_update(3)
     assert calls == ["start", "close"] and w.policy_version == 3

@@ -1,11 +1,13 @@
 """Refit over rlspec's group transport (gloo here, NCCL on GPUs): bucketing, and a round driven by
-learner-side vLLM trainer engine (WeightSender) through ActorClient from one Ray actor into
-several others, each receiving through the engine backend hosted around its model, bit for bit."""
+learner-side vLLM trainer engine (RefitSender) through ActorClient from one Ray actor into
+several others, each a RefitReceiver whose target is the engine backend hosted around its model
+(as a LogprobWorker's is), bit for bit."""
 import pytest
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from rlspec.engines.weight_sync import buckets
+from rlspec.refit.group import buckets
+from rlspec.refit.receiver import RefitReceiver
 
 
 def test_buckets_split_by_size_and_dtype():
@@ -26,41 +28,31 @@ class Source:
     """Stands for learner rank 0 (the Learner's own path is run by the CLI and fan-out tests)."""
 
     def __init__(self, seed, receivers, addr, port, world, bucket_bytes):
-        from rlspec.engines.vllm_transfer import WeightSender
-        from rlspec.engines.weight_sync import LearnerSource
+        from rlspec.refit.sender import RefitSender
+        from rlspec.refit.source import LearnerSource
 
-        self.sender = WeightSender("group", LearnerSource(model(seed), False, torch.float32, bucket_bytes), receivers,
-                                   0, addr, port, world, bucket_bytes, "gloo", timeout_s=120)
+        self.sender = RefitSender("group", LearnerSource(model(seed), False, torch.float32, bucket_bytes), receivers,
+                                  0, addr, port, world, bucket_bytes, "gloo", timeout_s=120)
 
     def send(self, version):
         return self.sender.send(version)
 
 
-class Sink:
+class Sink(RefitReceiver):
     """A receiver as a LogprobWorker is: the engine backend hosted around its own model."""
 
     def __init__(self, seed):
-        from rlspec.engines.vllm_transfer import HostedReceiver
+        from rlspec.refit.receiver import HostedReceiver
 
         self.module = model(seed)
         self.receiver = HostedReceiver(self.module, torch.device("cpu"), torch.float32)
-        self.version = None
+        self.policy_version = 0
 
-    def init_weight_transfer_engine(self, init_info):
-        self.receiver.init(init_info)
-        return self.receiver.engine.group.rank
-
-    def start_weight_update(self, draft=False):
-        pass
-
-    def update_weights(self, update_info):
-        self.receiver.update(update_info)
-
-    def finish_weight_update(self, version, draft=False):
-        self.version = version
+    def refit_target(self):
+        return self.receiver
 
     def received(self):
-        return self.module.state_dict(), self.version
+        return self.module.state_dict(), self.policy_version
 
 
 @pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
@@ -71,7 +63,7 @@ def test_a_round_reaches_every_actor_exactly(ray_session, bucket_bytes):
     import ray
     from ray import cloudpickle
 
-    from rlspec.engines.weight_sync import endpoint
+    from rlspec.refit.group import endpoint
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
@@ -93,7 +85,7 @@ def test_a_round_reaches_every_actor_exactly(ray_session, bucket_bytes):
 def test_a_receiver_that_does_not_answer_is_named(ray_session):
     import ray
 
-    from rlspec.engines.vllm_transfer import ActorClient
+    from rlspec.refit.sender import ActorClient
 
     @ray.remote(num_cpus=0)
     class Stuck:
@@ -118,7 +110,7 @@ class Dying(Sink):
 
 def relay_round(receivers: list[tuple[str, type, int]], addr, port, timeout_s=60):
     """Learner rank 0's refit into `receivers` (name, class, seed), waited on by the driver as the
-    loop waits on Learner.send_weights."""
+    loop waits on Learner.refit."""
     import sys
 
     import ray
@@ -131,7 +123,7 @@ def relay_round(receivers: list[tuple[str, type, int]], addr, port, timeout_s=60
     named = [(name, a, i + 1) for i, ((name, _, _), a) in enumerate(zip(receivers, actors))]
     src = ray.remote(Source).options(num_cpus=0).remote(7, named, addr, port, len(named) + 1, 1 << 20)
     try:
-        return wait(Call("learner[0]", "send_weights", src.send.remote(1)), timeout_s)
+        return wait(Call("learner[0]", "refit", src.send.remote(1)), timeout_s)
     finally:
         for a in (*actors, src):
             ray.kill(a)
@@ -143,9 +135,9 @@ def test_a_receiver_that_dies_mid_round_is_named_by_the_driver(ray_session):
     import ray
 
     from rlspec.cluster.calls import ActorFailure
-    from rlspec.engines.weight_sync import endpoint
+    from rlspec.refit.group import endpoint
 
     addr, port = ray.get(ray.remote(endpoint).options(num_cpus=0).remote())
     with pytest.raises(ActorFailure, match=r"^generator\[1\] died during update_weights "
-                                           r"\(seen by learner\[0\]\.send_weights\): \w+Error"):
+                                           r"\(seen by learner\[0\]\.refit\): \w+Error"):
         relay_round([("generator[0]", Sink, 1), ("generator[1]", Dying, 2)], addr, port)
