@@ -18,12 +18,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+from harness import fmt, times
+
 CELLS = {  # name -> overrides
     "sync / spec off": ["async_grpo.enabled=false", "speculation=none"],
     "sync / spec on": ["async_grpo.enabled=false"],
@@ -32,37 +31,6 @@ CELLS = {  # name -> overrides
 }
 METRICS = ("step_seconds", "steady_step_seconds", "exposed_generation_seconds", "engine_seconds", "learner_seconds",
            "tokens_per_second", "overlap_fraction", "val_accuracy", "acceptance_length", "wall_seconds")
-
-
-def experiment_of(overrides: list[str]) -> str:
-    """The experiment `python -m rlspec.train <overrides>` runs (the default where they name none)."""
-    from rlspec.train import with_default_experiment
-
-    return [o.split("=", 1)[1] for o in with_default_experiment(list(overrides))
-            if o.lstrip("+~").startswith("experiment=")][-1]
-
-
-def rlspec_version() -> str:
-    """The commit the benchmark ran at, "-dirty" when it ran with uncommitted changes ("unknown"
-    outside a git checkout)."""
-    try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
-                             text=True).stdout.strip()
-    except OSError:  # no git on this machine
-        out = ""
-    return out or "unknown"
-
-
-def cpu_model() -> str:
-    """This machine's CPU as the kernel names it (timings move with it, not only with the core count)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "unknown"
 
 
 def read_run(name: str, seed: int, run_dir: Path) -> dict:
@@ -92,26 +60,14 @@ def read_run(name: str, seed: int, run_dir: Path) -> dict:
 
 def run_cell(name: str, overrides: list[str], seed: int, steps: int, work: Path, timeout: int) -> dict:
     run_dir = work / f"{name.replace(' / ', '_').replace(' ', '_')}_seed{seed}"
-    cmd = [sys.executable, "-m", "rlspec.train", *overrides, f"trainer.max_steps={steps}", f"trainer.seed={seed}",
-           f"trainer.val_every={steps}", "trainer.checkpoint_every=0", "trainer.save_final=false",
-           "logging.plot=false", "logging.wandb_mode=disabled", "logging.progress_bar=false",
-           f"hydra.run.dir={run_dir}"]
-    t0 = time.time()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise SystemExit(f"{name} seed {seed} failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
-    out = {**read_run(name, seed, run_dir), "wall_seconds": time.time() - t0}
+    cmd = harness.train_command([*overrides, f"trainer.max_steps={steps}", f"trainer.seed={seed}",
+                                 f"trainer.val_every={steps}"], run_dir)
+    seconds = harness.run(cmd, f"{name} seed {seed}", timeout)
+    out = {**read_run(name, seed, run_dir), "wall_seconds": seconds}
     print(f"  {name:<17} seed {seed}: step {out['steady_step_seconds']:.2f}s, exposed gen "
           f"{out['exposed_generation_seconds']:.2f}s of {out['engine_seconds']:.2f}s, held-out acc "
           f"{out['val_accuracy']:.3f}", flush=True)
     return out
-
-
-def mean_std(xs: list[float | None]) -> tuple[float | None, float | None]:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None, None
-    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -121,7 +77,7 @@ def summarise(runs: list[dict]) -> list[dict]:
         row = {"cell": name, "seeds": [r["seed"] for r in mine],
                "policy_lag_max": max(r["policy_lag_max"] for r in mine)}
         for m in METRICS:
-            row[m], row[f"{m}_std"] = mean_std([r[m] for r in mine])
+            row[m], row[f"{m}_std"] = harness.mean_std([r[m] for r in mine])
         rows.append(row)
     base = {r["cell"]: r for r in rows}
     ratio = lambda b, r: None if b is None else b["steady_step_seconds"] / r["steady_step_seconds"]  # noqa: E731
@@ -131,16 +87,6 @@ def summarise(runs: list[dict]) -> list[dict]:
         r["step_speedup_vs_baseline"] = ratio(base.get("sync / spec off"), r)
         r["val_accuracy_diff_vs_sync"] = None if sync is None else r["val_accuracy"] - sync["val_accuracy"]
     return rows
-
-
-def fmt(v, std=None, p=2):
-    if v is None:
-        return "-"
-    return f"{v:.{p}f}" + (f" ± {std:.{p}f}" if std is not None else "")
-
-
-def times(v):
-    return "-" if v is None else f"{v:.2f}x"
 
 
 def table(rows: list[dict]) -> str:
@@ -178,7 +124,7 @@ def main() -> None:
             result["runs"] = [{**read_run(r["cell"], r["seed"], Path(r["run_dir"])), "wall_seconds": r["wall_seconds"]}
                               for r in result["runs"]]
             result["rows"] = summarise(result["runs"])
-            path.write_text(json.dumps(result, indent=1) + "\n")
+            harness.write(result, path)
         print(table(summarise(result["runs"])))
         return
     if a.steps is None:
@@ -194,12 +140,11 @@ def main() -> None:
             extra = a.async_set if name.startswith("async") else []
             runs.append(run_cell(name, [*a.overrides, *cell, *extra], seed, a.steps, work, a.timeout))
     rows = summarise(runs)
-    result = {"experiment": experiment_of(a.overrides), "version": rlspec_version(), "steps": a.steps,
-              "seeds": a.seeds, "overrides": a.overrides, "async_overrides": a.async_set,
-              "cells": {n: CELLS[n] for n in a.cells}, "cpu_count": os.cpu_count(), "rows": rows, "runs": runs}
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    result = {**harness.stamp(), "experiment": harness.experiment_of(a.overrides), "steps": a.steps, "seeds": a.seeds,
+              "overrides": a.overrides, "async_overrides": a.async_set, "cells": {n: CELLS[n] for n in a.cells},
+              "rows": rows, "runs": runs}
     print(table(rows))
-    print(f"wrote {a.out}")
+    harness.write(result, a.out)
 
 
 if __name__ == "__main__":

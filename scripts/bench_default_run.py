@@ -16,18 +16,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
-
-from bench_async import cpu_model, rlspec_version  # noqa: E402
+import harness
 
 
 def overrides(setting: str) -> list[str]:
@@ -83,23 +76,14 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
 
 def run_one(setting: str, seed: int, extra: list[str], work: Path, per_epoch: int, timeout: int) -> dict:
     run_dir = work / f"{setting.replace(':', '_k').replace('+', '__').replace('=', '-')}_seed{seed}"
-    cmd = [sys.executable, "-m", "rlspec.train", *extra, *overrides(setting), f"trainer.seed={seed}",
-           "trainer.checkpoint_every=0", "trainer.save_final=false", "logging.plot=false",
-           "logging.wandb_mode=disabled", "logging.progress_bar=false", f"hydra.run.dir={run_dir}"]
-    t0 = time.time()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise SystemExit(f"{setting} seed {seed} failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
-    out = {**read_run(setting, seed, run_dir, per_epoch), "process_seconds": time.time() - t0}
+    cmd = harness.train_command([*extra, *overrides(setting), f"trainer.seed={seed}"], run_dir)
+    seconds = harness.run(cmd, f"{setting} seed {seed}", timeout)
+    out = {**read_run(setting, seed, run_dir, per_epoch), "process_seconds": seconds}
     print(f"  {setting:<14} seed {seed}: {out['wall_seconds'] / 60:.1f} min, generation "
           f"{out['stage_share']['generation']:.1%} of the step, held-out "
           f"{' -> '.join(f'{v:.3f}' for v in out['val_accuracy'])}, generation s/step by epoch "
           f"{', '.join(format(e['generation_seconds'], '.2f') for e in out['epochs'])}", flush=True)
     return out
-
-
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -118,12 +102,13 @@ def summarise(runs: list[dict]) -> list[dict]:
                          "generation_seconds": lambda r: r["generation_seconds"],
                          "val_first": lambda r: r["val_accuracy"][0],
                          "val_last": lambda r: r["val_accuracy"][-1]}.items():
-            row[key], row[f"{key}_std"] = mean_std([get(r) for r in mine])
+            row[key], row[f"{key}_std"] = harness.mean_std([get(r) for r in mine])
         if all("val_seconds" in r for r in mine):  # seconds per validation, mean over the run's
-            row["val_seconds"], row["val_seconds_std"] = mean_std([statistics.mean(r["val_seconds"]) for r in mine])
+            per_run = [statistics.mean(r["val_seconds"]) for r in mine]
+            row["val_seconds"], row["val_seconds_std"] = harness.mean_std(per_run)
         row["val_accuracy"] = [statistics.mean(r["val_accuracy"][i] for r in mine)
                                for i in range(len(row["val_steps"]))]
-        row["val_accuracy_std"] = [mean_std([r["val_accuracy"][i] for r in mine])[1]
+        row["val_accuracy_std"] = [harness.mean_std([r["val_accuracy"][i] for r in mine])[1]
                                    for i in range(len(row["val_steps"]))]
         row["epochs"] = []
         for e in range(n_ep):
@@ -131,8 +116,8 @@ def summarise(runs: list[dict]) -> list[dict]:
             speed = [base[r["seed"]]["epochs"][e]["generation_seconds"] / r["epochs"][e]["generation_seconds"]
                      for r in mine if r["seed"] in base]
             acc = [r["epochs"][e]["acceptance_length"] for r in mine if r["epochs"][e]["acceptance_length"]]
-            row["epochs"].append({"steps": mine[0]["epochs"][e]["steps"], "generation_seconds": mean_std(gen),
-                                  "speedup_vs_none": mean_std(speed) if speed else None,
+            row["epochs"].append({"steps": mine[0]["epochs"][e]["steps"], "generation_seconds": harness.mean_std(gen),
+                                  "speedup_vs_none": harness.mean_std(speed) if speed else None,
                                   "acceptance_length": statistics.mean(acc) if acc else None})
         for which in ("first", "run"):
             row[f"response_length_{which}"] = {q: statistics.mean(r[f"response_length_{which}"][q] for r in mine)
@@ -207,7 +192,7 @@ def main() -> None:
             result["runs"] = [{**read_run(r["setting"], r["seed"], Path(r["run_dir"]), result["steps_per_epoch"]),
                                "process_seconds": r["process_seconds"]} for r in result["runs"]]
             result["rows"] = summarise(result["runs"])
-            path.write_text(json.dumps(result, indent=1) + "\n")
+            harness.write(result, path)
         print(table(result["rows"]))
         return
     if a.settings[0] != "none":
@@ -216,14 +201,13 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     per_epoch = epoch_steps(a.overrides)
-    version = rlspec_version()
+    stamp = harness.stamp()
     runs = [run_one(s, seed, a.overrides, work, per_epoch, a.timeout) for seed in a.seeds for s in a.settings]
     rows = summarise(runs)
-    result = {"version": version, "settings": a.settings, "seeds": a.seeds, "overrides": a.overrides,
-              "steps_per_epoch": per_epoch, "cpu_count": os.cpu_count(), "cpu": cpu_model(), "rows": rows, "runs": runs}
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    result = {**stamp, "settings": a.settings, "seeds": a.seeds, "overrides": a.overrides,
+              "steps_per_epoch": per_epoch, "rows": rows, "runs": runs}
     print(table(rows))
-    print(f"wrote {a.out}")
+    harness.write(result, a.out)
 
 
 if __name__ == "__main__":

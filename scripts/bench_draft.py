@@ -24,20 +24,14 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
-
-from bench_async import experiment_of, fmt, mean_std, rlspec_version, times  # noqa: E402
+import harness
+from harness import ROOT, fmt, mean_std, times
 
 ARMS = ("none", "generic / off", "generic / on", "domain / off", "domain / on")
-RUN_FLAGS = ["trainer.checkpoint_every=0", "logging.plot=false", "logging.wandb_mode=disabled",
-             "logging.progress_bar=false"]
 
 
 def experiment_cfg(overrides: list[str]):
@@ -105,9 +99,7 @@ def train_generic_head(work: Path, domain_log: dict, text_lines: int, timeout: i
     if not (resume and kept.exists() and json.loads(kept.read_text()) == made and (head / "train_log.json").exists()):
         kept.unlink(missing_ok=True)
         generic_text(work / "generic.txt", text_lines)
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        if p.returncode != 0:
-            raise SystemExit(f"generic head training failed: {' '.join(cmd)}\n{p.stderr[-3000:]}")
+        harness.run(cmd, "generic head training", timeout)
         kept.write_text(json.dumps(made) + "\n")
     return json.loads((head / "train_log.json").read_text())
 
@@ -118,27 +110,24 @@ def run_arm(arm: str, head: Path | None, seed: int, steps: int, overrides: list[
     spec = ["speculation=none"] if head is None else [
         "speculation=eagle3", f"speculation.model={head}",
         f"speculation.online.enabled={'true' if arm.endswith('/ on') else 'false'}"]
-    cmd = [sys.executable, "-m", "rlspec.train", *overrides, *spec, f"trainer.max_steps={steps}",
-           f"trainer.seed={seed}", f"trainer.val_every={steps}", f"trainer.save_final={arm == 'none'}", *RUN_FLAGS,
-           f"hydra.run.dir={run_dir}"]
+    cmd = harness.train_command([*overrides, *spec, f"trainer.max_steps={steps}", f"trainer.seed={seed}",
+                                 f"trainer.val_every={steps}"], run_dir, save_final=arm == "none")
     # what the directory's finished run was made by: the command and its head's training log
     made = {"command": cmd, "head": None if head is None else (head / "train_log.json").read_text()}
     kept = run_dir / "bench_made.json"
     reused = resume and kept.exists() and json.loads(kept.read_text()) == made and (run_dir / "summary.json").exists()
     if not reused:
         kept.unlink(missing_ok=True)
-    t0 = time.time()
-    p = None if reused else subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if p is not None and p.returncode != 0:
-        raise SystemExit(f"{arm} seed {seed} failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
+    seconds = None
     if not reused:
+        seconds = harness.run(cmd, f"{arm} seed {seed}", timeout)
         kept.write_text(json.dumps(made) + "\n")
     s = json.loads((run_dir / "summary.json").read_text())
     recs = s["records"]
     q = max(1, len(recs) // 4)
     acc = [r["acceptance_length"] for r in recs]
     out = {"arm": arm, "seed": seed, "run_dir": str(run_dir), "reused": reused,
-           "wall_seconds": s["wall_seconds"] if reused else time.time() - t0,
+           "wall_seconds": s["wall_seconds"] if reused else seconds,
            "tokens_per_second": s["tokens_per_second"], "val_accuracy": s["val_accuracy"],
            "acceptance_by_step": acc,
            "gen_tokens_per_s_by_step": [r["tokens_per_second"] for r in recs],
@@ -275,9 +264,9 @@ def main() -> None:
                                 work, args.timeout, args.resume))
     finals = [r for r in runs if r["arm"] == "none"]
     result = {
-        "experiment": experiment_of(args.set), "overrides": args.set, "k": cfg.speculation.num_speculative_tokens,
-        "steps": steps, "seeds": args.seeds, "wall_seconds": time.time() - t0,
-        "version": rlspec_version(),
+        **harness.stamp(), "experiment": harness.experiment_of(args.set), "overrides": args.set,
+        "k": cfg.speculation.num_speculative_tokens, "steps": steps, "seeds": args.seeds,
+        "wall_seconds": time.time() - t0,
         "generic_head": {"train_sequences": glog["train_sequences"],
                          "vllm_acceptance": glog["vllm"]["acceptance_length"],
                          "vllm_k": glog["vllm"]["k"],
@@ -294,7 +283,7 @@ def main() -> None:
     }
     result["rows"] = summarise(runs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    harness.write(result, args.out)
     plot(result, Path(args.out).with_suffix(".png"))
     text = report(result)
     Path(args.out).with_suffix(".md").write_text(text + "\n")

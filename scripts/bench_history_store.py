@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import subprocess
 import sys
@@ -43,8 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import harness
+
+ROOT = harness.ROOT
 
 VOCAB, PROMPTS, GROUP = 151_936, 17_000, 16
 STORES = ("rlspec", "dict", "suffix")
@@ -499,14 +499,6 @@ def scale(args) -> dict:
     return {"rows": results, "notes": notes, "k": args.k, "seed": args.seed}
 
 
-def stamp() -> dict:
-    from bench_async import cpu_model, rlspec_version
-
-    return {"command": "python scripts/bench_history_store.py " + " ".join(sys.argv[1:]),
-            "version": rlspec_version(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d")}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -537,7 +529,7 @@ def main() -> None:
     if args.mode == "one":
         print(json.dumps(scale_one(args)), flush=True)
         return
-    result = {**stamp(), **(replay_real(args) if args.mode == "replay" else scale(args))}
+    result = {**harness.stamp(), **(replay_real(args) if args.mode == "replay" else scale(args))}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}", flush=True)

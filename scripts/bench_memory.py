@@ -13,13 +13,12 @@ Then prints the dry-run memory table of rl_zero_qwen3_8b and qwen3_235b_a22b on 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+from harness import ROOT
 LAYERS = {"Qwen3 at hidden 1024": (1024, 3072, 16, 8, 64), "Qwen3-4B": (2560, 9728, 32, 8, 128),
           "Qwen3-8B": (4096, 12288, 32, 8, 128)}
 
@@ -104,7 +103,7 @@ def main() -> None:
     from memory_probe import measure_layer
     from rlspec.cluster.memory import ACT_ELEMENTS, FORWARD_ELEMENTS
 
-    t0 = time.time()
+    t0, stamp = time.time(), harness.stamp()
     layers = []
     for name, (h, i, heads, kv, hd) in LAYERS.items():
         plain = measure_layer(h, i, heads, kv, hd, tokens=a.tokens, device=a.device)
@@ -140,15 +139,8 @@ def main() -> None:
     t = tables()
     for name, r in t.items():
         print(f"\n{name}\n{r['table']}", flush=True)
-    git = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    commit = git("rev-parse", "--short", "HEAD") + (" with uncommitted changes"
-                                                    if git("status", "--porcelain", "rlspec") else "")
-    device = torch_device_name(a.device)
-    a.out.write_text(json.dumps({"version": commit, "device": device, "tokens_per_layer_measurement": a.tokens,
-                                 "layers": layers, "output_layer": head, "experiments": t,
-                                 "wall_seconds": time.time() - t0},
-                                indent=1) + "\n")
-    print(f"wrote {a.out}")
+    harness.write({**stamp, "device": torch_device_name(a.device), "tokens_per_layer_measurement": a.tokens,
+                   "layers": layers, "output_layer": head, "experiments": t, "wall_seconds": time.time() - t0}, a.out)
 
 
 if __name__ == "__main__":

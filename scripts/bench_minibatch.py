@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_async import ROOT, mean_std, run_cell  # noqa: E402
+import harness
+from bench_async import run_cell
+from harness import ROOT, mean_std
 
 def cells(experiment: str, mini: int) -> dict[str, list[str]]:
     """Cell name -> overrides: the experiment as it is, and with `mini` samples per optimizer step."""
@@ -84,21 +83,19 @@ def main() -> None:
         r = json.loads(Path(a.resummarise).read_text())
         r["runs"] = [with_clipping({**x, "steps": r["steps"]}) for x in r["runs"]]
         r["rows"] = summarise(r["runs"])
-        Path(a.resummarise).write_text(json.dumps(r, indent=1) + "\n")
+        harness.write(r, a.resummarise)
         print(table(r["rows"]))
         return
-    t0, runs, grid = time.time(), [], cells(a.experiment, a.mini_batch_size)
+    t0, runs, grid, stamp = time.time(), [], cells(a.experiment, a.mini_batch_size), harness.stamp()
     for seed in a.seeds:
         for name, overrides in grid.items():
             runs.append(with_clipping({**run_cell(name, overrides, seed, a.steps, ROOT / a.work, 1800),
                                        "steps": a.steps, "overrides": overrides}))
     rows = summarise(runs)
     print(table(rows))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    Path(a.out).write_text(json.dumps({"version": commit.strip(), "steps": a.steps, "seeds": a.seeds,
-                                       "experiment": a.experiment, "mini_batch_size": a.mini_batch_size, "rows": rows,
-                                       "runs": runs, "wall_seconds": time.time() - t0}, indent=1) + "\n")
-    print(f"wrote {a.out}")
+    harness.write({**stamp, "steps": a.steps, "seeds": a.seeds, "experiment": a.experiment,
+                   "mini_batch_size": a.mini_batch_size, "rows": rows, "runs": runs, "wall_seconds": time.time() - t0},
+                  a.out)
 
 
 if __name__ == "__main__":

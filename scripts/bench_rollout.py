@@ -18,16 +18,12 @@ import argparse
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
-
-from bench_async import rlspec_version  # noqa: E402
+import harness
+from harness import ROOT
 
 
 def widen(src: str, dst: str, factor: int, extra_layers: int) -> str:
@@ -250,7 +246,7 @@ def run(args) -> list[dict]:
             model=ModelConfig(max_model_len=exp.model.max_model_len if exp else 256), generation=gen,
             speculation=spec, seed=args.seed, threads=args.threads)
     records = []
-    version = rlspec_version()
+    version = harness.rlspec_version()
     for b in args.batch_sizes:
         n = min(b, args.group)
         runs = {name: [] for name in actors}
@@ -358,7 +354,7 @@ def main() -> None:
     ap.add_argument("--table", type=Path, metavar="JSON", help="print the markdown table of an earlier run and exit")
     args = ap.parse_args()
     if args.table:
-        records = json.loads(args.table.read_text())
+        records = json.loads(args.table.read_text())["records"]
         print(table(records))
         print(tail_table(records))
         return
@@ -370,11 +366,11 @@ def main() -> None:
         args.group = args.group or gen.num_generations_per_prompt
     args.max_tokens, args.group = args.max_tokens or 48, args.group or 8
     args.workdir.mkdir(parents=True, exist_ok=True)
+    stamp = harness.stamp()
     records = run(args)
-    args.out.write_text(json.dumps(records, indent=1) + "\n")
     print(table(records))
     print(tail_table(records))
-    print(f"wrote {args.out}")
+    harness.write({**stamp, "records": records}, args.out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -37,11 +36,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_async import experiment_of, fmt as f, mean_std, times  # noqa: E402  (the 2x2 benchmark's helpers)
+import harness
+from harness import ROOT, mean_std, times
+from harness import fmt as f
 
 PEER = "TRL GRPOTrainer"  # the reference every ratio is taken against
 PEER_VLLM = "TRL GRPOTrainer + vLLM colocate"
@@ -56,8 +53,6 @@ MODES = {  # name -> rlspec overrides; None: a peer
                                   "cluster.generator_threads=1"],
 }
 SAME_BLOCK_S = 3600  # two runs of a seed finished this close ran in one block of its interleaved runs (~40 min)
-RUN_FLAGS = ["trainer.checkpoint_every=0", "trainer.save_final=false", "logging.plot=false",
-             "logging.wandb_mode=disabled", "logging.progress_bar=false"]
 
 
 # ---------------------------------------------------------------- the peer: TRL, in a subprocess
@@ -286,7 +281,7 @@ def run_one(mode: str, seed: int, a, work: Path) -> dict:
         cmd = [sys.executable, __file__, "--trl-worker", *PEERS[mode], "--seed", str(seed), "--steps", str(a.steps),
                "--val-every", str(a.val_every), "--run-dir", str(run_dir), "--set", *a.set]
     else:
-        cmd = [sys.executable, "-m", "rlspec.train", *common, *MODES[mode], *RUN_FLAGS, f"hydra.run.dir={run_dir}"]
+        cmd = harness.train_command([*common, *MODES[mode]], run_dir)
     kept = run_dir / "bench_row.json"
     if a.resume and kept.exists():
         row = with_finished_at(json.loads(kept.read_text()), kept)
@@ -501,7 +496,7 @@ def main() -> None:
         if "experiment" not in result:  # older files: what the rlspec runs' Hydra recorded, where still on disk
             import yaml
 
-            named = {experiment_of(yaml.safe_load(f.read_text())) for r in result["runs"]
+            named = {harness.experiment_of(yaml.safe_load(f.read_text())) for r in result["runs"]
                      for f in [Path(r["run_dir"]) / ".hydra" / "overrides.yaml"] if f.exists()}
             if len(named) == 1:
                 result["experiment"] = named.pop()
@@ -524,10 +519,10 @@ def main() -> None:
         for seed in a.seeds:  # modes interleaved per seed: machine drift hits them alike
             for mode in a.modes:
                 runs.append(run_one(mode, seed, a, work))
-        result = {"experiment": experiment_of(a.set),
+        result = {"experiment": harness.experiment_of(a.set), "date": harness.stamp()["date"],
                   "steps": a.steps, "seeds": a.seeds, "val_every": a.val_every, "overrides": a.set,
                   "modes": {m: MODES[m] for m in a.modes}, "machine": machine(), "versions": versions(),
-                  "command": shlex.join(["python", "scripts/bench_vs_peer.py", *sys.argv[1:]]),
+                  "command": harness.command(),
                   "bench_seconds": sum(r["wall_seconds"] for r in runs), "runs": runs}
         result["summary"] = summarise(runs, a.target)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -34,9 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpu_check import Checks
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from gpu_check import Checks  # noqa: E402
 
 METHODS = ("none", "eagle3", "draft_model", "ngram", "history")
 SAMPLED_PROMPTS = 3

@@ -83,31 +83,8 @@ def test_label_names_the_k_a_setting_ran_with():
     assert bdr.label({"setting": "history"}) == "history"  # files written before runs recorded it
 
 
-def test_page_command_pins_the_k_a_file_ran_with():
-    import make_benchmarks_page as page
-
-    rows = [{"setting": "none", "speculation": {"method": "none", "num_speculative_tokens": 3,
-                                                "max_speculative_tokens": 5}},
-            {"setting": "history", "speculation": {"method": "history", "num_speculative_tokens": 8,
-                                                   "max_speculative_tokens": 8}},
-            {"setting": "history:auto", "speculation": {"method": "history", "num_speculative_tokens": "auto",
-                                                        "max_speculative_tokens": 8}}]
-    r = {"settings": ["none", "history", "history:auto"], "overrides": ["trainer.max_steps=4"], "rows": rows}
-    assert page.pinned_settings(r) == (["none", "history:8", "history:auto"],
-                                       ["trainer.max_steps=4", "speculation.max_speculative_tokens=8"])
-    old = {**r, "rows": [{"setting": x["setting"]} for x in rows]}  # a file from before runs recorded it
-    assert page.pinned_settings(old) == (r["settings"], r["overrides"])
-
-
 def test_a_setting_may_carry_overrides_of_its_own():
-    import make_benchmarks_page as page
-
     assert bdr.overrides("none+trainer.skip_zero_gradient_rows=false") == [
         "speculation=none", "trainer.skip_zero_gradient_rows=false"]
     assert bdr.overrides("draft_model:3+a.b=1+c=2") == ["speculation=draft_model",
                                                         "speculation.num_speculative_tokens=3", "a.b=1", "c=2"]
-    spec = {"method": "history", "num_speculative_tokens": 5, "max_speculative_tokens": 5}
-    r = {"settings": ["none", "history+x.y=1"], "overrides": [],
-         "rows": [{"setting": "none", "speculation": {**spec, "method": "none"}},
-                  {"setting": "history+x.y=1", "speculation": spec}]}
-    assert page.pinned_settings(r)[0] == ["none", "history:5+x.y=1"]

@@ -35,14 +35,6 @@ def test_the_generic_head_is_the_domain_heads_command_on_text(assets, tmp_path):
     assert c.generation.max_new_tokens == rec["generation"]["max_new_tokens"]
 
 
-def test_the_pages_command_names_the_experiment_a_file_ran():
-    import make_benchmarks_page as page
-
-    assert page.pinned([], "chain_cpu") == ["+experiment=chain_cpu"]
-    assert page.pinned(["trainer.lr=1e-5"]) == ["+experiment=tiny_cpu", "trainer.lr=1e-5"]  # older files: tiny_cpu
-    assert page.pinned(["+experiment=chain_cpu", "x=1"], "tiny_cpu") == ["+experiment=chain_cpu", "x=1"]
-
-
 def test_recorded_strings_reach_hydra_as_they_were(tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
