@@ -234,3 +234,19 @@ def test_the_logprob_worker_opens_and_closes_each_ipc_update_as_vllms_workers_do
     inner.model.load_weights(list(w.policy.named_parameters()))  # what the IPC engine's receive ends in
     w.finish_weight_update(3)
     assert calls == ["start", "close"] and w.policy_version == 3
+
+
+def test_a_logprob_workers_round_that_leaves_a_parameter_out_is_refused():
+    """A LogprobWorker's round (here the tensors one, the object store's) lands in its model through
+    the shared receiver; a round that leaves a parameter out fails at its finish naming it, and the
+    worker's version stays; a whole round sets every parameter and the version."""
+    from conftest import logprob_worker
+
+    w = logprob_worker(4)
+    weights = {n: p.detach() + 1.0 for n, p in w.policy.named_parameters()}
+    left_out = sorted(weights)[0]
+    with pytest.raises(RuntimeError, match=rf"weight refit 5: the round left out 1 parameters .*\({left_out}\)"):
+        w.refit_tensors({n: t for n, t in weights.items() if n != left_out}, 5)
+    assert w.policy_version == 0
+    assert w.refit_tensors(weights, 6) >= 0 and w.policy_version == 6
+    assert all(torch.equal(p, weights[n]) for n, p in w.policy.named_parameters())
