@@ -65,7 +65,7 @@ def queue_of(lag: int, capacity: int | None, steps: int, fail_at: int | None = N
     messages = []
     run = SimpleNamespace(cfg=cfg, stop=StopRequest(), log=SimpleNamespace(write=messages.append),
                           actors=SimpleNamespace(generators=gens, timeout_s=60.0,
-                                                 weights=SimpleNamespace(collective=False)))
+                                                 refit=SimpleNamespace(collective=False)))
     # prompt i's first token is i: the stand-in logs which batch each generate call carried
     prompts = PromptSet("stand-in", [Prompt(str(i), "0", [i, 1, 2], i + 1) for i in range(100)])
     sampler = PromptSampler(prompts, seed=0, shuffle=False)
