@@ -519,10 +519,9 @@ def main() -> None:
         for seed in a.seeds:  # modes interleaved per seed: machine drift hits them alike
             for mode in a.modes:
                 runs.append(run_one(mode, seed, a, work))
-        result = {"experiment": harness.experiment_of(a.set), "date": harness.stamp()["date"],
+        result = {**harness.stamp(), "experiment": harness.experiment_of(a.set),
                   "steps": a.steps, "seeds": a.seeds, "val_every": a.val_every, "overrides": a.set,
                   "modes": {m: MODES[m] for m in a.modes}, "machine": machine(), "versions": versions(),
-                  "command": harness.command(),
                   "bench_seconds": sum(r["wall_seconds"] for r in runs), "runs": runs}
         result["summary"] = summarise(runs, a.target)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")

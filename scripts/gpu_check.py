@@ -7,7 +7,7 @@ sleep mode.
     python scripts/gpu_check.py --out gpu_check.json
 
 Checks:
-1. the stack starts (engine with the draft, learner, weight sync) in the platform's settings;
+1. the stack starts (engine with the draft, learner, refit) in the platform's settings;
 2. greedy rollouts with speculation equal those without, token for token;
 3. sampled rollouts with speculation keep the policy's distribution (two-sample chi-square per
    prompt and position, Bonferroni level 0.01);
@@ -216,7 +216,7 @@ def main() -> int:
     train_set, val_set = load_data(cfg, tok)
     stack = Stack(cfg, paths, tok, train_set, val_set, a.samples, a.out.resolve().parent, on_gpu)
     with RayCluster(cfg):
-        checks.run("stack starts (engine + draft, learner, weight sync)", lambda: start(stack))
+        checks.run("stack starts (engine + draft, learner, refit)", lambda: start(stack))
         if stack.actors is not None:
             for name, check in CHECKS:
                 checks.run(name, lambda: check(stack))

@@ -57,11 +57,11 @@ def head(path: Path, r: dict) -> list[str]:
 
 
 # -- one renderer per kind of file: its tables --------------------------------------------------
-def default_run(r: dict) -> list[str]:
+def default_run(r: dict, path: Path) -> list[str]:
     return [bench_default_run.table(r["rows"])]
 
 
-def async_2x2(r: dict) -> list[str]:
+def async_2x2(r: dict, path: Path) -> list[str]:
     return [bench_async.table(bench_async.summarise(r["runs"]))]
 
 
@@ -69,7 +69,7 @@ def draft(r: dict, path: Path) -> list[str]:
     return [bench_draft.report(r), "", f"![acceptance by step]({path.with_suffix('.png').relative_to(ROOT / 'docs')})"]
 
 
-def minibatch(r: dict) -> list[str]:
+def minibatch(r: dict, path: Path) -> list[str]:
     return [bench_minibatch.table(r["rows"])]
 
 
@@ -87,7 +87,7 @@ def auto_lines(records: list[dict]) -> list[str]:
     return out
 
 
-def rollout(r: dict) -> list[str]:
+def rollout(r: dict, path: Path) -> list[str]:
     records = r["records"]
     out = [f"{records[0].get('repeats', '?')} timed calls per cell; prompts: {records[0].get('prompts', 'fresh')}.", "",
            bench_rollout.table(records)]
@@ -98,7 +98,7 @@ def rollout(r: dict) -> list[str]:
     return out
 
 
-def replay(r: dict) -> list[str]:
+def replay(r: dict, path: Path) -> list[str]:
     eps = sorted({e for v in r["stores"].values() for e in v["tokens_per_verification"]}, key=int)
     out = [f"{r['steps']} calls of real rollouts ({r['tokens']:,} tokens), k={r['k']}, batch up to {r['max_batch']}, "
            f"a store of at most {r['max_tokens']:,} response tokens.",
@@ -116,7 +116,7 @@ def replay(r: dict) -> list[str]:
     return out
 
 
-def scale(r: dict) -> list[str]:
+def scale(r: dict, path: Path) -> list[str]:
     out = [f"k={r['k']}.", "",
            "| store | size | stored tokens | bytes/token (RSS) | bytes/token (arrays) | us per inserted token "
            "| us/row at batch 1 / 64 / 512 | tok/verif. | hit rate (2,000 prompts) |", "|---" * 9 + "|"]
@@ -158,7 +158,7 @@ def peer(r: dict, path: Path) -> list[str]:
     return out
 
 
-def memory(r: dict) -> list[str]:
+def memory(r: dict, path: Path) -> list[str]:
     h = r["output_layer"]
     out = [f"{r['tokens_per_layer_measurement']} tokens per layer measurement.", "",
            "| layer | hidden / MLP / heads / KV heads | KiB per token | model | error | checkpointed |",
@@ -174,7 +174,7 @@ def memory(r: dict) -> list[str]:
     return out[:-1]
 
 
-def memory_gpu(r: dict) -> list[str]:
+def memory_gpu(r: dict, path: Path) -> list[str]:
     h, n = r["output_layer"], r["output_layer"]["tokens"]
     out = ["| layer | kept KiB/token | model | peak KiB/token | checkpointed: kept | checkpointed: peak | "
            "no-grad forward: peak | model |", "|---|---|---|---|---|---|---|---|"]
@@ -206,7 +206,7 @@ def learner_memory(paths: list[Path]) -> list[str]:
     return out
 
 
-RENDER = [  # (file name pattern, renderer(result[, path]))
+RENDER = [  # (file name pattern, renderer(result, path))
     ("default_run*.json", default_run), ("async_*.json", async_2x2), ("draft_*.json", draft),
     ("minibatch*.json", minibatch), ("rollout_*.json", rollout), ("history_store_replay*.json", replay),
     ("history_store_scale.json", scale), ("vs_peer.json", peer), ("memory.json", memory),
@@ -218,8 +218,7 @@ def section(path: Path) -> list[str]:
     r = json.loads(path.read_text())
     for pattern, render in RENDER:
         if path.match(pattern):
-            body = render(r, path) if render.__code__.co_argcount == 2 else render(r)
-            return head(path, r) + body
+            return head(path, r) + render(r, path)
     raise PageError(f"{path}: no renderer for this file name in scripts/make_benchmarks_page.py (RENDER)")
 
 

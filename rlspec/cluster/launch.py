@@ -1,5 +1,5 @@
 """Launch: place every role by the plan, start the actors, wait until each is up, and build the
-weight sync between them. The only module that wraps worker classes with `ray.remote`: workers are
+refit between them. The only module that wraps worker classes with `ray.remote`: workers are
 plain classes, so tests build them without Ray."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Actors:
 
 def launch_actors(cfg: RLSpecConfig, paths: ModelPaths) -> Actors:
     """Place every role by the plan (one placement group per node), start the Generator engines,
-    LogprobWorkers and learner ranks, wait until each is up, and connect the weight sync.
+    LogprobWorkers and learner ranks, wait until each is up, and connect the refit.
     `cfg` is resolved (config.resolve_auto)."""
     import ray
 

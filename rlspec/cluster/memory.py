@@ -148,7 +148,7 @@ def cuda_graph_pool_gib(cfg, m) -> float:
 
 def ipc_buffer_gib(cfg, m) -> float:
     """A learner rank's IPC refit buffer (`ipc` transport only): the engines' largest tensor, the
-    embedding, or cluster.refit_bucket_mb if larger (rlspec/engines/vllm_transfer.trainer_init_info)."""
+    embedding, or cluster.refit_bucket_mb if larger (rlspec/refit/engine.py's trainer_init_info)."""
     if cfg.cluster.refit != "ipc":
         return 0.0
     return max(cfg.cluster.refit_bucket_mb << 20,

@@ -198,7 +198,7 @@ class Checkpointer:
         return final
 
     def restore(self, ckpt: Path, sampler) -> tuple[DriverState, Counters]:
-        """Load `ckpt` into the actors and the driver; the weight sync then puts its policy (and
+        """Load `ckpt` into the actors and the driver; the refit then puts its policy (and
         the online-trained draft head) into every engine and log-prob worker."""
         a = self.actors
         state = read_driver_state(ckpt)

@@ -19,7 +19,6 @@ vLLM's `nccl` and `ipc`, and rlspec's `rlspec` for the group), which drives ever
 `VLLMWeightSyncClient` (refit/sender.py's ActorClient)."""
 from __future__ import annotations
 
-import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -33,7 +32,7 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 
 from rlspec.messages import PeerDied
 from rlspec.refit import COLLECTIVE
-from rlspec.refit.group import RefitGroup, metas_from_lists, recv_state, send_state
+from rlspec.refit.group import RefitGroup, metas_from_lists, numel, recv_state, send_state
 
 BACKEND = "rlspec"
 MODES = ("tensors", *COLLECTIVE)  # what an update carries
@@ -251,7 +250,7 @@ def trainer_init_info(transport: str, *, rank: int, address: str, port: int, wor
     a tensor larger than it, so under `ipc` the buffer grows to the source's largest tensor (a
     Qwen3-8B embedding is 1.2 GB in bfloat16, cluster.refit_bucket_mb 256)."""
     if transport == "ipc" and source is not None:
-        bucket_bytes = max(bucket_bytes, *(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()))
+        bucket_bytes = max(bucket_bytes, *(numel(m) * m.dtype.itemsize for m in source.metadata()))
     if transport == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
         return NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world_size, packed=True,
@@ -275,5 +274,3 @@ def register() -> None:
             factory.register_engine(BACKEND, cls)
         except ValueError:  # registered already (the factory refuses a name twice)
             pass
-
-

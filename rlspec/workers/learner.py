@@ -14,10 +14,10 @@ from rlspec.algo.logprobs import LogprobModel, prompt_cache_supported, prompt_pl
 from rlspec.algo.losses import LossInputs
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
 from rlspec.engines.deepspeed_engine import init_distributed, make_engine
-from rlspec.refit.group import endpoint
-from rlspec.refit.source import LearnerSource
 from rlspec.messages import MiniBatch, TrainBatch
 from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
+from rlspec.refit.group import endpoint
+from rlspec.refit.source import LearnerSource
 
 
 def finite_inputs(batch: TrainBatch) -> bool:
@@ -218,7 +218,7 @@ class Learner:
         return endpoint()
 
     def join_refit(self, transport: str, receivers: list, address: str, port: int, world_size: int,
-                        dtype: str, bucket_bytes: int, timeout_s: float) -> int:
+                   dtype: str, bucket_bytes: int, timeout_s: float) -> int:
         """Every rank builds its end of `transport` (nccl, ipc or group) over this learner's weights
         in the engines' `dtype`; rank 0 rendezvouses with the receivers ((name, actor, first rank))."""
         from rlspec.refit.sender import RefitSender

@@ -82,7 +82,7 @@ def test_cpu_runs_and_unknown_models_are_not_checked():
 
 def test_ipc_buffer_and_a_sleeping_engines_graph_pool_are_counted():
     """Colocated 8B (refit over CUDA IPC, sleep mode, CUDA graphs): each learner GPU keeps an IPC
-    buffer as large as the bfloat16 embedding (vllm_transfer.trainer_init_info sizes it so; the
+    buffer as large as the bfloat16 embedding (refit.engine.trainer_init_info sizes it so; the
     receivers map it until their update finishes), and a sleeping engine keeps its CUDA-graph pool
     through the train stage. Over nccl there is no buffer; an eager engine has no pool."""
     cfg = resolve_auto(compose(["+experiment=rl_zero_qwen3_8b"], plain=False))
