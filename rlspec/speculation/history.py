@@ -498,3 +498,16 @@ class HistoryIndex:
                         st.shadow_drafted_pos[j] += 1
                     if draft:
                         pending[i] = (draft, 0)
+
+
+def merge_states(states: list[dict]) -> dict:
+    """Several engines' saved stores as one state HistoryIndex.load_state_dict takes (their prompts
+    in order, the most permissive admission limit); every state must be of one format version."""
+    versions = {s.get("version") for s in states}
+    if len(versions) > 1:
+        raise ValueError(f"history stores of different format versions {sorted(map(str, versions))} cannot merge")
+    out = {"prompts": [x for s in states for x in s["prompts"]]}
+    if versions != {None}:
+        out["version"] = versions.pop()
+        out["admit_below"] = str(max((int(s.get("admit_below", 1 << 64)) for s in states), default=1 << 64))
+    return out
