@@ -79,8 +79,9 @@ class Generator(RefitReceiver):
 
     def load_history(self, paths: list[str]) -> None:
         """The stores saved at `paths`, merged (least recently seen first, bounds applied)."""
-        states = [torch.load(p, weights_only=True) for p in paths]
-        self.load_history_state({"prompts": [x for s in states for x in s["prompts"]]})
+        from rlspec.speculation.history import merge_states
+
+        self.load_history_state(merge_states([torch.load(p, weights_only=True) for p in paths]))
 
     def refit_target(self) -> VLLMEngine:
         return self.engine

@@ -1,0 +1,40 @@
+"""A history run's store through the Generator's checkpoint calls (save_history / load_history), as
+`trainer.resume` restores it: a Generator actor on the tiny policy."""
+import pytest
+
+from conftest import heldout_prompts, sampling, start_generator
+
+
+def call(method, *args):
+    import ray
+    return ray.get(method.remote(*args), timeout=600)
+
+
+def test_merged_states_keep_their_format_version_and_admission_limit():
+    from rlspec.speculation.history import merge_states
+
+    a = {"version": 2, "admit_below": "5", "prompts": [["1", []]]}
+    b = {"version": 2, "admit_below": str(1 << 63), "prompts": [["2", []]]}
+    assert merge_states([a, b]) == {"version": 2, "admit_below": str(1 << 63), "prompts": [["1", []], ["2", []]]}
+    with pytest.raises(ValueError, match="different format versions"):
+        merge_states([a, {"prompts": []}])
+
+
+def test_a_history_run_resumed_from_its_saved_store_drafts_as_before(ray_session, tokenizer, tmp_path):
+    """An epoch of sampled rollouts becomes history and is saved; a greedy training call drafts from
+    it (and joins it); the saved store loaded back, the same call drafts the same tokens again."""
+    import ray
+
+    gen = start_generator(["speculation=history"])
+    prompts = heldout_prompts(tokenizer, 8)
+    call(gen.generate, prompts, sampling(4, 1.0, 48, seed=1))
+    saved = str(tmp_path / "history_0.pt")
+    call(gen.save_history, saved)
+    first = call(gen.generate, prompts, sampling(1, 0.0, 48))
+    call(gen.load_history, [saved])
+    again = call(gen.generate, prompts, sampling(1, 0.0, 48))
+    ray.kill(gen)
+    assert first.spec.accepted_tokens > 0, first.spec
+    assert again.response_ids == first.response_ids
+    assert (again.spec.drafts, again.spec.draft_tokens, again.spec.accepted_per_pos) == \
+        (first.spec.drafts, first.spec.draft_tokens, first.spec.accepted_per_pos)
