@@ -133,6 +133,13 @@ def test_invalid_speculation_and_sampling_name_the_key(override, key):
         validate(compose(override.split()))
 
 
+def test_suffix_with_auto_k_is_refused_naming_both_keys():
+    """vLLM's suffix proposer asserts that it drafts its configured k; 'auto' changes k per batch."""
+    with pytest.raises(ConfigError, match=r"^speculation\.num_speculative_tokens: 'auto' .*speculation\.method=suffix"):
+        validate(compose(["speculation=suffix", "speculation.num_speculative_tokens=auto"]))
+    validate(compose(["speculation=suffix", "speculation.num_speculative_tokens=3"]))
+
+
 def _ckpt(path, **cfg):
     import json
     path.mkdir()

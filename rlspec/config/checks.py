@@ -144,7 +144,11 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
         import importlib.util
 
         _check(importlib.util.find_spec("arctic_inference") is not None, "speculation.method",
-               "suffix needs arctic-inference (vLLM's suffix decoding): `make suffix` installs it")
+               "suffix needs arctic-inference (vLLM's suffix decoding): `make suffix-install` installs it")
+        # vLLM's suffix proposer asserts that every step drafts its configured k; 'auto' sets k per batch
+        _check(sp.num_speculative_tokens != "auto", "speculation.num_speculative_tokens",
+               "'auto' does not work with speculation.method=suffix (vLLM's suffix proposer drafts its "
+               "configured k at every step): give an integer k")
         _check(sp.suffix.max_tree_depth >= 1, "speculation.suffix.max_tree_depth", "must be >= 1")
         _check(0 < sp.suffix.min_token_prob <= 1, "speculation.suffix.min_token_prob", "must be in (0, 1]")
     h = sp.history

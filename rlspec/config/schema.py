@@ -234,7 +234,7 @@ class HistoryConfig:
 @dataclass
 class SuffixConfig:
     """vLLM's suffix decoding (speculation.method=suffix; Snowflake's arctic-inference, installed by
-    `make suffix`): suffix trees over each request's prompt and answer so far, and over earlier
+    `make suffix-install`): suffix trees over each request's prompt and answer so far, and over earlier
     responses to any prompt. vLLM's defaults; its suffix_decoding_* settings."""
     # Longest context a tree matches (and depth of the trees).
     max_tree_depth: int = 24

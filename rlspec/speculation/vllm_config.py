@@ -27,7 +27,7 @@ def vllm_speculative_config(spec: SpeculationConfig, draft_dir: str | None) -> d
             out["draft_tensor_parallel_size"] = spec.draft_tensor_parallel_size
     if spec.method == "mtp":
         out["draft_sample_method"] = spec.draft_sample_method
-    if spec.method == "suffix":  # vLLM's suffix decoding (arctic-inference: make suffix)
+    if spec.method == "suffix":  # vLLM's suffix decoding (arctic-inference: make suffix-install)
         sx = spec.suffix
         out.update(suffix_decoding_max_tree_depth=sx.max_tree_depth, suffix_decoding_max_spec_factor=sx.max_spec_factor,
                    suffix_decoding_min_token_prob=sx.min_token_prob,
