@@ -161,6 +161,21 @@ class VLLMEngine:
         self.decode_steps: list[tuple[int, float]] = []  # the last generate call's (running batch, seconds)
         self._time_engine_steps()
 
+    def close(self) -> None:
+        """Shut the engine down now: awake first (sleep mode parks memory the allocator frees only
+        when mapped), then vLLM's engine-core shutdown (workers, the process-wide distributed groups,
+        its gc.unfreeze), and the step timer's hold on the engine dropped. Left to the collector, an
+        engine frozen out of its sight (gc.freeze, by rlspec and by vLLM) is collected at the next
+        full collect, on a GPU in the middle of the next engine's start (after CUDA-graph capture),
+        where its shutdown destroys the groups the new engine has just made. Idempotent."""
+        if self.llm is None:
+            return
+        self.wake_up()
+        engine = self.llm.llm_engine
+        engine.__dict__.pop("step", None)  # timed_step's closure refers to the engine: a cycle
+        engine.engine_core.shutdown()
+        self.llm = None
+
     def runner_info(self) -> dict:
         """The model runner vLLM gave this engine, async scheduling and CUDA graphs (`runner_of`)."""
         return runner_of(self.llm.llm_engine.vllm_config)
