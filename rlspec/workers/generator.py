@@ -4,6 +4,7 @@ are refit from the learner and the DraftTrainer."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict
 
 import torch
@@ -38,15 +39,18 @@ class Generator(RefitReceiver):
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> RolloutBatch:
         """sampling.n samples per prompt, prompt-major: rows [i*n, (i+1)*n) belong to prompt i.
-        Under generation.sleep_mode the engine releases its GPU memory when the call is done."""
+        Under generation.sleep_mode the engine releases its GPU memory when the call is done. The
+        batch's seconds are the whole call's: waking, planning 'auto' (calibrating, on the first),
+        the drafter's work before and after the engine's generate (history's insert and shadow)."""
+        t0 = time.perf_counter()
         self.engine.wake_up()
         try:
-            planning = self.adaptive.before_call(prompt_ids, sampling.rollout) if self.adaptive else 0.0
+            if self.adaptive:
+                self.adaptive.before_call(prompt_ids, sampling.rollout)
             if self.history:
                 draft = sampling.rollout or self.history_validation
                 self.engine.llm.collective_rpc(history_proposer.begin_call, args=(draft,))
             ro = self.engine.generate(prompt_ids, sampling, self.policy_version)
-            ro.seconds += planning  # the call that calibrates 'auto' reports that cost too
             if self.history:  # under 'auto', a training call that drafted nothing is measured in shadow
                 shadow = self.adaptive is not None and sampling.rollout and not (ro.spec and ro.spec.drafts)
                 ro.history = self.engine.llm.collective_rpc(history_proposer.finish_call, args=(
@@ -56,6 +60,7 @@ class Generator(RefitReceiver):
             if self.adaptive:
                 self.adaptive.after_call(ro, self.engine.decode_steps, sampling.rollout)
                 ro.draft_schedule = self.adaptive.draft_schedule()
+            ro.seconds = time.perf_counter() - t0
             return ro
         finally:
             self.engine.sleep()
