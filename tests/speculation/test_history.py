@@ -555,10 +555,16 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
 
     auto = start_generator(["speculation=history", "speculation.num_speculative_tokens=auto",
                             "speculation.max_speculative_tokens=3", "speculation.auto_buckets=[1,4]"])
+    from rlspec.speculation.history import per_pos
+
     for _ in range(2):
         ro = _gen(auto, prompts, 1, 0.0)
         assert ro.response_ids == base.response_ids
-        assert ro.spec.draft_tokens <= 3 * ro.spec.drafts
+        # no draft longer than the largest k the call's schedule gave (none when it ran without)
+        schedule = ray.get(auto.__ray_call__.remote(lambda g: g.adaptive.draft_schedule()), timeout=60)
+        k_call = max((k for _, _, k in schedule), default=0)
+        assert per_pos(ro.history, "drafts_ge", 3)[k_call:] == [0] * (3 - k_call), (schedule, ro.history)
+        assert ro.spec.draft_tokens <= k_call * ro.spec.drafts
     # the planner measured the fill: per position, the share of rows drafting it among those that
     # drafted the one before
     fill, counts = ray.get(auto.__ray_call__.remote(lambda g: (g.adaptive.planner.fill,
