@@ -5,7 +5,7 @@ EXTRA ?= cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlspec-$(EXTRA)-installed
 
-.PHONY: setup demo test lint test-all assets gpu-check gpu-kit suffix-install slurm-check clean-venv
+.PHONY: setup demo test test-slow lint test-all assets gpu-check gpu-kit suffix-install slurm-check clean-venv
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ test: setup
 lint: setup
 	$(BIN)/ruff check rlspec tests scripts
 
+# The tiers the default suite leaves out: every test marked slow or multinode (CPU; .ci/run runs it
+# after `make test`).
+test-slow: setup
+	$(BIN)/python -m pytest -q -m "slow or multinode"
+
+# Every test in one run (the gpu tests too, which skip without a CUDA GPU).
 test-all: setup
 	$(BIN)/python -m pytest -q -m ""
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT
 
-SHELL_FILES = sorted([*(ROOT / "slurm").glob("*"), *(ROOT / "scripts").glob("*.sh")])
+SHELL_FILES = sorted([*(ROOT / "slurm").glob("*"), *(ROOT / "scripts").glob("*.sh"), ROOT / ".ci" / "run"])
 SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).with_name("shellcheck"))
 
 
