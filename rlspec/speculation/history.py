@@ -2,7 +2,8 @@
 already generated. RL samples G answers per prompt and returns to the same prompts every epoch;
 RhymeRL (arXiv 2508.18588) drafts from a prompt's earlier answers, Seer (arXiv 2511.14617) from
 the siblings of its group, SuffixDecoding (vLLM's `suffix`) from earlier answers to any prompt.
-Four sources serve each request, in rlspec/speculation/store.py's arrays and compiled walks:
+Four sources serve each request, in rlspec/speculation/arena.py's arrays, walked by store.py's
+compiled functions:
 
 - history: the prompt's stored responses (the most recent max_rollouts_per_prompt),
 - siblings: this call's responses to the same prompt as far as they got (the request's own
@@ -20,9 +21,14 @@ The store is bounded by max_tokens. Over it, the prompts holding the most respon
 oldest first, down to min_rollouts_per_prompt; then whole prompts go, those whose identity hashes
 highest first, and a prompt hashing above the last one evicted is no longer admitted. The prompts
 kept are a fixed subset (a resident set) that every reshuffled epoch comes back to, where evicting
-the least recently seen would drop exactly the prompts the epoch has yet to revisit. Finished
-responses join the store in a background thread, while the learner trains; the next call waits
-for it.
+the least recently seen would drop exactly the prompts the epoch has yet to revisit. A store far
+under max_tokens (answers got shorter, or a resumed run raised the bound) raises that limit
+again, in proportion. Finished responses join the store in a background thread, while the learner
+trains; the next engine step waits for it. A record that fails (a bad id, no memory) leaves the
+store as it was.
+
+The saved state (`state_dict`) holds the stored sequences in arena order as numpy arrays: loaded
+back, the chains hold the same positions in the same order, so the drafts are the same.
 
 vLLM hosts the drafter as a custom proposer (rlspec/speculation/history_proposer.py; Model
 Runner V1 runs it: on a GPU vLLM falls back to V1 for it); the Generator tells it through
@@ -31,56 +37,27 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from rlspec.config import HistoryConfig
 from rlspec.speculation import store as S
-from rlspec.speculation.store import SOURCES, LiveArena
+from rlspec.speculation.arena import HistoryArena, LiveArena
+from rlspec.speculation.history_stats import HistoryStats, replay_in_shadow
+from rlspec.speculation.history_stats import per_pos as per_pos  # where callers import it from
+from rlspec.speculation.store import SOURCES
 
 WALK = 4  # chain links a lookup follows per candidate it may take (hash collisions and evicted text)
 SLACK = 0.95  # over max_tokens, the store is cut to this share of it
+RISE = 0.5  # under this share of max_tokens, the admission limit rises again
 GROWTH = 1.5  # a rebuilt arena's room: this times what it holds and must take
-
-
-@dataclass
-class HistoryStats:
-    """Per-call counters of the history drafter (rows: a request at one engine step)."""
-    rows: int = 0              # requests the drafter was asked for
-    matched: int = 0           # ... that got a draft
-    drafted: list[int] = field(default_factory=lambda: [0] * len(SOURCES))   # tokens by source
-    accepted: list[int] = field(default_factory=lambda: [0] * len(SOURCES))  # attributed accepts by source
-    drafted_pos: list[int] = field(default_factory=list)  # rows whose draft reached position i
-    # a call that drafted nothing ('auto' switched it off), replayed in shadow: what k_max drafts
-    # would have done, per emulated verification (shadow_rows) and position (drafted, accepted
-    # with all before it)
-    shadow_responses: int = 0  # the call's responses the shadow replayed
-    shadow_rows: int = 0
-    shadow_drafted_pos: list[int] = field(default_factory=list)
-    shadow_accepted_pos: list[int] = field(default_factory=list)
-    prompts: int = 0           # prompts with history at the call's start
-    history_tokens: int = 0    # response tokens held over all prompts at the call's start
-    # the drafter's own time inside vLLM's engine steps: per (running batch bin, k) [steps, seconds]
-    # (bin b: batches of 2^b .. 2^(b+1)-1 rows), what 'auto' charges to drafting alone
-    propose_timing: dict = field(default_factory=dict)
-    propose_seconds: float = 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["propose_timing"] = [[b, k, n, t] for (b, k), (n, t) in sorted(self.propose_timing.items())]
-        for name in ("drafted", "accepted"):
-            d.update({f"{name}_{s}": v for s, v in zip(SOURCES, d.pop(name))})
-        for name, key in (("drafted_pos", "drafts_ge"), ("shadow_drafted_pos", "shadow_drafts_ge"),
-                          ("shadow_accepted_pos", "shadow_accepted_ge")):
-            d.update({f"{key}_{i + 1}": v for i, v in enumerate(d.pop(name))})
-        return d
-
-
-def per_pos(stats: dict, key: str, k_max: int) -> list[int]:
-    """From a call's counters (as_dict), per position i < k_max: `key` 'drafts_ge' (rows that
-    drafted past i), 'shadow_drafts_ge' or 'shadow_accepted_ge'."""
-    return [stats.get(f"{key}_{i + 1}", 0) for i in range(k_max)]
+MAX_ID = (1 << 31) - 1  # token ids are stored as int32; negative ones would read as END or DEAD
+STATE_VERSION = 3
+# What a saved state's numpy arrays unpickle through: a file written by torch.save loads with
+# torch.load(path, weights_only=True) under torch.serialization.safe_globals(STATE_GLOBALS).
+STATE_GLOBALS = [np.zeros(0).__reduce__()[0], np.ndarray, np.dtype,
+                 *(type(np.dtype(t)) for t in (np.int32, np.int64, np.uint64))]
 
 
 class Seq:
@@ -98,19 +75,61 @@ class PromptRecord:
     seqs: deque = field(default_factory=deque)   # its Seq, oldest first
 
 
+class _Undo:
+    """What a record changes of the store's Python side (prompts, token total, admission limit),
+    put back where its insert fails."""
+
+    def __init__(self, index: "HistoryIndex"):
+        self.index, self.total, self.admit_below = index, index.total, index.admit_below
+        self.recs: dict[int, tuple[PromptRecord | None, list[Seq]]] = {}  # salt -> its record and sequences before
+        self.dropped: list[Seq] = []
+
+    def touch(self, salt: int) -> None:
+        if salt not in self.recs:
+            rec = self.index.prompts.get(salt)
+            self.recs[salt] = (rec, [] if rec is None else list(rec.seqs))
+
+    def restore(self) -> None:
+        ix = self.index
+        ix.total, ix.admit_below = self.total, self.admit_below
+        for seq in self.dropped:
+            seq.alive = True
+        for salt, (rec, seqs) in self.recs.items():
+            if rec is None:
+                ix.prompts.pop(salt, None)
+            else:
+                rec.seqs = deque(seqs)
+                ix.prompts[salt] = rec
+
+
+def _ids(tokens) -> np.ndarray:
+    a = np.asarray(tokens, np.int64)
+    if a.ndim != 1 or (a.size and (a.min() < 0 or a.max() > MAX_ID)):
+        raise ValueError(f"history: token ids must be ids in [0, 2^31), got {a.tolist()[:16]}")
+    return a.astype(np.int32)
+
+
+def _batch(items: list[tuple[int, Seq, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sequences (salt, Seq, tokens) as one insert's arrays: salts, tokens concatenated, offsets."""
+    offsets = np.zeros(len(items) + 1, np.int64)
+    np.cumsum([len(b) for _, _, b in items], out=offsets[1:])
+    body = np.concatenate([b for _, _, b in items]) if items else np.zeros(0, np.int32)
+    return np.array([salt for salt, _, _ in items], np.uint64), body, offsets
+
+
 class HistoryIndex:
     """The store (every prompt's recent responses, in a history arena) and the drafting over it,
     free of vLLM."""
 
-    def __init__(self, cfg: HistoryConfig, k_max: int):
+    def __init__(self, cfg: HistoryConfig, k_max: int, vocab_size: int | None = None):
         self.cfg, self.k_max = cfg, k_max
+        self.vocab = vocab_size or MAX_ID + 1  # drafts hold ids below it
+        self.min_prob = float(cfg.min_prob)
         self.tail = cfg.max_match  # prompt tokens kept in front of each stored response
         self.walk = WALK * cfg.max_candidates  # chain links a source's lookup follows at most
         self.gkeys = np.array(cfg.global_keys, np.int64)  # the global chains' key lengths, longest first
         self.global_walk = 2 * cfg.max_candidates  # ... and the global chains', all key lengths together
-        self._alloc(1 << 16)
-        self.used = 0              # arena positions written (live and dead)
-        self.dead = 0              # ... of them evicted, until compaction
+        self.arena = HistoryArena(len(self.gkeys))
         self.total = 0             # response tokens held over all prompts
         self.prompts: dict[int, PromptRecord] = {}
         self.admit_below = 1 << 64  # prompts ranking at or above it are not stored
@@ -122,111 +141,134 @@ class HistoryIndex:
         self.pend = np.zeros((256, max(k_max, 1)), np.int64)
         self.pend_len = np.zeros(256, np.int64)
         self.pend_src = np.zeros((256, max(k_max, 1)), np.int64)
+        self.appended = np.zeros(256, np.int64)  # per slot: the row's tokens in its live sequence
         self.counts = np.zeros(2 * len(SOURCES) + k_max, np.int64)  # drafted, accepted by source; per position
         self.stats = self._new_stats()
         self.drafting = True       # False: this call drafts nothing (validation)
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    # -- the history arena ---------------------------------------------------------------------------
-    def _alloc(self, capacity: int) -> None:
-        self.tok = np.full(capacity, S.DEAD, np.int32)
-        self.psalt = np.zeros(capacity, np.uint32)
-        self.chain = np.full(capacity, -1, np.int32)
-        self.gchain = np.full((len(self.gkeys), capacity), -1, np.int32)
-        self.phead = np.full(S.pow2(capacity // 2), -1, np.int32)   # chains average up to two links a slot
-        self.ghead = np.full((len(self.gkeys), S.pow2(capacity // 2)), -1, np.int32)
-
-    def _grow(self, capacity: int) -> None:
-        """The arena's arrays with room for `capacity` positions, the first `used` kept as they are."""
-        used = self.used
-        for name, fill in (("tok", S.DEAD), ("psalt", 0), ("chain", -1), ("gchain", -1)):
-            old = getattr(self, name)
-            new = np.full((*old.shape[:-1], capacity), fill, old.dtype)
-            new[..., :used] = old[..., :used]
-            setattr(self, name, new)
+    @classmethod
+    def warm_up(cls, cfg: HistoryConfig, k_max: int) -> None:
+        """Compile (or load from numba's cache) every store function a run calls, on a throwaway
+        store of these settings: seconds that no engine step, and so no drafting time, pays."""
+        h = cls(replace(cfg, max_rollouts_per_prompt=2, max_tokens=1 << 10), max(k_max, 1))
+        p, q, r = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
+        h.record([p, p, q, q, r, r], [[9, 10, 11, 12, 13]] * 6, wait=True)
+        h.record([p], [[9, 10, 11]], wait=True)   # p's oldest evicted in place
+        h.record([q], [[9, 10, 11]], wait=True)   # ... then q's: the arena is rebuilt
+        h.begin_call()
+        ids = np.zeros((2, 16), np.int32)
+        ids[:, :4] = p
+        ids[0, 4:7] = [9, 10, 11]
+        h.propose_rows(ids, [7, 4], [1, 0], ["a", "b"], [4, 4], k_max)   # a row sampling, one in prefill
+        h.shadow([p], [[9, 10, 11]], 1)
+        h.load_state_dict(h.state_dict())
 
     @property
     def nbytes(self) -> int:
         """Bytes the store's arrays hold (history arena and its chain heads; the live arena apart)."""
-        return sum(a.nbytes for a in (self.tok, self.psalt, self.chain, self.gchain, self.phead, self.ghead))
+        return self.arena.nbytes
 
-    def _insert(self, items: list[tuple[int, Seq, np.ndarray]]) -> None:
-        """Place sequences (salt, its Seq, [tail | response | END]) at the arena's end."""
-        if not items:
-            return
-        need = sum(len(a) for _, _, a in items)
-        if self.used + need > self.tok.shape[0]:
-            self._rebuild(need)
-        lengths = np.array([len(a) for _, _, a in items], np.int64)
-        starts = self.used + np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        S.insert_sequences(self.tok, self.psalt, self.chain, self.gchain, self.phead, self.ghead,
-                           np.concatenate([a for _, _, a in items]), offsets, np.array([x for x, _, _ in items],
-                                                                                       np.uint64),
-                           starts, self.cfg.min_match, self.gkeys)
-        for (_, seq, _), start in zip(items, starts):
-            seq.start = int(start)
-        self.used += need
+    # -- the history arena ---------------------------------------------------------------------------
+    def _store(self, items: list[tuple[int, Seq, np.ndarray]], undo: _Undo) -> None:
+        """Place new sequences (salt, Seq, [tail | response | END]) at the arena's end and evict
+        the dropped ones: first every allocation (a larger or rebuilt arena, the insert's arrays),
+        then the writes, which cannot fail."""
+        a = self.arena
+        victims = [q for q in undo.dropped if q.start >= 0]
+        kill = (np.array([q.start for q in victims], np.int64), np.array([q.stored for q in victims], np.int64))
+        salts, body, offsets = _batch(items)
+        need, dead = len(body), a.dead + int(kill[1].sum())
+        moved: list[tuple[Seq, int]] | None = None   # a rebuilt arena: the stored sequences' new starts
+        arena = a
+        if dead > a.used // 4:
+            arena, moved = self._rebuilt(need)
+        elif a.used + need > a.capacity:
+            # nothing evicted and heads at least a quarter of the room: the arrays only grow
+            # (positions and links stay); the relinking, an insert's whole cost again, comes at
+            # every other growth
+            if dead == 0 and 4 * a.heads >= GROWTH * (a.used + need):
+                arena = a.grown(max(1 << 16, int(GROWTH * (a.used + need))))
+            else:
+                arena, moved = self._rebuilt(need)
+        starts = arena.insert(salts, body, offsets, self.cfg.min_match, self.gkeys)
+        if moved is None:
+            arena.kill(*kill)
+        for seq, start in moved or []:
+            seq.start = start
+        for (_, seq, _), start in zip(items, starts.tolist()):
+            seq.start = start
+        self.arena = arena
 
-    def _rebuild(self, need: int = 0) -> None:
-        """A fresh arena holding the stored sequences in their order (positions move, recency
-        stays), sized for `need` more tokens with room to grow: compaction and growth. Where
-        nothing was evicted and the chain heads still number a quarter of the new room, the arrays
-        only grow (positions and links stay): the relinking, an insert's whole cost again, comes
-        at every other growth."""
-        if self.dead == 0 and 4 * self.phead.shape[0] >= GROWTH * (self.used + need):
-            self._grow(max(1 << 16, int(GROWTH * (self.used + need))))
-            return
+    def _rebuilt(self, need: int) -> tuple[HistoryArena, list[tuple[Seq, int]]]:
+        """A fresh arena holding the placed sequences still stored, in their order (positions move,
+        recency stays), with room for `need` more and to grow: compaction and growth."""
         placed = sorted(((seq.start, salt, seq) for salt, rec in self.prompts.items() for seq in rec.seqs
                          if seq.start >= 0), key=lambda x: x[0])
-        live = sum(seq.stored for _, _, seq in placed)
-        tok = self.tok
-        self._alloc(max(1 << 16, int(GROWTH * (live + need))))
-        self.used, self.dead = 0, 0
-        self._insert([(salt, seq, tok[start: start + seq.stored].copy()) for start, salt, seq in placed])
+        tok = self.arena.tok
+        salts, body, offsets = _batch([(salt, seq, tok[start: start + seq.stored]) for start, salt, seq in placed])
+        arena = HistoryArena(len(self.gkeys), max(1 << 16, int(GROWTH * (len(body) + need))))
+        starts = arena.insert(salts, body, offsets, self.cfg.min_match, self.gkeys)
+        return arena, [(seq, start) for (_, _, seq), start in zip(placed, starts.tolist())]
 
-    def _drop(self, seq: Seq, victims: list[Seq]) -> None:
+    def _drop(self, seq: Seq, undo: _Undo) -> None:
         seq.alive = False
         self.total -= seq.tokens
-        if seq.start >= 0:
-            victims.append(seq)
+        undo.dropped.append(seq)
 
-    def _fit(self, victims: list[Seq]) -> None:
-        """Bring the store under max_tokens (the policy in the module docstring)."""
+    def _admit(self, salt: int, seq: Seq, undo: _Undo) -> None:
+        """A response joins its prompt's history (none where the prompt ranks at or above the
+        admission limit), whose oldest go past max_rollouts_per_prompt."""
+        undo.touch(salt)
+        rec = self.prompts.get(salt)
+        if rec is None:
+            if salt >= self.admit_below:  # the prompt's rank: its hash, uniform and fixed
+                seq.alive = False
+                return
+            rec = self.prompts[salt] = PromptRecord(salt)
+        rec.seqs.append(seq)
+        self.total += seq.tokens
+        while len(rec.seqs) > self.cfg.max_rollouts_per_prompt:
+            self._drop(rec.seqs.popleft(), undo)
+
+    def _fit(self, undo: _Undo) -> None:
+        """Bring the store under max_tokens (the policy in the module docstring), or where far
+        under it, raise the admission limit."""
         limit, floor = self.cfg.max_tokens, self.cfg.min_rollouts_per_prompt
+        if self.total < RISE * limit and self.admit_below < 1 << 64:
+            # prompts hash uniformly: the tokens held grow in proportion to the limit
+            self.admit_below = min(1 << 64, self.admit_below * int(SLACK * limit) // max(self.total, 1))
         if self.total <= limit or not self.prompts:
             return
         limit = int(SLACK * limit)  # a pass frees a little more than it must, so that passes are few
-        recs = list(self.prompts.values())
-        most = max(len(r.seqs) for r in recs)
+        recs = list(self.prompts.items())
+        most = max(len(r.seqs) for _, r in recs)
         if most > floor:  # the prompts holding the most drop their oldest: the highest level that frees enough
             newest_first = np.zeros((len(recs), most), np.int64)
-            for p, r in enumerate(recs):
+            for p, (_, r) in enumerate(recs):
                 newest_first[p, : len(r.seqs)] = [seq.tokens for seq in reversed(r.seqs)]
             freed = np.cumsum(newest_first.sum(0)[::-1])[::-1]   # freed[c]: every prompt trimmed to c
             level = next((c for c in range(most - 1, floor - 1, -1) if self.total - freed[c] <= limit), floor)
-            for r in recs:
+            for salt, r in recs:
+                if len(r.seqs) > level:
+                    undo.touch(salt)
                 while len(r.seqs) > level:
-                    self._drop(r.seqs.popleft(), victims)
+                    self._drop(r.seqs.popleft(), undo)
         for salt, r in sorted(self.prompts.items(), key=lambda kv: -kv[1].rank):
             if self.total <= limit:  # whole prompts, highest rank first; they are not admitted again
                 break
+            undo.touch(salt)
             for seq in r.seqs:
-                self._drop(seq, victims)
+                self._drop(seq, undo)
             self.admit_below = min(self.admit_below, r.rank)
             del self.prompts[salt]
-
-    def _kill(self, victims: list[Seq]) -> None:
-        if victims:
-            S.kill_sequences(self.tok, np.array([v.start for v in victims], np.int64),
-                             np.array([v.stored for v in victims], np.int64))
-            self.dead += sum(v.stored for v in victims)
 
     # -- what the Generator tells it -----------------------------------------------------------------
     def record(self, prompt_ids: list[list[int]], response_ids: list[list[int]], wait: bool = False) -> None:
         """Finished rollouts join their prompt's history, in a background thread (`flush` waits
-        for it; every call begins with one) unless `wait`."""
+        for it and raises what it raised; every call and every engine step waits for it) unless
+        `wait`."""
         self.flush()
         work = [(p, r) for p, r in zip(prompt_ids, response_ids) if len(r)]
         if wait:
@@ -243,35 +285,31 @@ class HistoryIndex:
             self._error = e
 
     def _record(self, work) -> None:
-        items, victims = [], []
-        for prompt, response in work:
-            arr = np.asarray(prompt, np.int32)
-            salt = int(S.prompt_salt(arr, len(arr)))
-            rec = self.prompts.get(salt)
-            if rec is None:
-                if salt >= self.admit_below:  # the prompt's rank: its hash, uniform and fixed
-                    continue
-                rec = self.prompts[salt] = PromptRecord(salt)
-            body = np.concatenate([arr[-self.tail:] if self.tail else arr[:0], np.asarray(response, np.int32),
-                                   [S.END]]).astype(np.int32)
-            seq = Seq(len(body), len(response))
-            rec.seqs.append(seq)
-            items.append((salt, seq, body))
-            self.total += seq.tokens
-            while len(rec.seqs) > self.cfg.max_rollouts_per_prompt:
-                self._drop(rec.seqs.popleft(), victims)
-        self._fit(victims)
-        self._kill(victims)
-        items = [x for x in items if x[1].alive]
-        if self.dead > self.used // 4:
-            self._rebuild(sum(len(a) for _, _, a in items))
-        self._insert(items)
+        """Store responses (the bounds applied): nothing changes where an id is bad or the insert
+        cannot allocate."""
+        items = []
+        for prompt, response in work:  # a bad id raises here, before any change
+            p, r = _ids(prompt), _ids(response)
+            body = np.concatenate([p[max(0, len(p) - self.tail):], r, np.array([S.END], np.int32)])
+            items.append((int(S.prompt_salt(p, len(p))), Seq(len(body), len(r)), body))
+        undo = _Undo(self)
+        try:
+            for salt, seq, _ in items:
+                self._admit(salt, seq, undo)
+            self._fit(undo)
+            self._store([x for x in items if x[1].alive], undo)
+        except BaseException:
+            undo.restore()
+            raise
 
-    def flush(self) -> None:
-        """Wait for the responses being recorded (and raise what recording raised)."""
+    def _join(self) -> None:
         if self._worker is not None:
             self._worker.join()
             self._worker = None
+
+    def flush(self) -> None:
+        """Wait for the responses being recorded (and raise what recording raised)."""
+        self._join()
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -295,42 +333,83 @@ class HistoryIndex:
                             prompts=len(self.prompts), history_tokens=self.total)
 
     def state_dict(self) -> dict:
-        """Every stored prompt's sequences, oldest first: [salt, [[response tokens, stored
-        sequence], ...]], prompts in the order they were first stored."""
+        """The stored sequences in arena order (oldest first) as numpy arrays: per sequence its
+        prompt's identity (salt), response tokens and stored length ([tail | response | END]),
+        the sequences themselves concatenated (arena); the chain-head count and the admission
+        limit."""
         self.flush()
-        return {"version": 2, "admit_below": str(self.admit_below),
-                "prompts": [[str(salt), [[seq.tokens, self.tok[seq.start: seq.start + seq.stored].tolist()]
-                                         for seq in rec.seqs]] for salt, rec in self.prompts.items()]}
+        a = self.arena
+        placed = sorted(((seq.start, salt, seq) for salt, rec in self.prompts.items() for seq in rec.seqs),
+                        key=lambda x: x[0])
+        written = a.tok[: a.used]
+        body = written[written != S.DEAD]   # evicted sequences hold DEAD, stored ones never do
+        return {"version": STATE_VERSION, "admit_below": str(self.admit_below), "heads": a.heads,
+                "salt": np.array([salt for _, salt, _ in placed], np.uint64),
+                "tokens": np.array([seq.tokens for _, _, seq in placed], np.int64),
+                "stored": np.array([seq.stored for _, _, seq in placed], np.int64), "arena": body}
 
     def load_state_dict(self, state: dict) -> None:
-        """A stored state (the merged states of several engines too), bounds applied. Stores from
-        before version 2 ([prompt, [responses]] per prompt) are recorded afresh."""
+        """A saved state (or several, merge_states), every bound applied. Version 3 is relinked
+        with its chain-head count: where nothing had been evicted, every draft is as before.
+        Version 2 (sequences grouped by prompt) loads in that order; before it, ([prompt,
+        [responses]] per prompt) the responses are recorded afresh. A state that fails to load
+        leaves the store as it was."""
         self.flush()
-        self.__init__(self.cfg, self.k_max)
-        if state.get("version") != 2:
-            self._record([(p, r) for p, rs in state["prompts"] for r in rs if len(r)])
-            return
+        fresh = HistoryIndex(self.cfg, self.k_max, self.vocab)
+        version = state.get("version")
+        if version in (2, STATE_VERSION):
+            fresh._load(state if version == STATE_VERSION else _arrays_of_v2(state))
+        elif version is None:
+            fresh._record([(p, r) for p, rs in state["prompts"] for r in rs if len(r)])
+        else:
+            raise ValueError(f"history state of format version {version}: this rlspec reads 2 and {STATE_VERSION}")
+        self.arena, self.prompts = fresh.arena, fresh.prompts
+        self.total, self.admit_below = fresh.total, fresh.admit_below
+
+    def _load(self, state: dict) -> None:
+        salts = np.asarray(state["salt"], np.uint64)
+        tokens, stored = np.asarray(state["tokens"], np.int64), np.asarray(state["stored"], np.int64)
+        body = np.asarray(state["arena"], np.int32)
+        if not len(salts) == len(tokens) == len(stored) or body.size != stored.sum() or \
+                (body.size and (body.min() < S.END or np.any(stored <= tokens))):
+            raise ValueError("history state: sequences and arena do not agree")
         self.admit_below = int(state.get("admit_below", 1 << 64))
-        items = []
-        for salt, seqs in state["prompts"]:
-            salt = int(salt)
-            rec = self.prompts.setdefault(salt, PromptRecord(salt))
-            for tokens, body in seqs:
-                seq = Seq(len(body), int(tokens))
-                rec.seqs.append(seq)
-                items.append((salt, seq, np.asarray(body, np.int32)))
-                self.total += seq.tokens
-        victims: list[Seq] = []
-        self._fit(victims)
-        self._insert([x for x in items if x[1].alive])
+        undo = _Undo(self)
+        seqs = [Seq(n, t) for n, t in zip(stored.tolist(), tokens.tolist())]
+        for salt, seq in zip(salts.tolist(), seqs):
+            rec = self.prompts.get(salt)
+            if rec is None:
+                rec = self.prompts[salt] = PromptRecord(salt)
+            rec.seqs.append(seq)
+            self.total += seq.tokens
+            while len(rec.seqs) > self.cfg.max_rollouts_per_prompt:
+                self._drop(rec.seqs.popleft(), undo)
+        self._fit(undo)
+        keep = np.array([seq.alive for seq in seqs], np.bool_)
+        if not keep.all():
+            body, salts, stored = body[np.repeat(keep, stored)], salts[keep], stored[keep]
+            seqs = [seq for seq in seqs if seq.alive]
+        heads = int(state.get("heads") or 0)
+        self.arena = HistoryArena(len(self.gkeys), max(1 << 16, int(GROWTH * body.size)),
+                                  heads if heads >= 16 and heads & (heads - 1) == 0 else None)
+        offsets = np.zeros(len(seqs) + 1, np.int64)
+        np.cumsum(stored, out=offsets[1:])
+        starts = self.arena.insert(salts, body, offsets, self.cfg.min_match, self.gkeys)
+        for seq, start in zip(seqs, starts.tolist()):
+            seq.start = start
 
     # -- drafting --------------------------------------------------------------------------------------
-    def propose_rows(self, token_ids: np.ndarray, nums, sampled_lens, keys, prompt_lens, k: int) -> list[list[int]]:
-        """Drafts (at most k tokens each) for the rows of one engine step: row i holds request
-        keys[i] (any hashable id; a new key is a new request), its first nums[i] tokens of
-        token_ids[i] (prompt_lens[i] of them its prompt), the last sampled_lens[i] of them sampled
-        by the last step (0: a prefill chunk, nothing to draft)."""
+    def propose_rows(self, token_ids: np.ndarray, nums, sampled_lens, keys, prompt_lens, k: int,
+                     max_len: int = MAX_ID) -> list[list[int]]:
+        """Drafts (at most k tokens each, none taking a row past max_len tokens) for the rows of
+        one engine step: row i holds request keys[i] (any hashable id; a new key is a new request),
+        its first nums[i] tokens of token_ids[i] (prompt_lens[i] of them its prompt), the last
+        sampled_lens[i] of them sampled by the last step (0: a prefill chunk, nothing to draft).
+        token_ids may be vLLM's whole token array (max_num_reqs x max_model_len, int32): its rows
+        are read where they are. Responses being recorded are waited for first."""
+        self._join()
         rows = len(keys)
+        token_ids = np.ascontiguousarray(token_ids[:rows], np.int32)  # a view of vLLM's rows
         nums = np.asarray(nums, np.int64)[:rows]
         new = np.asarray(sampled_lens, np.int64)[:rows]
         plen = np.asarray(prompt_lens, np.int64)[:rows]
@@ -358,18 +437,8 @@ class HistoryIndex:
             grow += int(new[i])
         self.live.reserve(grow, len(self.slot_salt))
         self._reserve_slots(len(self.slot_salt))
-        out = np.zeros((rows, max(k, 1)), np.int64)
-        out_len = np.zeros(rows, np.int64)
-        started = slots >= 0
-        if not started.all():  # rows not started are left out of the compiled step
-            idx = np.flatnonzero(started)
-            sub = self._step(token_ids[idx], nums[idx], new[idx], slots[idx], salts[idx], plen[idx], fresh[idx],
-                             fresh_prompt[idx], k)
-            out_len[idx] = sub[1]
-            out[idx] = sub[0]
-        else:
-            out, out_len = self._step(token_ids[:rows], nums, new, slots, salts, plen, fresh, fresh_prompt, k)
-        asked = int(((new > 0) & started).sum()) if self.drafting and k > 0 else 0
+        out, out_len = self._step(token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, k, max_len)
+        asked = int(((new > 0) & (slots >= 0)).sum()) if self.drafting and k > 0 else 0
         self.stats.rows += asked
         self.stats.matched += int((out_len > 0).sum())
         return [out[i, : out_len[i]].tolist() for i in range(rows)]
@@ -382,11 +451,13 @@ class HistoryIndex:
                 b = np.zeros((n, a.shape[1]), np.int64)
                 b[: a.shape[0]] = a
                 setattr(self, name, b)
-            b = np.zeros(n, np.int64)
-            b[: self.pend_len.shape[0]] = self.pend_len
-            self.pend_len = b
+            for name in ("pend_len", "appended"):
+                a = getattr(self, name)
+                b = np.zeros(n, np.int64)
+                b[: a.shape[0]] = a
+                setattr(self, name, b)
 
-    def _step(self, token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, k):
+    def _step(self, token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, k, max_len):
         c, live = self.cfg, self.live
         rows = token_ids.shape[0]
         out = np.zeros((rows, max(k, 1)), np.int64)
@@ -395,15 +466,14 @@ class HistoryIndex:
         drafted, accepted = self.counts[:n_src], self.counts[n_src: 2 * n_src]
         pos = self.counts[2 * n_src:]
         ghead, lghead = self._global_heads(live)
+        tok, psalt, chain, gchain, phead, _ = self.arena.arrays()
         live.used = S.propose_rows(
-            np.ascontiguousarray(token_ids), nums, new, slots, salts, plen, fresh, fresh_prompt,
-            self.tok, self.psalt, self.chain, self.gchain, self.phead, ghead,
+            token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, tok, psalt, chain, gchain, phead, ghead,
             live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src, live.gchain, lghead, live.last,
             live.used,
-            self.pend, self.pend_len, self.pend_src, drafted, accepted, pos,
+            self.pend, self.pend_len, self.pend_src, self.appended, drafted, accepted, pos,
             c.min_match, self.gkeys, c.max_match, c.max_candidates, self.walk, self.global_walk,
-            min(k, self.k_max),
-            c.min_prob, self.drafting and k > 0, out, out_len)
+            min(k, self.k_max), self.min_prob, self.vocab, max_len, self.drafting and k > 0, out, out_len)
         self.stats.drafted = drafted.tolist()
         self.stats.accepted = accepted.tolist()
         self.stats.drafted_pos = pos.tolist()
@@ -412,9 +482,10 @@ class HistoryIndex:
     def _global_heads(self, live: LiveArena) -> tuple[np.ndarray, np.ndarray]:
         """The global chains' heads of the store and of `live`; with no global source, none (a
         walk over no slots finds nothing)."""
+        ghead = self.arena.ghead
         if self.cfg.global_source:
-            return self.ghead, live.ghead
-        return self.ghead[:, :0], live.ghead[:, :0]
+            return ghead, live.ghead
+        return ghead[:, :0], live.ghead[:, :0]
 
     def propose(self, rows: list, sampled: list[list[int]], k: int, keys=None, prompt_lens=None) -> list[list[int]]:
         """propose_rows over a list of token rows (tests and the scale benchmark)."""
@@ -429,85 +500,48 @@ class HistoryIndex:
     def draft_context(self, ctx, salt: int, k: int, live: LiveArena | None = None) -> tuple[list[int], list[int]]:
         """One draft for a context (its tokens, its prompt's salt) against the store and a live
         arena (by default none): the tokens and their sources."""
+        self._join()
         c = self.cfg
         live = live or self.no_live
         out = np.zeros(max(k, 1), np.int64)
         src = np.zeros(max(k, 1), np.int64)
         ctx = np.ascontiguousarray(ctx, np.int32)
         ghead, lghead = self._global_heads(live)
-        got = S.draft_one(ctx, len(ctx), np.uint64(salt), self.tok, self.psalt, self.chain, self.gchain, self.phead,
-                          ghead, live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src,
-                          live.gchain, lghead,
+        tok, psalt, chain, gchain, phead, _ = self.arena.arrays()
+        got = S.draft_one(ctx, len(ctx), np.uint64(salt), tok, psalt, chain, gchain, phead, ghead, live.tok,
+                          live.salt, live.prev, live.next, live.chain, live.head, live.src, live.gchain, lghead,
                           c.min_match, self.gkeys, c.max_match, c.max_candidates, self.walk, self.global_walk,
-                          k, c.min_prob, out, src)
+                          k, self.min_prob, self.vocab, out, src)
         return out[:got].tolist(), src[:got].tolist()
 
     def shadow(self, prompt_ids: list[list[int]], response_ids: list[list[int]], max_rows: int) -> None:
-        """A call that drafted nothing ('auto' switched speculation off): measure what drafting
-        k_max tokens would have accepted, from the finished responses of some of its groups (whole
-        groups, evenly spread over the call, about max_rows responses). Without drafting every
-        request gains one token per engine step, so the call is replayed in lock step: at step t
-        each response's token t joins its group's live sequences (what its siblings see) and is
-        checked against the response's pending shadow draft; a verification would have accepted
-        the matching prefix and ended with the next token (the correction, or the bonus after a
-        whole draft), where the next shadow draft starts, read from the prompt's history as at the
-        call's start, the group and the prompt. Drafts are one-hot, so the probability a drafted
-        token is sampled is the probability it is accepted: the counts are those drafting would
-        have made, without its verification. Call before `record`."""
-        self.flush()
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(prompt_ids):
-            groups.setdefault(tuple(p), []).append(i)
-        keys = list(groups)
-        if not keys or max_rows <= 0:
-            return
-        per_group = max(1, len(prompt_ids) // len(keys))
-        stride = max(1, round(len(keys) * per_group / max_rows))
-        st, c = self.stats, self.cfg
-        for key in keys[::stride]:
-            rows = groups[key]
-            st.shadow_responses += len(rows)
-            prompt = np.asarray(key, np.int32)
-            salt = np.uint64(S.prompt_salt(prompt, len(prompt)))
-            live = LiveArena(capacity=len(prompt) * (len(rows) + 1) + sum(len(response_ids[i]) for i in rows) + 16,
-                             slots=len(rows) + 1, head_bits=14, levels=len(self.gkeys))
-            seqs = {i: np.concatenate([prompt, np.asarray(response_ids[i], np.int32)]) for i in rows}
-            tail = max(0, len(prompt) - c.max_match)
-            live.append(len(rows), S.PROMPT, prompt, 0, len(prompt), 0, salt, c.min_match, self.gkeys)
-            for slot, i in enumerate(rows):
-                live.append(slot, S.PROMPT, seqs[i], tail, len(prompt), tail, salt, c.min_match, self.gkeys)
-            pending: dict[int, tuple[list[int], int]] = {}
-            for t in range(max(len(response_ids[i]) for i in rows)):
-                for slot, i in enumerate(rows):
-                    r = response_ids[i]
-                    if t >= len(r):
-                        continue
-                    n = len(prompt) + t + 1
-                    live.append(slot, S.SIBLINGS, seqs[i], n - 1, n, tail, salt, c.min_match, self.gkeys)
-                    got = pending.pop(i, None)
-                    if got is not None:
-                        draft, j = got
-                        if j < len(draft) and int(r[t]) == draft[j]:
-                            st.shadow_accepted_pos[j] += 1
-                            pending[i] = (draft, j + 1)
-                            continue
-                    # a verification ends with this token (or none was pending): the next draft
-                    st.shadow_rows += 1
-                    draft, _ = self.draft_context(seqs[i][:n], int(salt), self.k_max, live)
-                    for j in range(len(draft)):
-                        st.shadow_drafted_pos[j] += 1
-                    if draft:
-                        pending[i] = (draft, 0)
+        """What drafting would have accepted in a call that drafted nothing (history_stats.replay_in_shadow)."""
+        replay_in_shadow(self, prompt_ids, response_ids, max_rows)
 
 
 def merge_states(states: list[dict]) -> dict:
-    """Several engines' saved stores as one state HistoryIndex.load_state_dict takes (their prompts
-    in order, the most permissive admission limit); every state must be of one format version."""
+    """Several engines' saved stores (state_dict, one per Generator) as one state load_state_dict
+    takes: their sequences one store after another, each in its own order, the most permissive
+    admission limit and the largest chain-head count (loading applies the bounds). Every state must
+    be of one format version."""
     versions = {s.get("version") for s in states}
     if len(versions) > 1:
         raise ValueError(f"history stores of different format versions {sorted(map(str, versions))} cannot merge")
-    out = {"prompts": [x for s in states for x in s["prompts"]]}
-    if versions != {None}:
-        out["version"] = versions.pop()
-        out["admit_below"] = str(max((int(s.get("admit_below", 1 << 64)) for s in states), default=1 << 64))
-    return out
+    version = versions.pop() if versions else STATE_VERSION
+    admit = str(max((int(s.get("admit_below", 1 << 64)) for s in states), default=1 << 64))
+    if version != STATE_VERSION:
+        out = {"prompts": [x for s in states for x in s["prompts"]]}
+        return out if version is None else {**out, "version": version, "admit_below": admit}
+    empty = {"salt": np.uint64, "tokens": np.int64, "stored": np.int64, "arena": np.int32}
+    return {"version": version, "admit_below": admit, "heads": max((int(s["heads"]) for s in states), default=0),
+            **{key: np.concatenate([np.zeros(0, t)] + [s[key] for s in states]) for key, t in empty.items()}}
+
+
+def _arrays_of_v2(state: dict) -> dict:
+    """A version-2 state ([salt, [[response tokens, stored sequence], ...]] per prompt) in version
+    3's arrays, sequences grouped by prompt as saved."""
+    seqs = [(int(salt), tokens, body) for salt, held in state["prompts"] for tokens, body in held]
+    return {"admit_below": state.get("admit_below", str(1 << 64)), "heads": 0,
+            "salt": np.array([x[0] for x in seqs], np.uint64), "tokens": np.array([x[1] for x in seqs], np.int64),
+            "stored": np.array([len(x[2]) for x in seqs], np.int64),
+            "arena": np.concatenate([np.zeros(0, np.int32)] + [np.asarray(x[2], np.int32) for x in seqs])}

@@ -3,7 +3,12 @@
 the functions the Generator sends through collective_rpc (they run in every worker, where
 `worker.model_runner.drafter` is the proposer). The proposer reads each row's request id and prompt
 length from the runner's input batch, as vLLM's own suffix proposer does, so rows are matched to
-requests exactly."""
+requests exactly.
+
+vLLM schedules the drafts of one worker only, the first of the last pipeline stage (its executors'
+output rank); under tensor parallelism the other workers hold no store and draft nothing.
+`configure` compiles the store's functions before any engine step. Every Generator imports this
+module, whatever its method: the store (and numba) is imported only where history drafts."""
 from __future__ import annotations
 
 import time
@@ -11,7 +16,6 @@ import time
 import numpy as np
 
 from rlspec.config import HistoryConfig
-from rlspec.speculation.history import HistoryIndex
 
 PROPOSER = "rlspec.speculation.history_proposer.HistoryProposer"
 
@@ -21,10 +25,14 @@ class HistoryProposer:
     Generator configures and feeds it through collective_rpc (the functions below)."""
 
     def __init__(self, vllm_config):
+        from rlspec.speculation.history import HistoryIndex
+
         spec = vllm_config.speculative_config
         self.k_max = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.index = HistoryIndex(HistoryConfig(), self.k_max)
+        self.vocab = int(vllm_config.model_config.get_vocab_size())  # drafted ids stay below it
+        # configure's store; None on a worker whose drafts vLLM does not read
+        self.index = HistoryIndex(HistoryConfig(), self.k_max, self.vocab)
         self.k_of_batch: list[int] | None = None  # 'auto': k per running batch size
         self.full = False  # 'auto' times steps: every draft filled to k, as if every request matched
         self.runner = None  # the V1 model runner (configure): its input batch's request ids and prompt lengths
@@ -35,6 +43,8 @@ class HistoryProposer:
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **kwargs) -> list[list[int]]:
         t0 = time.perf_counter()
         n = len(sampled_token_ids)
+        if self.index is None:
+            return [[] for _ in range(n)]
         k = self.k_max
         if self.k_of_batch is not None:
             k = min(k, self.k_of_batch[min(n, len(self.k_of_batch) - 1)])
@@ -46,7 +56,7 @@ class HistoryProposer:
             batch = self.runner.input_batch if self.runner is not None else None
             keys = batch.req_ids[:n] if batch is not None else list(range(n))
             prompt_lens = batch.num_prompt_tokens[:n] if batch is not None else np.zeros(n, np.int64)
-            drafts = self.index.propose_rows(token_ids_cpu, nums, lens, keys, prompt_lens, k)
+            drafts = self.index.propose_rows(token_ids_cpu, nums, lens, keys, prompt_lens, k, self.max_model_len)
         out = [d[: max(0, self.max_model_len - int(nums[i]) - 1)] for i, d in enumerate(drafts)]
         if not self.full:
             cell = self.index.stats.propose_timing.setdefault((max(n, 1).bit_length() - 1, k), [0, 0.0])
@@ -65,24 +75,47 @@ def _proposer(worker) -> HistoryProposer:
     return drafter
 
 
+def reads_drafts(worker) -> bool:
+    """Whether vLLM schedules this worker's drafts: the executor reads those of its output rank,
+    the first worker of the last pipeline stage, and no other worker's."""
+    pc = worker.parallel_config
+    return worker.rank == pc.world_size - pc.tensor_parallel_size * pc.prefill_context_parallel_size
+
+
 def configure(worker, cfg: dict) -> None:
+    """The store of these settings (speculation.history), its functions compiled now rather than in
+    the first engine step; on a worker whose drafts vLLM does not read, none."""
+    from rlspec.speculation.history import HistoryIndex
+
     p = _proposer(worker)
-    p.index = HistoryIndex(HistoryConfig(**cfg), p.k_max)
     p.runner = worker.model_runner
+    p.index = None
+    if reads_drafts(worker):
+        config = HistoryConfig(**cfg)
+        HistoryIndex.warm_up(config, p.k_max)
+        p.index = HistoryIndex(config, p.k_max, p.vocab)
 
 
+# The calls below answer None, and do nothing, on a worker with no store; the Generator reads the
+# first worker's answer, the output rank's without pipeline parallelism.
 def begin_call(worker, draft: bool = True) -> None:
-    _proposer(worker).index.begin_call(draft)
+    index = _proposer(worker).index
+    if index is not None:
+        index.begin_call(draft)
 
 
 def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
-    _proposer(worker).index.record(prompt_ids, response_ids)
+    index = _proposer(worker).index
+    if index is not None:
+        index.record(prompt_ids, response_ids)
 
 
-def finish_call(worker, prompt_ids: list[list[int]] | None, response_ids: list[list[int]] | None) -> dict:
+def finish_call(worker, prompt_ids: list[list[int]] | None, response_ids: list[list[int]] | None) -> dict | None:
     """The call's counters; given the call's rows and the call drafted nothing, measured in shadow
     first (`HistoryIndex.shadow`, up to speculation.history.shadow_rows responses)."""
     index = _proposer(worker).index
+    if index is None:
+        return None
     if prompt_ids is not None and index.stats.rows == 0:
         index.shadow(prompt_ids, response_ids, index.cfg.shadow_rows)
     return index.stats.as_dict()
@@ -99,9 +132,12 @@ def set_full(worker, full: bool) -> None:
     _proposer(worker).full = full
 
 
-def state_dict(worker) -> dict:
-    return _proposer(worker).index.state_dict()
+def state_dict(worker) -> dict | None:
+    index = _proposer(worker).index
+    return None if index is None else index.state_dict()
 
 
 def load_state_dict(worker, state: dict) -> None:
-    _proposer(worker).index.load_state_dict(state)
+    index = _proposer(worker).index
+    if index is not None:
+        index.load_state_dict(state)

@@ -31,19 +31,43 @@ Drafting, per request (the draft rule; `ReferenceDrafter` in the tests is a plai
    candidate's); stop when x is END or fewer than min_prob of the candidates follow it; the
    candidates that do follow x move one token on.
 Drafts are deterministic (one-hot q): vLLM's rejection sampling keeps the target's distribution
-whatever the store holds. Evicted sequences are overwritten with DEAD, which no context holds, so
-a chain walk skips them until compaction rebuilds the arena without them.
+whatever the store holds; a draft also stops before any id outside the model's vocabulary (a
+store loaded from another model). Evicted sequences are overwritten with DEAD, which no context
+holds, so a chain walk skips them until compaction rebuilds the arena without them.
+
+The functions are compiled once per process (HistoryIndex.warm_up, at configure) and cached on
+disk by numba: beside this file, in NUMBA_CACHE_DIR or the user's cache folder, and where none of
+them can be written (a read-only install, an unwritable home), in a temporary folder.
 """
 from __future__ import annotations
 
-import numba as nb
+import atexit
+import shutil
+import tempfile
+
 import numpy as np
+
+try:
+    import numba as nb
+except ImportError as e:
+    raise ImportError("speculation=history needs numba (the history store's walks are compiled with it): "
+                      "pip install numba") from e
 
 END = -1   # a sequence's last token: the responses stopped here
 DEAD = -2  # an evicted sequence's tokens until compaction
 SOURCES = ("history", "siblings", "prompt", "global")
 HISTORY, SIBLINGS, PROMPT, GLOBAL = range(4)
-MAX_LIVE_HEAD_BITS = 22  # the live arena's chain heads: at most 4M slots per chain
+
+
+def _cache_probe():
+    pass
+
+
+try:  # numba looks for a writable cache folder when a function is declared cache=True
+    nb.njit(cache=True)(_cache_probe)
+except RuntimeError:  # none: a folder of this process's own, removed at exit
+    nb.config.CACHE_DIR = tempfile.mkdtemp(prefix="rlspec-numba-")
+    atexit.register(shutil.rmtree, nb.config.CACHE_DIR, True)
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
@@ -189,8 +213,8 @@ def _scratch(max_candidates):
 
 @nb.njit(nogil=True, cache=True)
 def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
-           lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, out,
-           out_src, scratch):
+           lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, vocab,
+           out, out_src, scratch):
     """Draft up to k tokens for the context ctx[:n] of a request of prompt `salt` (the rule in the
     module docstring); returns how many were written to out (and their sources to out_src)."""
     if n < min_match or k <= 0:
@@ -264,12 +288,13 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
         # shorter key's chain holds no other
         if found > 0 or gm <= own + 1:
             break
-    return _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, out, out_src)
+    return _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, vocab, out, out_src)
 
 
 @nb.njit(nogil=True, cache=True)
-def _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, out, out_src):
-    """Steps 1 (largest L only) and 2 of the draft rule over m candidates."""
+def _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, vocab, out, out_src):
+    """Steps 1 (largest L only) and 2 of the draft rule over m candidates (ids at or past `vocab`
+    end a draft, as END does)."""
     if m == 0:
         return 0
     longest = 0
@@ -287,7 +312,7 @@ def _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, 
             nxt[i] = ltok[c_pos[i]] if c_live[i] else tok[c_pos[i]]
         best, votes = _vote(nxt, m)
         x = nxt[best]
-        if x < 0 or votes < min_prob * m:
+        if x < 0 or x >= vocab or votes < min_prob * m:
             break
         out[count] = x
         out_src[count] = c_src[best]
@@ -342,17 +367,22 @@ def _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead
 def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, fresh_prompt,
                  tok, psalt, chain, gchain, phead, ghead,
                  ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused,
-                 pend, pend_len, pend_src, stats_drafted, stats_accepted, stats_pos,
-                 min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, drafting, out,
-                 out_len):
-    """One engine step: every row's newly sampled tokens join its live sequence (a fresh row's
-    prompt tail and answer so far, and for the first request of a prompt the prompt itself), the
-    last step's draft is settled against them, and each row drafts up to k tokens into out[i].
-    Returns the live arena's new fill."""
+                 pend, pend_len, pend_src, appended, stats_drafted, stats_accepted, stats_pos,
+                 min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, vocab, max_len,
+                 drafting, out, out_len):
+    """One engine step: every row's tokens not yet in its live sequence join it (a fresh row's
+    prompt tail and answer so far, and for the first request of a prompt the prompt itself; then
+    whatever came since the row's last call, steps vLLM drafted nothing at included), the draft
+    pending since is settled against them, and each row that sampled drafts up to k tokens into
+    out[i], fewer where a draft of k would take the row past max_len tokens (vLLM verifies no
+    more). Rows of slot -1 (not started: in prefill) are passed over. Returns the live arena's new
+    fill."""
     scratch = _scratch(max_candidates)
     for i in range(token_ids.shape[0]):
         out_len[i] = 0
         n, s, row, salt = nums[i], slots[i], token_ids[i], salts[i]
+        if s < 0:
+            continue
         plen = prompt_lens[i]
         tail = max(0, plen - max_match)
         if fresh_prompt[i]:
@@ -366,22 +396,25 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
                                  PROMPT, row, tail, plen, tail, salt, min_match, gkeys)
             lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s,
                                  SIBLINGS, row, plen, n, tail, salt, min_match, gkeys)
-        elif new_counts[i] > 0:
-            new = new_counts[i]
-            # settle the last step's draft: the tokens it got accepted are those the step emitted
-            # in agreement with it (the last emitted token is the correction or the bonus)
-            for j in range(min(pend_len[s], new - 1)):
-                if token_ids[i, n - new + j] != pend[s, j]:
+            appended[s] = n
+        elif n > appended[s]:
+            lo = appended[s]
+            # settle the pending draft, made when the row ended at lo: accepted are the tokens that
+            # followed in agreement with it; the verification's last token (a correction, which a
+            # one-hot draft never equals, or the bonus) ends the run
+            for j in range(min(pend_len[s], n - lo - 1)):
+                if row[lo + j] != pend[s, j]:
                     break
                 stats_accepted[pend_src[s, j]] += 1
             lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s,
-                                 SIBLINGS, row, n - new, n, tail, salt, min_match, gkeys)
+                                 SIBLINGS, row, lo, n, tail, salt, min_match, gkeys)
+            appended[s] = n
         pend_len[s] = 0
         if not drafting or (new_counts[i] <= 0 and not fresh[i]):
             continue
         got = _draft(row, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
-                     lsrc, lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k,
-                     min_prob, out[i], pend_src[s], scratch)
+                     lsrc, lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk,
+                     min(k, max_len - n - 1), min_prob, vocab, out[i], pend_src[s], scratch)
         out_len[i] = got
         for j in range(got):
             pend[s, j] = out[i, j]
@@ -393,90 +426,10 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
 
 @nb.njit(nogil=True, cache=True)
 def draft_one(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
-              lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, out,
-              out_src):
+              lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, vocab,
+              out, out_src):
     """_draft for one context (the shadow replay calls it row by row)."""
     return _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
                   lsrc, lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k,
-                  min_prob, out, out_src, _scratch(max_candidates))
+                  min_prob, vocab, out, out_src, _scratch(max_candidates))
 
-
-def pow2(n: int) -> int:
-    """The power of two at or above n (at least 16): a chain-head table's size."""
-    return 1 << max(4, int(n - 1).bit_length())
-
-
-class LiveArena:
-    """Requests of one call, each [prompt tail | tokens so far], and each prompt's own tokens,
-    linked token to token (requests grow interleaved), with per-prompt and global chains."""
-
-    def __init__(self, capacity: int = 1 << 14, slots: int = 256, head_bits: int = 16, levels: int = 1):
-        self.levels, self.min_heads = levels, 1 << head_bits
-        self._heads(self.min_heads)
-        self._alloc(capacity)
-        self.last = np.full(slots, -1, np.int64)
-        self.used = 0
-
-    def _alloc(self, capacity: int) -> None:
-        old = getattr(self, "tok", None)
-        arrays = ([np.empty(capacity, np.int32) for _ in range(4)] + [np.empty((self.levels, capacity), np.int32)]
-                  + [np.empty(capacity, np.uint32), np.empty(capacity, np.int8)])
-        if old is not None:
-            for new, cur in zip(arrays, self.arrays()):
-                new[..., : self.used] = cur[..., : self.used]
-        self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.src = arrays
-
-    def arrays(self) -> tuple:
-        return self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.src
-
-    def append(self, slot: int, src: int, row: np.ndarray, lo: int, hi: int, seq_start: int, salt, min_match: int,
-               gkeys: np.ndarray) -> None:
-        """row[lo:hi] onto live sequence `slot` (store._live_append)."""
-        self.used = _live_append(self.tok, self.salt, self.prev, self.next, self.chain, self.head, self.src,
-                                   self.gchain, self.ghead, self.last, self.used, slot, src, row, lo, hi, seq_start,
-                                   salt, min_match, gkeys)
-
-    def _heads(self, n: int) -> None:
-        self.head = np.full(n, -1, np.int32)
-        self.ghead = np.full((self.levels, n), -1, np.int32)
-
-    def _fit_heads(self, tokens: int) -> bool:
-        """Chain heads for about `tokens` live tokens, a slot per two (within [min, 2^22]): chains
-        of unrelated tokens sharing a slot cost a lookup a memory read each. Grows only."""
-        n = min(max(self.min_heads, pow2(tokens // 2)), 1 << MAX_LIVE_HEAD_BITS)
-        if n <= self.head.shape[0]:
-            return False
-        self._heads(n)
-        return True
-
-    def reset(self) -> None:
-        """Empty, with heads for the largest call so far."""
-        if not self._fit_heads(self.tok.shape[0]):
-            self.head.fill(-1)
-            self.ghead.fill(-1)
-        self.last.fill(-1)
-        self.used = 0
-
-    def reserve(self, tokens: int, slots: int) -> None:
-        """Room for `tokens` more tokens and slot ids below `slots` (positions stay: links hold; a
-        call's first tokens size the heads)."""
-        if self.used == 0:
-            self._fit_heads(tokens)
-        if self.used + tokens > self.tok.shape[0]:
-            self._alloc(max(2 * self.tok.shape[0], self.used + tokens))
-        if slots > self.last.shape[0]:
-            last = np.full(max(2 * self.last.shape[0], slots), -1, np.int64)
-            last[: self.last.shape[0]] = self.last
-            self.last = last
-
-    @classmethod
-    def empty(cls, levels: int) -> "LiveArena":
-        """An arena with no chain heads: a walk over it finds nothing."""
-        arena = cls(capacity=1, slots=1, head_bits=0, levels=levels)
-        arena.head = np.empty(0, np.int32)
-        arena.ghead = np.empty((levels, 0), np.int32)
-        return arena
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self.arrays(), self.head, self.ghead, self.last))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from rlspec.config import HistoryConfig
-from rlspec.speculation.history import SOURCES, HistoryIndex, per_pos
+from rlspec.speculation.arena import HistoryArena
+from rlspec.speculation.history import SOURCES, STATE_GLOBALS, HistoryIndex, per_pos
 from rlspec.speculation.history_proposer import HistoryProposer
 
 PROMPT = [1, 2, 3]
@@ -212,7 +213,7 @@ def test_timing_fills_every_draft_to_k():
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4),
-                          model_config=SimpleNamespace(max_model_len=64))
+                          model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 100))
     prop = HistoryProposer(cfg)
     prop.index.record([PROMPT], [[10, 11, 12]], wait=True)
     prop.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"], num_prompt_tokens=np.array([3, 4])))
@@ -244,7 +245,7 @@ def test_accepted_tokens_are_attributed_to_the_source_that_drafted_them():
 def test_bounds_per_prompt_then_the_fullest_prompts_then_a_fixed_resident_set():
     h = index(max_rollouts_per_prompt=2, min_rollouts_per_prompt=1, max_tokens=10)
     h.record([PROMPT] * 3, [[1, 1], [2, 2], [3, 3]], wait=True)
-    kept = lambda p: [h.tok[q.start + q.stored - 1 - q.tokens: q.start + q.stored - 1].tolist()  # noqa: E731
+    kept = lambda p: [h.arena.tok[q.start + q.stored - 1 - q.tokens: q.start + q.stored - 1].tolist()  # noqa: E731
                       for q in h.prompts[salt(p)].seqs]
     assert kept(PROMPT) == [[2, 2], [3, 3]] and h.tokens() == 4
     other, third = [5, 5], [6, 6]
@@ -287,17 +288,49 @@ def test_a_budget_under_the_store_keeps_a_fixed_resident_set_under_reshuffled_ep
     assert hits[0] == set() and 5 <= len(hits[1]) <= 10 and hits[1] == hits[2] == hits[3]
 
 
-def test_state_round_trip_keeps_the_drafts():
+def same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k]
+                                        for k in a)
+
+
+def test_state_round_trip_keeps_the_drafts(tmp_path):
+    import torch
+
     h = index()
     h.record([PROMPT] * 2, [[10, 11, 12], [10, 11, 13, 15]], wait=True)
     h.record([[9]], [[]], wait=True)
     g = index()
     g.load_state_dict(h.state_dict())
-    assert g.state_dict() == h.state_dict()
+    assert same_state(g.state_dict(), h.state_dict())
     for x in (h, g):
         x.begin_call()
     assert ask(g, [PROMPT + [10, 11, 13]], [[13]], 2) == ask(h, [PROMPT + [10, 11, 13]], [[13]], 2) == [[15]]
-    # a store written before the arena (prompt, responses) is recorded afresh
+    # prompts recorded interleaved over a small vocabulary, the global source on: every draft is the
+    # same after a round trip through torch.save and a weights-only load (the global chains run
+    # newest first through every prompt's answers: the state keeps the arena's order)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(6) for _ in range(4)] for _ in range(12)]
+    h = index(global_keys=[4, 1])
+    for _ in range(6):
+        ps = [rng.choice(prompts) for _ in range(8)]
+        h.record(ps, [[rng.randrange(6) for _ in range(rng.randrange(5, 30))] for _ in ps], wait=True)
+    state = h.state_dict()
+    assert all(isinstance(state[key], np.ndarray) for key in ("salt", "tokens", "stored", "arena"))
+    torch.save(state, tmp_path / "history.pt")
+    with torch.serialization.safe_globals(STATE_GLOBALS):
+        g = index(global_keys=[4, 1])
+        g.load_state_dict(torch.load(tmp_path / "history.pt", weights_only=True))
+    asked = [(p, p + [rng.randrange(6) for _ in range(rng.randrange(1, 9))]) for p in prompts * 30]
+    asked += [([7, 7, 7, 7], [7, 7, 7, 7] + [rng.randrange(6) for _ in range(8)]) for _ in range(200)]
+    drafts = [[x.draft_context(ctx, salt(p), 5) for p, ctx in asked] for x in (h, g)]
+    assert drafts[0] == drafts[1] and sum(len(d) for d, _ in drafts[0]) > 500
+    # a store saved by an earlier rlspec: version 2 (sequences grouped by prompt) loads as it is...
+    old = index()
+    old.load_state_dict({"version": 2, "admit_below": str(1 << 64), "prompts": [
+        [str(salt(PROMPT)), [[3, PROMPT + [10, 11, 12, -1]], [4, PROMPT + [10, 11, 13, 15, -1]]]]]})
+    old.begin_call()
+    assert old.tokens() == 7 and ask(old, [PROMPT + [10, 11, 13]], [[13]], 2) == [[15]]
+    # ... and one written before the arena (prompt, responses) is recorded afresh
     old = index()
     old.load_state_dict({"prompts": [[PROMPT, [[10, 11, 12], [10, 11, 13, 15]]]]})
     old.begin_call()
@@ -312,13 +345,13 @@ def test_an_arena_that_grew_drafts_as_one_built_at_once():
     rng = random.Random(0)
     prompts = [[rng.randrange(50) for _ in range(4)] for _ in range(40)]
     h, g = index(), index()
-    g._alloc(1 << 20)  # room for everything from the start: one arena, never grown
+    g.arena = HistoryArena(len(g.gkeys), 1 << 20)  # room for everything from the start: one arena, never grown
     for _ in range(30):
         ps = [rng.choice(prompts) for _ in range(16)]
         rs = [[rng.randrange(50) for _ in range(rng.randrange(100, 250))] for _ in ps]
         for x in (h, g):
             x.record(ps, rs, wait=True)
-    assert h.tok.shape[0] > 1 << 16 and h.tokens() > 1 << 16 and g.tok.shape[0] == 1 << 20
+    assert h.arena.capacity > 1 << 16 and h.tokens() > 1 << 16 and g.arena.capacity == 1 << 20
     for x in (h, g):
         x.begin_call()
         x.walk = x.global_walk = 1 << 30  # chains of other lengths: walks read to the end
