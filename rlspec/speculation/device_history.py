@@ -1,0 +1,337 @@
+"""Rollout-history drafting on the engine's device: the store's arrays are torch tensors, and a
+draft for every running row is a fixed sequence of tensor operations with fixed shapes (no host
+sync, no Python loop over rows: CUDA-graph safe), reading the rows' tokens from the runner's buffer.
+
+How the rule departs from the numba store's (rlspec/speculation/store.py):
+- candidates come from fixed-width hashed buckets (the newest `width` positions per key of every
+  key length in `prompt_keys`, salted by the prompt, and in `global_keys`, unsalted), not from
+  chain walks; the running group is read from the batch itself: per sibling row (the row itself
+  included: prompt lookup) and key length, the latest position whose window hashes like the row's
+  suffix. A finished sibling's answer drafts only once it is inserted.
+- every candidate's match is checked token by token (a hash collision never drafts), then, as in
+  store.py, the candidates of the longest match decide by their counts: at each position the most
+  frequent next token among those agreeing with the draft so far (ties: the candidate of highest
+  rank, the newest), while its share is at least min_prob.
+- eviction is a ring: the oldest stored tokens are overwritten, their bucket entries dropped by a
+  position check; no per-prompt bound.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+END = -1      # a stored sequence's last token
+UNKNOWN = -2  # past a running row's last token: not yet written
+EMPTY = -3    # an arena slot never written
+_P = 0x100000001B3
+_C1 = 0x9E3779B97F4A7C15
+_M1 = 0xFF51AFD7ED558CCD - (1 << 64)
+_M2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
+_LIVE = 1 << 42   # ranks: a running row's position outranks any stored one; the row itself the others
+_SELF = 1 << 41
+_COUNT = 1 << 48  # a vote's score: count first, rank second
+
+
+def _signed(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(h: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (h >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix(h: torch.Tensor) -> torch.Tensor:
+    """A 64-bit finaliser (murmur3's) in wrapping int64 arithmetic."""
+    h = h ^ _shr(h, 33)
+    h = h * _M1
+    h = h ^ _shr(h, 33)
+    h = h * _M2
+    return h ^ _shr(h, 33)
+
+
+def fold(windows: torch.Tensor, m: int) -> torch.Tensor:
+    """Key hash of windows [..., m] of token ids (a key of each length hashes apart)."""
+    h = torch.zeros(windows.shape[:-1], dtype=torch.int64, device=windows.device)
+    for j in range(m):
+        h = h * _P + (windows[..., j].long() + 3)
+    return mix(h ^ _signed(m * _C1))
+
+
+def window_keys(tokens: torch.Tensor, m: int) -> torch.Tensor:
+    """fold of tokens[:, p-m:p] for every p in 0..L ([B, L] -> [B, L+1]; garbage where p < m)."""
+    pad = torch.nn.functional.pad(tokens.long(), (m, 1))
+    span = tokens.shape[1] + 1
+    h = torch.zeros(tokens.shape[0], span, dtype=torch.int64, device=tokens.device)
+    for j in range(m):
+        h = h * _P + (pad[:, j: j + span] + 3)
+    return mix(h ^ _signed(m * _C1))
+
+
+def salted(key: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
+    return mix(key ^ salt)
+
+
+def prompt_hash(token_ids: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
+    """A prompt's identity from its row: [B, L] tokens, [B] prompt lengths -> [B] int64 (never 0)."""
+    L = token_ids.shape[1]
+    cols = torch.arange(L, device=token_ids.device)
+    pw = _powers(L, token_ids.device)
+    terms = torch.where(cols < prompt_lens[:, None], (token_ids.long() + 3) * pw, 0)
+    h = mix(terms.sum(-1) ^ mix(prompt_lens.long() + 1))
+    return torch.where(h == 0, 1, h)
+
+
+def _powers(n: int, device) -> torch.Tensor:
+    """P^j mod 2^64 for j < n, as int64 (by squaring, on the device)."""
+    j = torch.arange(n, device=device)
+    out = torch.ones(n, dtype=torch.int64, device=device)
+    base = _P
+    for bit in range(max(1, n - 1).bit_length()):
+        out = torch.where((j >> bit) & 1 == 1, out * _signed(base), out)
+        base = base * base
+    return out
+
+
+@dataclass
+class Candidates:
+    """Per row, C candidates: where their next token is (a stored position, or row and column of
+    the batch), whether the match checked out, its length and rank, and next tokens [B, C, k]."""
+    valid: torch.Tensor    # [B, C] bool
+    length: torch.Tensor   # [B, C] int64
+    rank: torch.Tensor     # [B, C] int64
+    nxt: torch.Tensor      # [B, C, k] int64 (END, UNKNOWN where nothing follows)
+
+
+class DeviceHistory:
+    """The store (a ring arena of [prompt tail | response | END] sequences and hashed buckets of
+    their positions) and the drafter over it, on `device`.
+
+    max_tokens: arena tokens (responses, their prompt tails and END marks); buckets: bucket count
+    (a power of two; default the arena's entries at one per key, over the width); width: entries
+    per bucket (numba's max_candidates: the matches one key reads); max_siblings: rows of the
+    batch read per prompt (the row itself included)."""
+
+    def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 32,
+                 min_match: int = 3, max_match: int = 16, prompt_keys=(8, 3), global_keys=(4, 1),
+                 min_prob: float = 0.5, max_siblings: int = 16, vocab_size: int | None = None):
+        self.device = torch.device(device)
+        self.capacity, self.width = int(max_tokens), int(width)
+        self.min_match, self.max_match = int(min_match), int(max_match)
+        self.prompt_keys = tuple(int(m) for m in prompt_keys)
+        self.global_keys = tuple(int(m) for m in global_keys)
+        if min(self.prompt_keys + self.global_keys, default=1) < 1 or max(self.prompt_keys) > self.max_match:
+            raise ValueError("device history: key lengths must be in 1..max_match")
+        levels = len(self.prompt_keys) + len(self.global_keys)
+        n = buckets or max(16, 1 << int(np.ceil(np.log2(max(1, levels * self.capacity // self.width)))))
+        if n & (n - 1):
+            raise ValueError(f"device history: buckets must be a power of two, got {n}")
+        self.n_buckets = n
+        self.min_prob, self.max_siblings = float(min_prob), int(max_siblings)
+        self.vocab = int(vocab_size or (1 << 31) - 1)
+        self.tok = torch.full((self.capacity,), EMPTY, dtype=torch.int32, device=self.device)
+        self.pid = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
+        self.table = torch.full((n, self.width), -1, dtype=torch.int64, device=self.device)
+        self.fill = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.written = torch.zeros((), dtype=torch.int64, device=self.device)  # tokens ever written
+        self._written = 0  # the same on the host: inserts are planned there
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.tok, self.pid, self.table, self.fill))
+
+    def stored(self) -> int:
+        return min(self._written, self.capacity)
+
+    # -- insert (between calls) ------------------------------------------------------------------------
+    def insert(self, prompts, responses) -> None:
+        """Finished rollouts join the ring: each as [the prompt's last max_match tokens | response |
+        END], each position p with m tokens of its sequence before it entering the bucket of its key
+        for every key length m (per prompt: salted; global: not), the newest `width` kept."""
+        pairs = [(np.asarray(p, np.int64), np.asarray(r, np.int64)) for p, r in zip(prompts, responses) if len(r)]
+        if not pairs:
+            return
+        dev = self.device
+        plen = torch.tensor([len(p) for p, _ in pairs], device=dev)
+        pad = torch.zeros(len(pairs), int(plen.max()), dtype=torch.int64, device=dev)
+        for i, (p, _) in enumerate(pairs):
+            pad[i, : len(p)] = torch.from_numpy(p)
+        salts = prompt_hash(pad, plen)
+        bodies = [np.concatenate([p[max(0, len(p) - self.max_match):], r, [END]]) for p, r in pairs]
+        sizes = torch.tensor([len(b) for b in bodies], device=dev)
+        body = torch.from_numpy(np.concatenate(bodies)).to(dev)
+        total = body.numel()
+        start = torch.cumsum(sizes, 0) - sizes
+        j = torch.arange(total, device=dev) - torch.repeat_interleave(start, sizes)  # index within its sequence
+        salt = torch.repeat_interleave(salts, sizes)
+        pos = self._written + torch.arange(total, device=dev)
+        new_written = self._written + total
+        keep = pos >= new_written - self.capacity   # a batch over the ring writes its last tokens only
+        self.tok[pos[keep] % self.capacity] = body[keep].int()
+        self.pid[pos[keep] % self.capacity] = salt[keep]
+        keys, ok = [], []
+        for m in self.prompt_keys + self.global_keys:
+            win = window_keys(body[None], m)[0][:total]
+            keys.append(salted(win, salt) if len(keys) < len(self.prompt_keys) else win)
+            ok.append(keep & (j >= m))
+        key = torch.stack(keys, 1).reshape(-1)           # position-major, level-minor: insertion order
+        ok = torch.stack(ok, 1).reshape(-1)
+        at = pos.repeat_interleave(len(keys))[ok]
+        self._add_entries(key[ok] & (self.n_buckets - 1), at)
+        self._written = new_written
+        self.written.fill_(new_written)
+
+    def _add_entries(self, bucket: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append positions to their buckets in the given order; a bucket keeps its newest `width`."""
+        if bucket.numel() == 0:
+            return
+        b, order = torch.sort(bucket, stable=True)
+        p = pos[order]
+        count = torch.bincount(b, minlength=self.n_buckets)
+        first = torch.searchsorted(b, b, right=False)
+        rank = torch.arange(b.numel(), device=b.device) - first
+        keep = rank >= count[b] - self.width
+        slot = (self.fill[b] + rank) % self.width
+        self.table[b[keep], slot[keep]] = p[keep]
+        self.fill += count
+
+    # -- propose (every engine step) ------------------------------------------------------------------
+    def propose(self, token_ids: torch.Tensor, lengths: torch.Tensor, prompt_ids: torch.Tensor,
+                prompt_lens: torch.Tensor, k: int, active: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts for every row: token_ids [B, L] (row i's first lengths[i] tokens, prompt_lens[i]
+        of them its prompt, prompt_ids[i] its prompt_hash), active [B] (rows to draft for; default
+        all) -> drafts [B, k] int32 (-1: none), and their leading valid counts [B] int32."""
+        B = token_ids.shape[0]
+        n = lengths.long()
+        ctx = self._context(token_ids, n)                                        # [B, M]
+        hist = self._stored_candidates(token_ids, n, prompt_ids.long(), ctx, k)
+        live = self._live_candidates(token_ids, n, prompt_ids.long(), prompt_lens.long(), ctx, k)
+        cand = [torch.cat([a, b], 1) for a, b in ((hist[0].valid, live.valid), (hist[0].length, live.length),
+                                                   (hist[0].rank, live.rank), (hist[0].nxt, live.nxt))]
+        valid, length, rank, nxt = cand
+        glob = torch.cat([hist[1], torch.zeros_like(live.valid)], 1)             # [B, C] global source
+        own = valid & ~glob
+        own_best = torch.where(own, length, 0).amax(1, keepdim=True)
+        valid = own | (valid & glob & (length > own_best))
+        best = torch.where(valid, length, 0).amax(1, keepdim=True)
+        alive = valid & (length == best)
+        if active is not None:
+            alive = alive & active[:, None]
+        return self._vote(alive, rank, nxt, k, B)
+
+    def _context(self, token_ids: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """The rows' last max_match tokens, newest first: [B, M] (-5 before a row's start)."""
+        back = n[:, None] - 1 - torch.arange(self.max_match, device=n.device)
+        got = token_ids.gather(1, back.clamp(min=0)).long()
+        return torch.where(back >= 0, got, -5)
+
+    def _stored_candidates(self, token_ids, n, salt, ctx, k) -> tuple[Candidates, torch.Tensor]:
+        """The bucket entries of the rows' keys: per prompt key length (salted), then per global key
+        length; [B, (levels) * width] candidates and which are global."""
+        dev, W = n.device, self.width
+        entries, needs, is_global = [], [], []
+        for li, m in enumerate(self.prompt_keys + self.global_keys):
+            key = fold(ctx[:, :m].flip(1), m)
+            g = li >= len(self.prompt_keys)
+            key = key if g else salted(key, salt)
+            e = self.table[key & (self.n_buckets - 1)]                           # [B, W]
+            entries.append(torch.where((n >= m)[:, None], e, -1))
+            needs.append(torch.full((W,), m, device=dev))
+            is_global.append(torch.full((W,), g, dtype=torch.bool, device=dev))
+        pos = torch.cat(entries, 1)                                              # [B, C]
+        need = torch.cat(needs)[None]
+        glob = torch.cat(is_global)[None].expand_as(pos)
+        oldest = (self.written - self.capacity).clamp(min=0)
+        valid = (pos >= 0) & (pos - need >= oldest)
+        same_prompt = self.pid[pos.clamp(min=0) % self.capacity] == salt[:, None]
+        valid = valid & (glob | same_prompt)
+        back = pos[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
+        src = torch.where(back >= oldest, self.tok[back.clamp(min=0) % self.capacity].long(), -6)
+        length = _run(src == ctx[:, None, :])
+        valid = valid & (length >= need)
+        fwd = pos[:, :, None] + torch.arange(k, device=dev)
+        nxt = self.tok[fwd.clamp(min=0) % self.capacity].long()
+        nxt = torch.where(fwd < self.written, nxt, UNKNOWN)
+        valid = _first_of(valid, pos)
+        return Candidates(valid, length, pos, nxt), glob & valid
+
+    def _live_candidates(self, token_ids, n, salt, plen, ctx, k) -> Candidates:
+        """Per sibling row (same prompt_id; the first max_siblings in row order, the row itself
+        included) and prompt key length, the latest position p whose window hashes like the row's
+        last m tokens: an answer position of a sibling, any position of the row itself."""
+        B, L = token_ids.shape
+        dev, G = n.device, min(self.max_siblings, B)
+        sib, sib_ok = _siblings(salt, G)                                         # [B, G]
+        cols = torch.arange(L + 1, device=dev)
+        cands, levels = [], self.prompt_keys
+        for m in levels:
+            win = window_keys(token_ids, m)                                      # [B, L+1]
+            query = win.gather(1, n[:, None].clamp(max=L))                       # [B, 1]
+            is_self = sib == torch.arange(B, device=dev)[:, None]
+            lo = torch.where(is_self, m, plen[sib].clamp(min=m))                 # [B, G]
+            hit = (win[sib] == query[:, :, None]) & (cols >= lo[:, :, None]) & (cols < n[sib][:, :, None])
+            hit = hit & sib_ok[:, :, None] & (n >= m)[:, None, None]
+            p = torch.where(hit, cols, -1).amax(2)                                # [B, G]
+            cands.append(p)
+        p = torch.cat(cands, 1)                                                  # [B, G * levels]
+        row = sib.repeat(1, len(levels))
+        need = torch.tensor(levels, device=dev).repeat_interleave(G)[None]
+        is_self = row == torch.arange(B, device=dev)[:, None]
+        back = p[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
+        src = token_ids[row[:, :, None], back.clamp(min=0)].long()
+        length = _run(torch.where(back >= 0, src, -6) == ctx[:, None, :])
+        valid = (p >= 0) & (length >= need)
+        fwd = p[:, :, None] + torch.arange(k, device=dev)
+        nxt = token_ids[row[:, :, None], fwd.clamp(min=0, max=L - 1)].long()
+        nxt = torch.where(fwd < n[row][:, :, None], nxt, UNKNOWN)
+        rank = _LIVE + is_self * _SELF + p.clamp(min=0) * B + row
+        valid = _first_of(valid, row * (L + 1) + p)
+        return Candidates(valid, length, rank, nxt)
+
+    def _vote(self, alive, rank, nxt, k, B) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token by token: the most frequent next token among the live candidates (ties: the
+        highest rank), kept while its share is at least min_prob and it is a token."""
+        dev = alive.device
+        drafts = torch.full((B, k), -1, dtype=torch.int32, device=dev)
+        go = torch.ones(B, dtype=torch.bool, device=dev)
+        for t in range(k):
+            x = nxt[:, :, t]
+            voters = alive & (x != UNKNOWN)
+            count = ((x[:, :, None] == x[:, None, :]) & voters[:, None, :]).sum(2)   # [B, C]
+            score = torch.where(voters, count * _COUNT + rank, -1)
+            best = score.argmax(1, keepdim=True)
+            tok, votes = x.gather(1, best)[:, 0], count.gather(1, best)[:, 0]
+            total = voters.sum(1)
+            go = go & (score.gather(1, best)[:, 0] >= 0) & (tok >= 0) & (tok < self.vocab) \
+                & (votes.double() >= self.min_prob * total.double())
+            drafts[:, t] = torch.where(go, tok, -1).int()
+            alive = voters & (x == tok[:, None])
+        return drafts, (drafts >= 0).sum(1).int()
+
+
+def _run(eq: torch.Tensor) -> torch.Tensor:
+    """Leading run of True along the last dim."""
+    return eq.long().cumprod(-1).sum(-1)
+
+
+def _first_of(valid: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """valid, less every candidate whose key an earlier valid one holds: [B, C]."""
+    C = key.shape[1]
+    same = (key[:, :, None] == key[:, None, :]) & valid[:, None, :]
+    earlier = torch.ones(C, C, dtype=torch.bool, device=key.device).tril(-1)
+    return valid & ~(same & earlier).any(2)
+
+
+def _siblings(salt: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the first G rows (in row order) of its prompt: [B, G] rows and which exist."""
+    B = salt.shape[0]
+    order = torch.sort(salt, stable=True)
+    first = torch.searchsorted(order.values, salt)                            # start of the row's group
+    at = first[:, None] + torch.arange(G, device=salt.device)
+    ok = at < B
+    at = at.clamp(max=B - 1)
+    return order.indices[at], ok & (order.values[at] == salt[:, None])

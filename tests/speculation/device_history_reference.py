@@ -1,0 +1,134 @@
+"""A plain reading of rlspec/speculation/device_history.py's rule, row by row in Python ints: the
+same hashes (mod 2^64), the same ring and buckets, candidates and vote."""
+from __future__ import annotations
+
+from collections import deque
+
+MASK = (1 << 64) - 1
+P = 0x100000001B3
+C1 = 0x9E3779B97F4A7C15
+M1 = 0xFF51AFD7ED558CCD
+M2 = 0xC4CEB9FE1A85EC53
+END, UNKNOWN = -1, -2
+LIVE, SELF = 1 << 42, 1 << 41
+
+
+def mix(h: int) -> int:
+    h ^= h >> 33
+    h = h * M1 & MASK
+    h ^= h >> 33
+    h = h * M2 & MASK
+    return h ^ (h >> 33)
+
+
+def fold(tokens) -> int:
+    h = 0
+    for t in tokens:
+        h = (h * P + t + 3) & MASK
+    return mix(h ^ (len(tokens) * C1 & MASK))
+
+
+def prompt_hash(prompt) -> int:
+    s = 0
+    for j, t in enumerate(prompt):
+        s = (s + (t + 3) * pow(P, j, 1 << 64)) & MASK
+    h = mix(s ^ mix(len(prompt) + 1))
+    return h or 1
+
+
+class Reference:
+    def __init__(self, max_tokens, n_buckets, width, min_match, max_match, prompt_keys, global_keys, min_prob,
+                 max_siblings, vocab=(1 << 31) - 1):
+        self.A, self.NB, self.W = max_tokens, n_buckets, width
+        self.max_match, self.prompt_keys, self.global_keys = max_match, list(prompt_keys), list(global_keys)
+        self.min_prob, self.G, self.vocab = min_prob, max_siblings, vocab
+        self.tok, self.pid = {}, {}       # absolute position -> token, prompt hash
+        self.buckets: dict[int, deque] = {}
+        self.written = 0
+
+    def insert(self, prompts, responses):
+        seqs = []
+        for p, r in zip(prompts, responses):
+            if len(r):
+                seqs.append((prompt_hash(p), list(p)[max(0, len(p) - self.max_match):] + list(r) + [END]))
+        total = sum(len(b) for _, b in seqs)
+        end = self.written + total
+        pos = self.written
+        for salt, body in seqs:
+            for j in range(len(body)):
+                if pos >= end - self.A:
+                    self.tok[pos], self.pid[pos] = body[j], salt
+                    for li, m in enumerate(self.prompt_keys + self.global_keys):
+                        if j >= m:
+                            key = fold(body[j - m: j])
+                            if li < len(self.prompt_keys):
+                                key = mix(key ^ salt)
+                            self.buckets.setdefault(key & (self.NB - 1), deque(maxlen=self.W)).append(pos)
+                pos += 1
+        self.written = end
+
+    def _stored(self, at):
+        return self.tok[at] if at >= self.written - self.A and at in self.tok else None
+
+    def _match(self, ctx, before) -> int:
+        """Common suffix of ctx and what `before(j)` reads j tokens back, up to max_match."""
+        n = 0
+        while n < self.max_match and n < len(ctx) and before(n) is not None and before(n) == ctx[-1 - n]:
+            n += 1
+        return n
+
+    def draft(self, rows, plens, k):
+        salts = [prompt_hash(r[:pl]) for r, pl in zip(rows, plens)]
+        return [self._draft_row(i, rows, plens, salts, k) for i in range(len(rows))]
+
+    def _draft_row(self, i, rows, plens, salts, k):
+        ctx, n, salt = rows[i], len(rows[i]), salts[i]
+        cands = {}   # key -> [length, rank, next-token function, global]
+        for li, m in enumerate(self.prompt_keys + self.global_keys):
+            if n < m:
+                continue
+            g = li >= len(self.prompt_keys)
+            key = fold(ctx[n - m:])
+            key = key if g else mix(key ^ salt)
+            for pos in self.buckets.get(key & (self.NB - 1), ()):
+                if pos - m < self.written - self.A or (not g and self.pid.get(pos) != salt):
+                    continue
+                length = self._match(ctx, lambda j, pos=pos: self._stored(pos - 1 - j))
+                if length < m or ("h", pos) in cands:
+                    continue
+                cands[("h", pos)] = [length, pos, lambda t, pos=pos: self.tok[pos + t]
+                                     if pos + t < self.written else UNKNOWN, g]
+        sibs = [j for j in range(len(rows)) if salts[j] == salt][: min(self.G, len(rows))]
+        for m in self.prompt_keys:
+            if n < m:
+                continue
+            for j in sibs:
+                row = rows[j]
+                lo = m if j == i else max(plens[j], m)
+                hits = [p for p in range(lo, len(row)) if fold(row[p - m: p]) == fold(ctx[n - m:])]
+                if not hits:
+                    continue
+                p = hits[-1]
+                length = self._match(ctx, lambda q, row=row, p=p: row[p - 1 - q] if p - 1 - q >= 0 else None)
+                if length < m or ("l", j, p) in cands:
+                    continue
+                cands[("l", j, p)] = [length, LIVE + (j == i) * SELF + p * len(rows) + j,
+                                      lambda t, row=row, p=p: row[p + t] if p + t < len(row) else UNKNOWN, False]
+        own = max((c[0] for c in cands.values() if not c[3]), default=0)
+        chosen = [c for c in cands.values() if not c[3] or c[0] > own]
+        best = max((c[0] for c in chosen), default=0)
+        alive = [c for c in chosen if c[0] == best]
+        out = []
+        for t in range(k):
+            voters = [(c, c[2](t)) for c in alive if c[2](t) != UNKNOWN]
+            if not voters:
+                break
+            count = {}
+            for _, x in voters:
+                count[x] = count.get(x, 0) + 1
+            _, _, x = max((count[x], c[1], x) for c, x in voters)
+            if x < 0 or x >= self.vocab or count[x] < self.min_prob * len(voters):
+                break
+            out.append(x)
+            alive = [c for c, y in voters if y == x]
+        return out

@@ -1,0 +1,172 @@
+"""The device-resident history drafter (rlspec/speculation/device_history.py): token for token
+against a plain reading of its rule on random traces (small vocabularies, so that matches, hash
+collisions, bucket overflow and ring eviction all happen), hand-made cases per source, and its
+propose checked to be one graph of fixed shapes with no host sync and no device mixing."""
+import random
+
+import pytest
+import torch
+
+from rlspec.speculation.device_history import DeviceHistory, prompt_hash
+from tests.speculation.device_history_reference import Reference
+from tests.speculation.device_history_reference import prompt_hash as ref_prompt_hash
+
+SMALL = dict(max_tokens=300, buckets=16, width=4, max_match=6, prompt_keys=(4, 2), global_keys=(3, 1),
+             min_prob=0.5, max_siblings=3)
+
+
+def pair(**kw):
+    cfg = {**SMALL, **kw}
+    dev = DeviceHistory(**cfg)
+    ref = Reference(cfg["max_tokens"], dev.n_buckets, cfg["width"], 2, cfg["max_match"], cfg["prompt_keys"],
+                    cfg["global_keys"], cfg["min_prob"], cfg["max_siblings"], dev.vocab)
+    return dev, ref
+
+
+def batch(rows, plens, width=None, fill=0):
+    """[B, L] tokens (garbage past each row's end), lengths, prompt ids, prompt lengths."""
+    L = width or max(len(r) for r in rows)
+    g = random.Random(fill)
+    ids = torch.tensor([list(r) + [g.randrange(50) for _ in range(L - len(r))] for r in rows], dtype=torch.int32)
+    n = torch.tensor([len(r) for r in rows])
+    pl = torch.tensor(plens)
+    return ids, n, prompt_hash(ids, pl), pl
+
+
+def device_drafts(dev, rows, plens, k, width=None):
+    d, nv = dev.propose(*batch(rows, plens, width), k)
+    out = []
+    for i in range(len(rows)):
+        got = d[i].tolist()
+        assert all(x >= 0 for x in got[: nv[i]]) and all(x == -1 for x in got[nv[i]:])
+        out.append(got[: nv[i]])
+    return out
+
+
+def trace(seed, vocab, prompts=3, group=4, calls=6):
+    """Calls of groups: each prompt's answers are noisy copies of a few latent answers."""
+    g = random.Random(seed)
+    ps = [[g.randrange(vocab) for _ in range(g.randrange(3, 8))] for _ in range(prompts)]
+    latent = {i: [[g.randrange(vocab) for _ in range(g.randrange(10, 40))] for _ in range(2)] for i in range(prompts)}
+    out = []
+    for _ in range(calls):
+        call = []
+        for i in g.sample(range(prompts), 2):
+            for _ in range(group):
+                base = g.choice(latent[i])
+                call.append((ps[i], [t if g.random() > 0.15 else g.randrange(vocab) for t in base]))
+        out.append(call)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_drafts_equal_the_reference_on_random_traces(seed):
+    g = random.Random(100 + seed)
+    dev, ref = pair(max_tokens=g.choice([120, 300, 2000]), buckets=g.choice([4, 16, 256]),
+                    min_prob=g.choice([0.3, 0.5, 0.8]))
+    drafted = 0
+    for call in trace(seed, vocab=g.choice([4, 6, 10])):
+        rows, plens = [], []
+        for p, r in call:
+            cut = g.randrange(0, len(r) + 1)
+            rows.append(p + r[:cut])
+            plens.append(len(p))
+        rows.append([])   # an empty row (padding) drafts nothing
+        plens.append(0)
+        for k in range(1, 6):
+            want = ref.draft(rows, plens, k)
+            got = device_drafts(dev, rows, plens, k, width=max(map(len, rows)) + g.randrange(3))
+            assert got == want, (k, rows)
+            drafted += sum(map(len, got))
+        dev.insert(*zip(*call))
+        ref.insert(*zip(*call))
+        assert ref.written == dev.stored() or dev.stored() == dev.capacity
+    assert drafted > 0
+
+
+def test_prompt_hash_equals_the_reference():
+    rows = [[5, 6, 7, 8, 9], [5, 6, 7, 1, 1], [0]]
+    ids, _, pid, _ = batch(rows, [3, 3, 1])
+    assert [x % (1 << 64) for x in pid.tolist()] == [ref_prompt_hash(r[:pl]) for r, pl in zip(rows, [3, 3, 1])]
+    assert pid[0] == pid[1] != pid[2]
+
+
+def test_the_prompts_history_drafts_and_another_prompts_only_through_the_global_source():
+    dev = DeviceHistory(**{**SMALL, "global_keys": ()})
+    dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14, 15]])
+    assert device_drafts(dev, [[1, 2, 3, 10, 11]], [3], 3) == [[12, 13, 14]]
+    assert device_drafts(dev, [[7, 8, 9, 10, 11]], [3], 3) == [[]]
+    dev = DeviceHistory(**SMALL)
+    dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14, 15]])
+    assert device_drafts(dev, [[7, 8, 9, 10, 11]], [3], 3) == [[12, 13, 14]]
+    # a draft stops where the stored response ended
+    assert device_drafts(dev, [[1, 2, 3, 13, 14]], [3], 5) == [[15]]
+
+
+def test_counts_decide_and_min_prob_stops():
+    dev = DeviceHistory(**{**SMALL, "width": 8})
+    p = [1, 2, 3]
+    dev.insert([p] * 3, [[10, 11, 12, 20], [10, 11, 12, 20], [10, 11, 12, 21]])
+    assert device_drafts(dev, [p + [10, 11]], [3], 3) == [[12, 20]]   # 2 of 3 say 20
+    dev = DeviceHistory(**{**SMALL, "width": 8, "min_prob": 0.7})
+    dev.insert([p] * 3, [[10, 11, 12, 20], [10, 11, 12, 20], [10, 11, 12, 21]])
+    assert device_drafts(dev, [p + [10, 11]], [3], 3) == [[12]]       # 2/3 < 0.7
+
+
+def test_siblings_and_the_prompt_draft_without_history():
+    dev = DeviceHistory(**SMALL)
+    p = [1, 2, 3, 4, 5]
+    # a sibling wrote 30 31 32 33 34; this row is at 30 31
+    rows = [p + [30, 31, 32, 33, 34], p + [30, 31]]
+    assert device_drafts(dev, rows, [5, 5], 3)[1] == [32, 33, 34]
+    # another prompt's running answer is no sibling
+    rows = [[9, 9, 9, 9, 9, 30, 31, 32, 33, 34], p + [30, 31]]
+    assert device_drafts(dev, rows, [5, 5], 3)[1] == []
+    # prompt lookup: the row's own prompt (and on into its answer)
+    assert device_drafts(dev, [p + [2, 3]], [5], 3) == [[4, 5, 2]]
+
+
+def test_a_hash_collision_never_drafts():
+    # one bucket: every key lands in it, only exact matches may draft
+    dev = DeviceHistory(**{**SMALL, "buckets": 1, "width": 64, "global_keys": ()})
+    dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14, 15]])
+    assert device_drafts(dev, [[1, 2, 3, 40, 41]], [3], 3) == [[]]
+    assert device_drafts(dev, [[1, 2, 3, 11, 12]], [3], 3) == [[13, 14, 15]]
+
+
+def test_the_ring_evicts_the_oldest():
+    dev = DeviceHistory(**{**SMALL, "max_tokens": 24, "global_keys": ()})
+    dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14, 15]])                 # 3 + 6 + 1 = 10 tokens
+    assert device_drafts(dev, [[1, 2, 3, 10, 11]], [3], 2) == [[12, 13]]
+    dev.insert([[1, 2, 3]] * 2, [[20, 21, 22, 23, 24, 25]] * 2)       # 20 more: the first is overwritten
+    assert device_drafts(dev, [[1, 2, 3, 10, 11]], [3], 2) == [[]]
+    assert device_drafts(dev, [[1, 2, 3, 20, 21]], [3], 2) == [[22, 23]]
+
+
+def test_propose_is_one_graph_of_fixed_shapes():
+    """torch.compile(fullgraph=True) fails on .item(), .tolist(), data-dependent shapes and
+    Python branches on tensor values."""
+    dev = DeviceHistory(**SMALL)
+    dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14, 15]])
+    args = batch([[1, 2, 3, 10, 11], [1, 2, 3, 10], [7, 7]], [3, 3, 2])
+    want = dev.propose(*args, 4)
+    torch._dynamo.reset()
+    fn = torch.compile(dev.propose, fullgraph=True, dynamic=False, backend="eager")
+    got = fn(*args, 4)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_propose_on_the_meta_device_keeps_to_it():
+    """On `meta` tensors (no values: .item() or .tolist() raise) any CPU tensor mixed into an op
+    raises; the drafts come out on the store's device. (Fake cuda tensors of this CPU build of
+    torch refuse indexing, so meta stands in for the engine's device.)"""
+    dev = DeviceHistory(device="meta", **SMALL)
+    B, L = 4, 32
+    ids = torch.zeros(B, L, dtype=torch.int32, device="meta")
+    n = torch.full((B,), 10, dtype=torch.int64, device="meta")
+    pl = torch.full((B,), 3, dtype=torch.int64, device="meta")
+    drafts, valid = dev.propose(ids, n, prompt_hash(ids, pl), pl, 5)
+    assert drafts.device.type == "meta" and drafts.shape == (B, 5) and drafts.dtype == torch.int32
+    assert valid.shape == (B,) and valid.dtype == torch.int32
+    with pytest.raises(RuntimeError, match="device"):
+        dev.propose(ids, torch.full((B,), 10), prompt_hash(ids, pl), pl, 5)
