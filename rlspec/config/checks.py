@@ -157,6 +157,10 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
     _check(0 < h.min_prob <= 1, "speculation.history.min_prob", f"must be in (0, 1], got {h.min_prob}")
     for key in ("max_rollouts_per_prompt", "max_tokens"):
         _check(getattr(h, key) >= 1, f"speculation.history.{key}", "must be >= 1")
+    # the store's arena positions are int32: max_tokens response tokens with their prompt tails,
+    # an insert's room and 1.5x to grow (rlspec/speculation/arena.py) stay under 2^31 positions
+    _check(h.max_tokens <= 1 << 29, "speculation.history.max_tokens",
+           f"must be <= {1 << 29} (the history store's positions are int32), got {h.max_tokens}")
     _check(h.max_candidates >= 1, "speculation.history.max_candidates", "must be >= 1")
     keys = list(h.global_keys)
     _check(all(1 <= g <= h.max_match for g in keys) and keys == sorted(set(keys), reverse=True),

@@ -513,6 +513,10 @@ def test_settings_are_validated_by_key():
         validate(compose(["speculation=history", "speculation.history.min_prob=0"]))
     with pytest.raises(ConfigError, match=r"^speculation\.history\.global_keys: must be distinct key lengths"):
         validate(compose(["speculation=history", "speculation.history.global_keys=[1,4]"]))
+    # arena positions are int32 (rlspec/speculation/arena.py)
+    validate(compose(["speculation=history", "speculation.history.max_tokens=500000000"]))
+    with pytest.raises(ConfigError, match=r"^speculation\.history\.max_tokens: must be <= 536870912"):
+        validate(compose(["speculation=history", "speculation.history.max_tokens=3000000000"]))
 
 
 # -- through real vLLM: the drafter hosted as vLLM's custom proposer, in a Generator actor ---------
