@@ -84,9 +84,11 @@ class Generator(RefitReceiver):
 
     def load_history(self, paths: list[str]) -> None:
         """The stores saved at `paths`, merged (least recently seen first, bounds applied)."""
-        from rlspec.speculation.history import merge_states
+        from rlspec.speculation.history import STATE_GLOBALS, merge_states
 
-        self.load_history_state(merge_states([torch.load(p, weights_only=True) for p in paths]))
+        with torch.serialization.safe_globals(STATE_GLOBALS):
+            states = [torch.load(p, weights_only=True) for p in paths]
+        self.load_history_state(merge_states(states))
 
     def refit_target(self) -> VLLMEngine:
         return self.engine
