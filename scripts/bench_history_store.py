@@ -1,10 +1,12 @@
 """History drafting at scale: rollouts replayed through a drafter alone (no model), side by side for
-three stores, JSON out and a table printed.
+several stores, JSON out and a table printed.
 
 Stores: rlspec's compiled store (rlspec/speculation/store.py, `rlspec`), a dict-based store of
 hashed n-gram continuation counts (scripts/history_dict_store.py, `dict`), and arctic-inference's
 SuffixDecodingCache driven as vLLM's `suffix` method drives it (`suffix`: a suffix tree over each
-request's prompt and its answer so far, and a global one over earlier responses of any prompt).
+request's prompt and its answer so far, and a global one over earlier responses of any prompt),
+and the device-resident drafter (rlspec/speculation/device_history.py, `device`, on CPU tensors;
+--device KEY=VALUE sets its arguments).
 
 The replay emulates an engine: a call's requests run in a persistent batch of up to --max-batch
 rows (finished rows filled from the back, as vLLM does); at every step each running row asks the
@@ -47,7 +49,7 @@ import harness
 ROOT = harness.ROOT
 
 VOCAB, PROMPTS, GROUP = 151_936, 17_000, 16
-STORES = ("rlspec", "dict", "suffix")
+STORES = ("rlspec", "dict", "suffix", "device")
 
 
 def rss() -> int:
@@ -81,7 +83,7 @@ class Rlspec:
     def record(self, prompts, responses) -> None:
         self.h.record(prompts, responses, wait=True)
 
-    def finish(self, key) -> None:
+    def finish(self, key, prompt, response) -> None:
         pass
 
     def end_call(self, prompts, responses) -> None:
@@ -119,7 +121,7 @@ class Dict:
     def record(self, prompts, responses) -> None:
         self.h.record(prompts, responses)
 
-    def finish(self, key) -> None:
+    def finish(self, key, prompt, response) -> None:
         pass
 
     def end_call(self, prompts, responses) -> None:
@@ -133,6 +135,65 @@ class Dict:
 
     def nbytes(self) -> int | None:
         return None
+
+
+DEVICE_SETTINGS: dict = {}  # --device KEY=VALUE: DeviceHistory arguments of the device store
+DEVICE_ARENA = 1 << 21  # the device store's ring, at most (its buckets grow with it)
+
+
+class Device:
+    """rlspec/speculation/device_history.py's drafter on CPU torch tensors: the batch's rows as
+    the engine's token buffer, each row's prompt identity hashed from its row."""
+
+    def __init__(self, k: int, max_tokens: int):
+        import torch
+
+        from rlspec.speculation.device_history import DeviceHistory
+
+        torch.set_num_threads(1)   # as the host store drafts: one core
+        self.h = DeviceHistory(**{"max_tokens": min(max_tokens, DEVICE_ARENA), **DEVICE_SETTINGS})
+        self.prompts: set = set()
+        self.done: list = []   # answers finished since the last step
+
+    def begin_call(self, prompts) -> None:
+        pass
+
+    def step(self, ids, nums, new, keys, plens, k) -> list[list[int]]:
+        import torch
+
+        from rlspec.speculation.device_history import prompt_hash
+
+        self._flush()
+        t, pl = torch.from_numpy(ids), torch.as_tensor(np.asarray(plens, np.int64))
+        drafts, valid = self.h.propose(t, torch.from_numpy(np.asarray(nums, np.int64)), prompt_hash(t, pl), pl, k,
+                                       torch.from_numpy(np.asarray(new) > 0))
+        return [d[:c] for d, c in zip(drafts.tolist(), valid.tolist())]
+
+    def record(self, prompts, responses) -> None:
+        self.h.insert(prompts, responses)
+        self.prompts.update(tuple(p) for p, r in zip(prompts, responses) if len(r))
+
+    def finish(self, key, prompt, response) -> None:
+        """A finished answer joins the store before the next step (as suffix's tree takes it),
+        where the rows of the batch no longer hold it."""
+        self.done.append((prompt, response))
+
+    def end_call(self, prompts, responses) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.done:
+            self.record(*zip(*self.done))
+            self.done = []
+
+    def has_history(self, prompt) -> bool:
+        return tuple(prompt) in self.prompts   # inserted (the ring may have overwritten it since)
+
+    def stored(self) -> int:
+        return self.h.stored()
+
+    def nbytes(self) -> int:
+        return self.h.nbytes
 
 
 class Suffix:
@@ -169,7 +230,7 @@ class Suffix:
                                             min_token_prob=self.min_prob).token_ids)
         return out
 
-    def finish(self, key) -> None:
+    def finish(self, key, prompt, response) -> None:
         if key in self.active:
             self.cache.stop_request(key)
             self.active.discard(key)
@@ -202,7 +263,7 @@ _ids = iter(range(1 << 62))
 def make_store(name: str, k: int, max_tokens: int, mean_response: int = 700):
     if name == "suffix":
         return Suffix(k, max_tokens, mean_response)
-    return {"rlspec": Rlspec, "dict": Dict}[name](k, max_tokens)
+    return {"rlspec": Rlspec, "dict": Dict, "device": Device}[name](k, max_tokens)
 
 
 # -- the engine emulation -------------------------------------------------------------------------------
@@ -269,7 +330,7 @@ def replay_call(store, prompts: list[list[int]], responses: list[list[int]], k: 
             if done[r] >= len(resp):
                 finished.append(i)
         for i in sorted(finished, reverse=True):   # the last row fills the hole, as vLLM condenses
-            store.finish(keys[req[i]])
+            store.finish(keys[req[i]], prompts[req[i]], responses[req[i]])
             last = running - 1
             if i != last:
                 ids[i], nums[i], new[i], req[i] = ids[last], nums[last], new[last], req[last]
@@ -485,7 +546,7 @@ def scale(args) -> dict:
                 print(notes[-1], flush=True)
                 continue
             cmd = [sys.executable, __file__, "one", "--store", name, "--size", str(n), "--k", str(args.k),
-                   "--seed", str(args.seed), "--history", *args.history]
+                   "--seed", str(args.seed), "--history", *args.history, "--device", *args.device]
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=6 * 3600)
             line = [x for x in p.stdout.splitlines() if x.startswith("{")]
             if p.returncode != 0 or not line:
@@ -516,6 +577,9 @@ def main() -> None:
     for x in (r, s, o):
         x.add_argument("--history", nargs="*", default=[], metavar="KEY=VALUE",
                        help="speculation.history settings of the rlspec store")
+    for x in (r, s, o):
+        x.add_argument("--device", nargs="*", default=[], metavar="KEY=VALUE",
+                       help="DeviceHistory arguments of the device store")
     for x in (r, s):
         x.add_argument("--stores", nargs="+", default=list(STORES), choices=STORES)
         x.add_argument("--out", type=Path)
@@ -526,6 +590,9 @@ def main() -> None:
     for kv in args.history:  # values as Hydra reads them: 3, 0.5, true, [8,4,1]
         key, value = kv.split("=", 1)
         HISTORY_SETTINGS[key] = yaml.safe_load(value)
+    for kv in args.device:
+        key, value = kv.split("=", 1)
+        DEVICE_SETTINGS[key] = yaml.safe_load(value)
     if args.mode == "one":
         print(json.dumps(scale_one(args)), flush=True)
         return

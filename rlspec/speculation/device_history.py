@@ -3,15 +3,16 @@ draft for every running row is a fixed sequence of tensor operations with fixed 
 sync, no Python loop over rows: CUDA-graph safe), reading the rows' tokens from the runner's buffer.
 
 How the rule departs from the numba store's (rlspec/speculation/store.py):
-- candidates come from fixed-width hashed buckets (the newest `width` positions per key of every
-  key length in `prompt_keys`, salted by the prompt, and in `global_keys`, unsalted), not from
-  chain walks; the running group is read from the batch itself: per sibling row (the row itself
-  included: prompt lookup) and key length, the latest position whose window hashes like the row's
-  suffix. A finished sibling's answer drafts only once it is inserted.
-- every candidate's match is checked token by token (a hash collision never drafts), then, as in
-  store.py, the candidates of the longest match decide by their counts: at each position the most
-  frequent next token among those agreeing with the draft so far (ties: the candidate of highest
-  rank, the newest), while its share is at least min_prob.
+- candidates come from fixed-width hashed buckets (the newest `width` positions per key of each
+  length in `prompt_keys`, salted by the prompt, and in `global_keys`, unsalted), not from chain
+  walks; keys go down to one token for the prompt's own sources too. The running group is read
+  from the batch itself: per sibling row (the row itself included: prompt lookup) and key length,
+  the latest position whose window has the row's suffix's fingerprint. A finished answer drafts
+  for its siblings once inserted (the replay inserts it when it finishes).
+- every candidate's match is checked token by token (a hash collision never drafts); then, as in
+  store.py, the candidates of the longest match decide by their counts (at most max_voters of
+  them, highest rank first): at each position the most frequent next token among those agreeing
+  with the draft so far (ties: the highest rank), while its share is at least min_prob.
 - eviction is a ring: the oldest stored tokens are overwritten, their bucket entries dropped by a
   position check; no per-prompt bound.
 """
@@ -61,14 +62,20 @@ def fold(windows: torch.Tensor, m: int) -> torch.Tensor:
     return mix(h ^ _signed(m * _C1))
 
 
-def window_keys(tokens: torch.Tensor, m: int) -> torch.Tensor:
-    """fold of tokens[:, p-m:p] for every p in 0..L ([B, L] -> [B, L+1]; garbage where p < m)."""
+def window_prints(tokens: torch.Tensor, m: int) -> torch.Tensor:
+    """A fingerprint (unmixed polynomial) of tokens[:, p-m:p] for every p in 0..L ([B, L] ->
+    [B, L+1]; garbage where p < m)."""
     pad = torch.nn.functional.pad(tokens.long(), (m, 1))
     span = tokens.shape[1] + 1
     h = torch.zeros(tokens.shape[0], span, dtype=torch.int64, device=tokens.device)
     for j in range(m):
         h = h * _P + (pad[:, j: j + span] + 3)
-    return mix(h ^ _signed(m * _C1))
+    return h
+
+
+def window_keys(tokens: torch.Tensor, m: int) -> torch.Tensor:
+    """fold of tokens[:, p-m:p] for every p in 0..L ([B, L] -> [B, L+1]; garbage where p < m)."""
+    return mix(window_prints(tokens, m) ^ _signed(m * _C1))
 
 
 def salted(key: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
@@ -113,14 +120,15 @@ class DeviceHistory:
     max_tokens: arena tokens (responses, their prompt tails and END marks); buckets: bucket count
     (a power of two; default the arena's entries at one per key, over the width); width: entries
     per bucket (numba's max_candidates: the matches one key reads); max_siblings: rows of the
-    batch read per prompt (the row itself included)."""
+    batch read per prompt (the row itself included); max_voters: candidates of the longest match
+    that vote, the highest ranked (the row itself, its siblings, then the newest stored)."""
 
     def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 32,
-                 min_match: int = 3, max_match: int = 16, prompt_keys=(8, 3), global_keys=(4, 1),
-                 min_prob: float = 0.5, max_siblings: int = 16, vocab_size: int | None = None):
+                 max_match: int = 16, prompt_keys=(8, 3, 1), global_keys=(4, 1),
+                 min_prob: float = 0.5, max_siblings: int = 16, max_voters: int = 32, vocab_size: int | None = None):
         self.device = torch.device(device)
         self.capacity, self.width = int(max_tokens), int(width)
-        self.min_match, self.max_match = int(min_match), int(max_match)
+        self.max_match = int(max_match)
         self.prompt_keys = tuple(int(m) for m in prompt_keys)
         self.global_keys = tuple(int(m) for m in global_keys)
         if min(self.prompt_keys + self.global_keys, default=1) < 1 or max(self.prompt_keys) > self.max_match:
@@ -130,7 +138,7 @@ class DeviceHistory:
         if n & (n - 1):
             raise ValueError(f"device history: buckets must be a power of two, got {n}")
         self.n_buckets = n
-        self.min_prob, self.max_siblings = float(min_prob), int(max_siblings)
+        self.min_prob, self.max_siblings, self.max_voters = float(min_prob), int(max_siblings), int(max_voters)
         self.vocab = int(vocab_size or (1 << 31) - 1)
         self.tok = torch.full((self.capacity,), EMPTY, dtype=torch.int32, device=self.device)
         self.pid = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
@@ -205,7 +213,6 @@ class DeviceHistory:
         """Drafts for every row: token_ids [B, L] (row i's first lengths[i] tokens, prompt_lens[i]
         of them its prompt, prompt_ids[i] its prompt_hash), active [B] (rows to draft for; default
         all) -> drafts [B, k] int32 (-1: none), and their leading valid counts [B] int32."""
-        B = token_ids.shape[0]
         n = lengths.long()
         ctx = self._context(token_ids, n)                                        # [B, M]
         hist = self._stored_candidates(token_ids, n, prompt_ids.long(), ctx, k)
@@ -217,11 +224,17 @@ class DeviceHistory:
         own = valid & ~glob
         own_best = torch.where(own, length, 0).amax(1, keepdim=True)
         valid = own | (valid & glob & (length > own_best))
-        best = torch.where(valid, length, 0).amax(1, keepdim=True)
-        alive = valid & (length == best)
         if active is not None:
-            alive = alive & active[:, None]
-        return self._vote(alive, rank, nxt, k, B)
+            valid = valid & active[:, None]
+        best = torch.where(valid, length, 0).amax(1, keepdim=True)
+        drafts = self._vote(*self._voters(valid & (length == best), rank, nxt, k), k)
+        return drafts, (drafts >= 0).sum(1).int()
+
+    def _voters(self, alive, rank, nxt, k):
+        """The max_voters of highest rank among the alive candidates [B, C]: alive, rank [B, V],
+        nxt [B, V, k]."""
+        top = torch.where(alive, rank, -1).topk(min(self.max_voters, alive.shape[1]), 1)
+        return top.values >= 0, top.values, nxt.gather(1, top.indices[:, :, None].expand(-1, -1, k))
 
     def _context(self, token_ids: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """The rows' last max_match tokens, newest first: [B, M] (-5 before a row's start)."""
@@ -261,26 +274,30 @@ class DeviceHistory:
 
     def _live_candidates(self, token_ids, n, salt, plen, ctx, k) -> Candidates:
         """Per sibling row (same prompt_id; the first max_siblings in row order, the row itself
-        included) and prompt key length, the latest position p whose window hashes like the row's
-        last m tokens: an answer position of a sibling, any position of the row itself."""
+        included) and prompt key length m, the latest position p whose m tokens before it have
+        the row's last m tokens' fingerprint: an answer position of a sibling, any position of
+        the row itself."""
         B, L = token_ids.shape
         dev, G = n.device, min(self.max_siblings, B)
         sib, sib_ok = _siblings(salt, G)                                         # [B, G]
+        rows = torch.arange(B, device=dev)
+        is_self = sib == rows[:, None]
         cols = torch.arange(L + 1, device=dev)
+        before_end = cols < n[:, None]
         cands, levels = [], self.prompt_keys
         for m in levels:
-            win = window_keys(token_ids, m)                                      # [B, L+1]
-            query = win.gather(1, n[:, None].clamp(max=L))                       # [B, 1]
-            is_self = sib == torch.arange(B, device=dev)[:, None]
-            lo = torch.where(is_self, m, plen[sib].clamp(min=m))                 # [B, G]
-            hit = (win[sib] == query[:, :, None]) & (cols >= lo[:, :, None]) & (cols < n[sib][:, :, None])
-            hit = hit & sib_ok[:, :, None] & (n >= m)[:, None, None]
-            p = torch.where(hit, cols, -1).amax(2)                                # [B, G]
-            cands.append(p)
+            win = window_prints(token_ids, m) << 1                               # [B, L+1], low bit: may match
+            query = win.gather(1, n[:, None].clamp(max=L)) | 1                   # [B, 1]
+            as_sibling = win | (before_end & (cols >= plen[:, None].clamp(min=m)))
+            as_self = win | (before_end & (cols >= m))
+            p_sib = torch.where(as_sibling[sib] == query[:, :, None], cols, -1).amax(2)   # [B, G]
+            p_self = torch.where(as_self == query, cols, -1).amax(1, keepdim=True)         # [B, 1]
+            p = torch.where(is_self, p_self, p_sib)
+            cands.append(torch.where(sib_ok & (n >= m)[:, None], p, -1))
         p = torch.cat(cands, 1)                                                  # [B, G * levels]
         row = sib.repeat(1, len(levels))
         need = torch.tensor(levels, device=dev).repeat_interleave(G)[None]
-        is_self = row == torch.arange(B, device=dev)[:, None]
+        is_self = row == rows[:, None]
         back = p[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
         src = token_ids[row[:, :, None], back.clamp(min=0)].long()
         length = _run(torch.where(back >= 0, src, -6) == ctx[:, None, :])
@@ -292,25 +309,24 @@ class DeviceHistory:
         valid = _first_of(valid, row * (L + 1) + p)
         return Candidates(valid, length, rank, nxt)
 
-    def _vote(self, alive, rank, nxt, k, B) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token by token: the most frequent next token among the live candidates (ties: the
-        highest rank), kept while its share is at least min_prob and it is a token."""
-        dev = alive.device
-        drafts = torch.full((B, k), -1, dtype=torch.int32, device=dev)
-        go = torch.ones(B, dtype=torch.bool, device=dev)
+    def _vote(self, alive, rank, nxt, k) -> torch.Tensor:
+        """Token by token: the most frequent next token among the candidates still agreeing (ties:
+        the highest rank), kept while its share is at least min_prob and it is a token. alive,
+        rank [B, V], nxt [B, V, k] -> drafts [B, k] int32 (-1: none)."""
+        B = alive.shape[0]
+        drafts = torch.full((B, k), -1, dtype=torch.int32, device=alive.device)
+        go = torch.ones(B, dtype=torch.bool, device=alive.device)
         for t in range(k):
             x = nxt[:, :, t]
             voters = alive & (x != UNKNOWN)
-            count = ((x[:, :, None] == x[:, None, :]) & voters[:, None, :]).sum(2)   # [B, C]
-            score = torch.where(voters, count * _COUNT + rank, -1)
-            best = score.argmax(1, keepdim=True)
+            count = ((x[:, :, None] == x[:, None, :]) & voters[:, None, :]).sum(2)   # [B, V]
+            best = torch.where(voters, count * _COUNT + rank, -1).argmax(1, keepdim=True)
             tok, votes = x.gather(1, best)[:, 0], count.gather(1, best)[:, 0]
-            total = voters.sum(1)
-            go = go & (score.gather(1, best)[:, 0] >= 0) & (tok >= 0) & (tok < self.vocab) \
-                & (votes.double() >= self.min_prob * total.double())
+            share = votes.double() / voters.sum(1).clamp(min=1).double()
+            go = go & (votes > 0) & (tok >= 0) & (tok < self.vocab) & (share >= self.min_prob)
             drafts[:, t] = torch.where(go, tok, -1).int()
             alive = voters & (x == tok[:, None])
-        return drafts, (drafts >= 0).sum(1).int()
+        return drafts
 
 
 def _run(eq: torch.Tensor) -> torch.Tensor:
@@ -319,11 +335,12 @@ def _run(eq: torch.Tensor) -> torch.Tensor:
 
 
 def _first_of(valid: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """valid, less every candidate whose key an earlier valid one holds: [B, C]."""
+    """valid, less every candidate whose key (>= -1) an earlier valid one holds: [B, C]."""
     C = key.shape[1]
-    same = (key[:, :, None] == key[:, None, :]) & valid[:, None, :]
-    earlier = torch.ones(C, C, dtype=torch.bool, device=key.device).tril(-1)
-    return valid & ~(same & earlier).any(2)
+    k = torch.where(valid, key, -2 - torch.arange(C, device=key.device))   # invalid ones: all distinct
+    sk, order = torch.sort(k, dim=1, stable=True)
+    dup = torch.cat([torch.zeros_like(sk[:, :1], dtype=torch.bool), sk[:, 1:] == sk[:, :-1]], 1)
+    return valid & ~torch.zeros_like(valid).scatter(1, order, dup)
 
 
 def _siblings(salt: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:

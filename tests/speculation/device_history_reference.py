@@ -28,6 +28,14 @@ def fold(tokens) -> int:
     return mix(h ^ (len(tokens) * C1 & MASK))
 
 
+def fingerprint(tokens) -> int:
+    """The live rows' window fingerprint: the unmixed polynomial, its top bit dropped."""
+    h = 0
+    for t in tokens:
+        h = (h * P + t + 3) & MASK
+    return (h << 1) & MASK
+
+
 def prompt_hash(prompt) -> int:
     s = 0
     for j, t in enumerate(prompt):
@@ -37,11 +45,11 @@ def prompt_hash(prompt) -> int:
 
 
 class Reference:
-    def __init__(self, max_tokens, n_buckets, width, min_match, max_match, prompt_keys, global_keys, min_prob,
-                 max_siblings, vocab=(1 << 31) - 1):
+    def __init__(self, max_tokens, n_buckets, width, max_match, prompt_keys, global_keys, min_prob,
+                 max_siblings, max_voters, vocab=(1 << 31) - 1):
         self.A, self.NB, self.W = max_tokens, n_buckets, width
         self.max_match, self.prompt_keys, self.global_keys = max_match, list(prompt_keys), list(global_keys)
-        self.min_prob, self.G, self.vocab = min_prob, max_siblings, vocab
+        self.min_prob, self.G, self.V, self.vocab = min_prob, max_siblings, max_voters, vocab
         self.tok, self.pid = {}, {}       # absolute position -> token, prompt hash
         self.buckets: dict[int, deque] = {}
         self.written = 0
@@ -105,7 +113,7 @@ class Reference:
             for j in sibs:
                 row = rows[j]
                 lo = m if j == i else max(plens[j], m)
-                hits = [p for p in range(lo, len(row)) if fold(row[p - m: p]) == fold(ctx[n - m:])]
+                hits = [p for p in range(lo, len(row)) if fingerprint(row[p - m: p]) == fingerprint(ctx[n - m:])]
                 if not hits:
                     continue
                 p = hits[-1]
@@ -117,7 +125,7 @@ class Reference:
         own = max((c[0] for c in cands.values() if not c[3]), default=0)
         chosen = [c for c in cands.values() if not c[3] or c[0] > own]
         best = max((c[0] for c in chosen), default=0)
-        alive = [c for c in chosen if c[0] == best]
+        alive = sorted((c for c in chosen if c[0] == best), key=lambda c: -c[1])[: self.V]
         out = []
         for t in range(k):
             voters = [(c, c[2](t)) for c in alive if c[2](t) != UNKNOWN]
@@ -127,7 +135,7 @@ class Reference:
             for _, x in voters:
                 count[x] = count.get(x, 0) + 1
             _, _, x = max((count[x], c[1], x) for c, x in voters)
-            if x < 0 or x >= self.vocab or count[x] < self.min_prob * len(voters):
+            if x < 0 or x >= self.vocab or count[x] / len(voters) < self.min_prob:
                 break
             out.append(x)
             alive = [c for c, y in voters if y == x]

@@ -12,14 +12,14 @@ from tests.speculation.device_history_reference import Reference
 from tests.speculation.device_history_reference import prompt_hash as ref_prompt_hash
 
 SMALL = dict(max_tokens=300, buckets=16, width=4, max_match=6, prompt_keys=(4, 2), global_keys=(3, 1),
-             min_prob=0.5, max_siblings=3)
+             min_prob=0.5, max_siblings=3, max_voters=64)
 
 
 def pair(**kw):
     cfg = {**SMALL, **kw}
     dev = DeviceHistory(**cfg)
-    ref = Reference(cfg["max_tokens"], dev.n_buckets, cfg["width"], 2, cfg["max_match"], cfg["prompt_keys"],
-                    cfg["global_keys"], cfg["min_prob"], cfg["max_siblings"], dev.vocab)
+    ref = Reference(cfg["max_tokens"], dev.n_buckets, cfg["width"], cfg["max_match"], cfg["prompt_keys"],
+                    cfg["global_keys"], cfg["min_prob"], cfg["max_siblings"], cfg["max_voters"], dev.vocab)
     return dev, ref
 
 
@@ -63,7 +63,8 @@ def trace(seed, vocab, prompts=3, group=4, calls=6):
 def test_drafts_equal_the_reference_on_random_traces(seed):
     g = random.Random(100 + seed)
     dev, ref = pair(max_tokens=g.choice([120, 300, 2000]), buckets=g.choice([4, 16, 256]),
-                    min_prob=g.choice([0.3, 0.5, 0.8]))
+                    min_prob=g.choice([0.3, 0.5, 0.8]), max_voters=g.choice([2, 5, 64]),
+                    prompt_keys=g.choice([(4, 2), (4, 2, 1), (3,)]))
     drafted = 0
     for call in trace(seed, vocab=g.choice([4, 6, 10])):
         rows, plens = [], []

@@ -1,0 +1,120 @@
+"""Drafting cost per engine step of the device-resident history drafter
+(rlspec/speculation/device_history.py) beside the host store's (rlspec/speculation/history.py, numba),
+on the same store and rows: microseconds per running row, at each batch size, JSON out.
+
+Store: --prompts-stored prompts of 200 tokens, 16 responses each of about --response tokens (noisy
+copies of 3 latent answers per prompt over a --vocab vocabulary). Batch: groups of 16 siblings of
+stored prompts, each row a fresh noisy answer cut at 256 to --response tokens, in a token buffer of
+--width columns (the engine's max_model_len). The device drafter is timed per call (stateless); the
+host store per step after a first call that takes the rows in, each later step adding one token a row.
+
+    python scripts/bench_device_history.py --batches 64 512 --out /tmp/device_history_cost.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+import harness
+
+GROUP, PROMPT = 16, 200
+
+
+def answer(g, latents, vocab):
+    base = latents[g.integers(len(latents))]
+    noise = g.random(len(base)) < 0.1
+    return np.where(noise, g.integers(vocab, size=len(base)), base)
+
+
+def setup(args, g):
+    prompts = [g.integers(args.vocab, size=PROMPT) for _ in range(args.prompts_stored)]
+    latents = [[g.integers(args.vocab, size=int(args.response * g.uniform(0.8, 1.2))) for _ in range(3)]
+               for _ in prompts]
+    stored = [(p, answer(g, lat, args.vocab)) for p, lat in zip(prompts, latents) for _ in range(GROUP)]
+    return prompts, latents, stored
+
+
+def rows_of(args, g, prompts, latents, batch):
+    rows, plens = [], []
+    for i in range(batch):
+        p = i // GROUP % len(prompts)
+        r = answer(g, latents[p], args.vocab)
+        cut = int(g.integers(256, max(257, len(r) - 16)))
+        rows.append(np.concatenate([prompts[p], r[: cut + args.steps + 1]]))
+        plens.append(PROMPT)
+    return rows, plens, [PROMPT + int(g.integers(256, max(257, args.response - 16))) for _ in range(batch)]
+
+
+def time_device(args, stored, rows, plens, cuts) -> float:
+    from rlspec.speculation.device_history import DeviceHistory, prompt_hash
+
+    h = DeviceHistory(max_tokens=args.arena, max_siblings=GROUP)
+    h.insert([p for p, _ in stored], [r for _, r in stored])
+    ids = torch.zeros(len(rows), args.width, dtype=torch.int32)
+    n = torch.tensor([min(len(r) - 1 - args.steps, c) for r, c in zip(rows, cuts)])
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.from_numpy(r.astype(np.int32))
+    pl = torch.tensor(plens)
+    pid = prompt_hash(ids, pl)
+    h.propose(ids, n, pid, pl, args.k)   # warm up
+    t = []
+    for s in range(args.steps):
+        t0 = time.perf_counter()
+        h.propose(ids, n + s, pid, pl, args.k)
+        t.append(time.perf_counter() - t0)
+    return 1e6 * float(np.median(t)) / len(rows)
+
+
+def time_host(args, stored, rows, plens, cuts) -> float:
+    from rlspec.config import HistoryConfig
+    from rlspec.speculation.history import HistoryIndex
+
+    h = HistoryIndex(HistoryConfig(max_tokens=args.arena), args.k)
+    h.record([p for p, _ in stored], [r for _, r in stored], wait=True)
+    h.begin_call()
+    ids = np.zeros((len(rows), args.width), np.int32)
+    n = np.array([min(len(r) - 1 - args.steps, c) for r, c in zip(rows, cuts)])
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    keys = list(range(len(rows)))
+    h.propose_rows(ids, n, np.ones(len(rows)), keys, plens, args.k)   # the rows join the live arena
+    t = []
+    for s in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        h.propose_rows(ids, n + s, np.ones(len(rows)), keys, plens, args.k)
+        t.append(time.perf_counter() - t0)
+    return 1e6 * float(np.median(t)) / len(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 512])
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--response", type=int, default=1000)
+    ap.add_argument("--prompts-stored", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--arena", type=int, default=1 << 21)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    g = np.random.default_rng(args.seed)
+    prompts, latents, stored = setup(args, g)
+    out = {**harness.stamp(), "torch_threads": torch.get_num_threads(), "k": args.k, "width": args.width,
+           "stored_tokens": int(sum(len(r) for _, r in stored)), "us_per_row": {}}
+    for b in args.batches:
+        rows, plens, cuts = rows_of(args, g, prompts, latents, b)
+        out["us_per_row"][b] = {"device_torch_cpu": time_device(args, stored, rows, plens, cuts),
+                                "host_numba": time_host(args, stored, rows, plens, cuts)}
+        print(b, json.dumps(out["us_per_row"][b]), flush=True)
+    if args.out:
+        harness.write(out, args.out)
+
+
+if __name__ == "__main__":
+    main()
