@@ -7,6 +7,8 @@ copies of 3 latent answers per prompt over a --vocab vocabulary). Batch: groups 
 stored prompts, each row a fresh noisy answer cut at 256 to --response tokens, in a token buffer of
 --width columns (the engine's max_model_len). The device drafter is timed per call (stateless); the
 host store per step after a first call that takes the rows in, each later step adding one token a row.
+Also the insert of the stored responses, per token (the device's on its device, the host's compiled
+functions warmed up first).
 
     python scripts/bench_device_history.py --batches 64 512 --out /tmp/device_history_cost.json
 """
@@ -53,7 +55,9 @@ def time_device(args, stored, rows, plens, cuts) -> float:
     from rlspec.speculation.device_history import DeviceHistory, prompt_hash
 
     h = DeviceHistory(max_tokens=args.arena, max_siblings=GROUP)
+    t0 = time.perf_counter()
     h.insert([p for p, _ in stored], [r for _, r in stored])
+    insert_s = time.perf_counter() - t0
     ids = torch.zeros(len(rows), args.width, dtype=torch.int32)
     n = torch.tensor([min(len(r) - 1 - args.steps, c) for r, c in zip(rows, cuts)])
     for i, r in enumerate(rows):
@@ -66,7 +70,7 @@ def time_device(args, stored, rows, plens, cuts) -> float:
         t0 = time.perf_counter()
         h.propose(ids, n + s, pid, pl, args.k)
         t.append(time.perf_counter() - t0)
-    return 1e6 * float(np.median(t)) / len(rows)
+    return 1e6 * float(np.median(t)) / len(rows), 1e6 * insert_s / sum(len(r) for _, r in stored)
 
 
 def time_host(args, stored, rows, plens, cuts) -> float:
@@ -74,7 +78,10 @@ def time_host(args, stored, rows, plens, cuts) -> float:
     from rlspec.speculation.history import HistoryIndex
 
     h = HistoryIndex(HistoryConfig(max_tokens=args.arena), args.k)
+    HistoryIndex.warm_up(HistoryConfig(), args.k)
+    t0 = time.perf_counter()
     h.record([p for p, _ in stored], [r for _, r in stored], wait=True)
+    insert_s = time.perf_counter() - t0
     h.begin_call()
     ids = np.zeros((len(rows), args.width), np.int32)
     n = np.array([min(len(r) - 1 - args.steps, c) for r, c in zip(rows, cuts)])
@@ -87,7 +94,7 @@ def time_host(args, stored, rows, plens, cuts) -> float:
         t0 = time.perf_counter()
         h.propose_rows(ids, n + s, np.ones(len(rows)), keys, plens, args.k)
         t.append(time.perf_counter() - t0)
-    return 1e6 * float(np.median(t)) / len(rows)
+    return 1e6 * float(np.median(t)) / len(rows), 1e6 * insert_s / sum(len(r) for _, r in stored)
 
 
 def main() -> None:
@@ -101,16 +108,20 @@ def main() -> None:
     ap.add_argument("--arena", type=int, default=1 << 21)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch's CPU threads (the host store drafts on one)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     g = np.random.default_rng(args.seed)
     prompts, latents, stored = setup(args, g)
     out = {**harness.stamp(), "torch_threads": torch.get_num_threads(), "k": args.k, "width": args.width,
            "stored_tokens": int(sum(len(r) for _, r in stored)), "us_per_row": {}}
     for b in args.batches:
         rows, plens, cuts = rows_of(args, g, prompts, latents, b)
-        out["us_per_row"][b] = {"device_torch_cpu": time_device(args, stored, rows, plens, cuts),
-                                "host_numba": time_host(args, stored, rows, plens, cuts)}
+        (dev, dev_ins), (host, host_ins) = (time_device(args, stored, rows, plens, cuts),
+                                            time_host(args, stored, rows, plens, cuts))
+        out["us_per_row"][b] = {"device_torch_cpu": dev, "host_numba": host}
+        out["insert_us_per_token"] = {"device_torch_cpu": dev_ins, "host_numba": host_ins}
         print(b, json.dumps(out["us_per_row"][b]), flush=True)
     if args.out:
         harness.write(out, args.out)

@@ -296,7 +296,7 @@ class DeviceHistory:
             cands.append(torch.where(sib_ok & (n >= m)[:, None], p, -1))
         p = torch.cat(cands, 1)                                                  # [B, G * levels]
         row = sib.repeat(1, len(levels))
-        need = torch.tensor(levels, device=dev).repeat_interleave(G)[None]
+        need = torch.cat([torch.full((G,), m, device=dev) for m in levels])[None]   # no host copy
         is_self = row == rows[:, None]
         back = p[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
         src = token_ids[row[:, :, None], back.clamp(min=0)].long()

@@ -127,6 +127,12 @@ def test_siblings_and_the_prompt_draft_without_history():
     assert device_drafts(dev, [p + [2, 3]], [5], 3) == [[4, 5, 2]]
 
 
+def test_an_empty_store_drafts_from_the_batch_only():
+    dev = DeviceHistory(**SMALL)
+    assert device_drafts(dev, [[1, 2, 3, 10, 11], [4, 5]], [3, 2], 3) == [[], []]
+    assert device_drafts(dev, [[1, 2, 3, 1, 2]], [3], 3) == [[3, 1, 2]]     # its own prompt
+
+
 def test_a_hash_collision_never_drafts():
     # one bucket: every key lands in it, only exact matches may draft
     dev = DeviceHistory(**{**SMALL, "buckets": 1, "width": 64, "global_keys": ()})
