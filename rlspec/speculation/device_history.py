@@ -273,15 +273,16 @@ class DeviceHistory:
         return Candidates(valid, length, pos, nxt), glob & valid
 
     def _live_candidates(self, token_ids, n, salt, plen, ctx, k) -> Candidates:
-        """Per sibling row (same prompt_id; the first max_siblings in row order, the row itself
-        included) and prompt key length m, the latest position p whose m tokens before it have
-        the row's last m tokens' fingerprint: an answer position of a sibling, any position of
-        the row itself."""
+        """Per prompt key length m, the latest position p whose m tokens before it have the row's
+        last m tokens' fingerprint: in the row itself (any position), and in each of its siblings
+        (an answer position) where the row is among the first max_siblings rows of its prompt
+        (row order). Each row's windows are compared once with the queries of its prompt's first
+        max_siblings rows: [B, G, L+1], no gather of rows."""
         B, L = token_ids.shape
         dev, G = n.device, min(self.max_siblings, B)
-        sib, sib_ok = _siblings(salt, G)                                         # [B, G]
+        sib, sib_ok, slot = _siblings(salt, G)                                   # [B, G], [B, G], [B]
         rows = torch.arange(B, device=dev)
-        is_self = sib == rows[:, None]
+        listed = (slot < G)[:, None] & sib_ok & (sib != rows[:, None])           # [B, G] sibling candidates
         cols = torch.arange(L + 1, device=dev)
         before_end = cols < n[:, None]
         cands, levels = [], self.prompt_keys
@@ -290,13 +291,15 @@ class DeviceHistory:
             query = win.gather(1, n[:, None].clamp(max=L)) | 1                   # [B, 1]
             as_sibling = win | (before_end & (cols >= plen[:, None].clamp(min=m)))
             as_self = win | (before_end & (cols >= m))
-            p_sib = torch.where(as_sibling[sib] == query[:, :, None], cols, -1).amax(2)   # [B, G]
-            p_self = torch.where(as_self == query, cols, -1).amax(1, keepdim=True)         # [B, 1]
-            p = torch.where(is_self, p_self, p_sib)
-            cands.append(torch.where(sib_ok & (n >= m)[:, None], p, -1))
-        p = torch.cat(cands, 1)                                                  # [B, G * levels]
-        row = sib.repeat(1, len(levels))
-        need = torch.cat([torch.full((G,), m, device=dev) for m in levels])[None]   # no host copy
+            # in row j, the latest match of the query of row sib[j, g] (a group lists the same rows for all)
+            found = _last(as_sibling[:, None, :].flip(2) == query[:, 0][sib][:, :, None], L)   # [B, G]
+            p_sib = found[sib, slot.clamp(max=G - 1)[:, None]]                  # [B, G]: row i's in sib[i, g]
+            p_self = _last(as_self.flip(1) == query, L)[:, None]                 # [B, 1]
+            ok = torch.cat([listed, torch.ones_like(listed[:, :1])], 1) & (n >= m)[:, None]
+            cands.append(torch.where(ok, torch.cat([p_sib, p_self], 1), -1))
+        p = torch.cat(cands, 1)                                                  # [B, (G + 1) * levels]
+        row = torch.cat([sib, rows[:, None]], 1).repeat(1, len(levels))
+        need = torch.cat([torch.full((G + 1,), m, device=dev) for m in levels])[None]   # no host copy
         is_self = row == rows[:, None]
         back = p[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
         src = token_ids[row[:, :, None], back.clamp(min=0)].long()
@@ -329,6 +332,13 @@ class DeviceHistory:
         return drafts
 
 
+def _last(hit_reversed: torch.Tensor, L: int) -> torch.Tensor:
+    """The last True along a last dim of L+1 given reversed ([..., L+1] bool, -1 where none): an
+    argmax over bytes, which returns the first maximum."""
+    first = hit_reversed.view(torch.uint8).argmax(-1, keepdim=True)
+    return torch.where(hit_reversed.gather(-1, first), L - first, -1)[..., 0]
+
+
 def _run(eq: torch.Tensor) -> torch.Tensor:
     """Leading run of True along the last dim."""
     return eq.long().cumprod(-1).sum(-1)
@@ -343,12 +353,14 @@ def _first_of(valid: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return valid & ~torch.zeros_like(valid).scatter(1, order, dup)
 
 
-def _siblings(salt: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the first G rows (in row order) of its prompt: [B, G] rows and which exist."""
+def _siblings(salt: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, the first G rows (in row order) of its prompt: [B, G] rows and which exist, and
+    the row's own place among its prompt's rows [B]."""
     B = salt.shape[0]
     order = torch.sort(salt, stable=True)
     first = torch.searchsorted(order.values, salt)                            # start of the row's group
     at = first[:, None] + torch.arange(G, device=salt.device)
     ok = at < B
     at = at.clamp(max=B - 1)
-    return order.indices[at], ok & (order.values[at] == salt[:, None])
+    place = torch.empty_like(first).scatter_(0, order.indices, torch.arange(B, device=salt.device))
+    return order.indices[at], ok & (order.values[at] == salt[:, None]), place - first

@@ -106,11 +106,12 @@ class Reference:
                     continue
                 cands[("h", pos)] = [length, pos, lambda t, pos=pos: self.tok[pos + t]
                                      if pos + t < self.written else UNKNOWN, g]
-        sibs = [j for j in range(len(rows)) if salts[j] == salt][: min(self.G, len(rows))]
+        listed = [j for j in range(len(rows)) if salts[j] == salt][: min(self.G, len(rows))]
+        sibs = [j for j in listed if j != i] if i in listed else []
         for m in self.prompt_keys:
             if n < m:
                 continue
-            for j in sibs:
+            for j in sibs + [i]:
                 row = rows[j]
                 lo = m if j == i else max(plens[j], m)
                 hits = [p for p in range(lo, len(row)) if fingerprint(row[p - m: p]) == fingerprint(ctx[n - m:])]
