@@ -22,19 +22,26 @@ run cut off by --budget-s still says most:
    calibration times each k at each batch size, under CUDA graphs on a GPU);
 6. tokens/s with and without speculation at batch 1, 8 and 64 (reported), and on a GPU the memory
    a sleeping engine keeps against the memory model's figure.
-A pass/fail table, JSON out, exit 1 if a check failed (a check not reached is 'not run').
+Before the first, vLLM's compiled parts the kit carries are loaded explicitly (`compiled_parts` in the
+JSON; vLLM itself only warns when one fails). A pass/fail table, exit 1 if a check failed (a check not
+reached is 'not run'). The JSON is rewritten after every check; at --stop-s a watchdog marks the
+running check 'interrupted', writes the JSON and exits (status 3), so a call's time limit never takes
+what already ran.
 """
 from __future__ import annotations
 
 import argparse
-import gc
+import faulthandler
 import json
+import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from gpu_check import Checks
+from gpu_probe import compiled_parts, origins
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,11 +74,10 @@ def generator(cfg, paths=None):
 
 
 def release(gen) -> None:
-    """Delete an engine before the next starts (one GPU, one process)."""
+    """Shut an engine down before the next starts (one GPU, one process: Generator.shutdown)."""
     import torch
 
-    del gen
-    gc.collect()
+    gen.shutdown()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -100,10 +106,13 @@ def main() -> int:
     ap.add_argument("--methods", default="eagle3,history,draft_model,ngram",
                     help="speculation methods whose engines are built (in this order)")
     ap.add_argument("--budget-s", type=float, default=330.0, help="start no check after this many seconds")
+    ap.add_argument("--stop-s", type=float, default=None,
+                    help="after this many seconds mark the running check interrupted, write the JSON and exit 3")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Hydra overrides for every engine (e.g. generation.attention_backend=TRITON_ATTN)")
     a = ap.parse_args()
     OVERRIDES[:] = a.set
+    t_all = time.perf_counter()  # --budget-s and --stop-s count from here, before the imports
 
     import torch
 
@@ -115,7 +124,7 @@ def main() -> int:
     from rlspec.speculation.vllm_config import gpu_model_runner, vllm_speculative_config
     from rlspec.train import resolve_paths
 
-    t_all, on_gpu = time.perf_counter(), torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available()
     checks = Checks()
     methods = [m for m in a.methods.split(",") if m]
     base_cfg = config("none", on_gpu)
@@ -132,8 +141,14 @@ def main() -> int:
         platform["vllm"] = vllm.__version__
     except Exception:  # noqa: BLE001 - reported as the runner check's failure
         pass
+    platform["origins"] = origins()  # the kit's site folders ahead of the machine's
+    try:
+        platform["compiled_parts"] = compiled_parts()
+    except Exception as e:  # noqa: BLE001 - vLLM not importable: the runner check fails and says why
+        platform["compiled_parts"] = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps(platform), flush=True)
-    state: dict = {"engines": {}}
+    state: dict = {"engines": {}, "running": None}
+    write(a.out, checks, platform, state, t_all, complete=False)
 
     def within_budget() -> bool:
         return time.perf_counter() - t_all < a.budget_s
@@ -143,7 +158,13 @@ def main() -> int:
             checks.rows.append({"check": name, "passed": False, "not_run": True, "seconds": 0.0})
             print(f"NOT RUN  {name} (--budget-s {a.budget_s:.0f} spent)", flush=True)
             return {}
-        return checks.run(name, fn)
+        state["running"] = (name, time.perf_counter())
+        if a.stop_s is not None and "watchdog" not in state:  # armed as the first check starts
+            state["watchdog"] = watchdog(a.stop_s, a.out, checks, platform, state, t_all)
+        figures = checks.run(name, fn)
+        state["running"] = None
+        write(a.out, checks, platform, state, t_all, complete=False)
+        return figures
 
     def runners():
         got = {}
@@ -299,13 +320,46 @@ def save_like(model_dir: str, weights: dict, out_dir: str) -> str:
     return out_dir
 
 
+def write(out: Path, checks: Checks, platform: dict, state: dict, t0: float, complete: bool) -> None:
+    """The JSON of what ran so far (replaced whole: a kill mid-write leaves the previous one)."""
+    rows = list(checks.rows)
+    if state.get("running") is not None:
+        name, started = state["running"]
+        rows.append({"check": name, "passed": False, "interrupted": True, "seconds": time.perf_counter() - started})
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps({"platform": platform, "complete": complete,
+                               "passed": complete and all(r["passed"] for r in rows), "checks": rows,
+                               "engines": state["engines"], "wall_seconds": time.perf_counter() - t0},
+                              indent=1, default=str) + "\n")
+    os.replace(tmp, out)
+
+
+def watchdog(stop_s: float, out: Path, checks: Checks, platform: dict, state: dict, t0: float) -> threading.Timer:
+    """At stop_s: the running check marked interrupted in the JSON, every thread's stack printed (where
+    it hung), exit 3. faulthandler's own timer ends the process 20 s later if this thread never runs."""
+    def stop():
+        write(out, checks, platform, state, t0, complete=False)
+        print(f"\nSTOPPED at --stop-s {stop_s:.0f}: {state['running'][0] if state['running'] else 'between checks'}"
+              f"; wrote {out}", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+
+    remaining = max(stop_s - (time.perf_counter() - t0), 0.0)
+    timer = threading.Timer(remaining, stop)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(remaining + 20, exit=True)
+    return timer
+
+
 def finish(out: Path, checks: Checks, platform: dict, state: dict, t0: float) -> int:
     passed = all(r["passed"] for r in checks.rows)
     print("\n" + checks.table() + f"\n{'all passed' if passed else 'FAILED'} in {time.perf_counter() - t0:.0f} s",
           flush=True)
-    out.write_text(json.dumps({"platform": platform, "passed": passed, "checks": checks.rows,
-                               "engines": state["engines"], "wall_seconds": time.perf_counter() - t0},
-                              indent=1, default=str) + "\n")
+    if state.get("watchdog") is not None:
+        state["watchdog"].cancel()
+        faulthandler.cancel_dump_traceback_later()
+    write(out, checks, platform, state, t0, complete=True)
     print(f"wrote {out}", flush=True)
     return 0 if passed else 1
 

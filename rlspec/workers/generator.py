@@ -103,3 +103,7 @@ class Generator(RefitReceiver):
 
     def ping(self) -> int:
         return self.policy_version
+
+    def shutdown(self) -> None:
+        """Release the engine now (VLLMEngine.close), e.g. before another starts in this process."""
+        self.engine.close()
