@@ -123,9 +123,9 @@ class DeviceHistory:
     batch read per prompt (the row itself included); max_voters: candidates of the longest match
     that vote, the highest ranked (the row itself, its siblings, then the newest stored)."""
 
-    def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 32,
-                 max_match: int = 16, prompt_keys=(8, 3, 1), global_keys=(4, 1),
-                 min_prob: float = 0.5, max_siblings: int = 16, max_voters: int = 32, vocab_size: int | None = None):
+    def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 64,
+                 max_match: int = 16, prompt_keys=(8, 3, 1), global_keys=(8, 4, 1),
+                 min_prob: float = 0.5, max_siblings: int = 16, max_voters: int = 64, vocab_size: int | None = None):
         self.device = torch.device(device)
         self.capacity, self.width = int(max_tokens), int(width)
         self.max_match = int(max_match)
