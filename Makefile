@@ -49,8 +49,8 @@ suffix-install:
 	PATH=$(CURDIR)/$(BIN):$$PATH PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip install -q --no-build-isolation \
 		--no-deps -c constraints.txt arctic-inference==0.3.0
 
-# vLLM's engine on a GPU machine without a package index: packs the kit in parts and prints the
-# calls that carry them and run scripts/gpu_vllm_check.py there (docs/gpu.md).
+# vLLM's engine on a GPU machine without a package index: packs what it lacks (scripts/gpu_kit.py) in
+# two parts and prints the two calls that carry them: a probe, then scripts/gpu_vllm_check.py (docs/gpu.md).
 gpu-kit: setup
 	bash scripts/gpu_carry.sh
 
