@@ -28,8 +28,8 @@ test: setup
 lint: setup
 	$(BIN)/ruff check rlspec tests scripts
 
-# The tiers the default suite leaves out: every test marked slow or multinode (CPU; .ci/run runs it
-# after `make test`).
+# The tier the default suite leaves out: every test marked slow or multinode (CPU; about 40 minutes
+# on 2 cores, which CI's time does not hold beside the default suite yet).
 test-slow: setup
 	$(BIN)/python -m pytest -q -m "slow or multinode"
 
