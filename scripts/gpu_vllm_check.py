@@ -1,6 +1,7 @@
 """vLLM's engine on one GPU, checked in one command: what no CPU can stand in for. `make gpu-kit`
 packs what it needs for a GPU machine that has PyTorch but no package index; the default test
-suite runs it on CPU (tests/scripts/test_gpu_vllm_check.py), so it cannot rot.
+suite runs it on CPU where only that machine's packages and the kit are importable
+(tests/scripts/test_gpu_kit_shadow.py), so it cannot rot.
 
     python scripts/gpu_vllm_check.py --out gpu_vllm_check.json
 

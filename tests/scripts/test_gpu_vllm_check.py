@@ -1,31 +1,12 @@
-"""scripts/gpu_vllm_check.py, the one prepared check of vLLM's engine on a GPU, run here on the CPU
-engine so that it cannot rot: every check runs and passes (the GPU figures: docs/gpu.md), and a run
-cut short keeps what ran."""
+"""scripts/gpu_vllm_check.py, the one prepared check of vLLM's engine on a GPU: a run cut short
+keeps what ran. The whole check runs on the CPU engine in tests/scripts/test_gpu_kit_shadow.py,
+where only the lent machine's packages and the kit are importable."""
 import json
 import subprocess
 import sys
 import time
 
 from conftest import ROOT
-
-
-def test_the_gpu_engine_check_passes_on_the_cpu_engine(tmp_path):
-    out = tmp_path / "check.json"
-    p = subprocess.run([sys.executable, "scripts/gpu_vllm_check.py", "--out", str(out), "--samples", "300",
-                        "--budget-s", "3000"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    r = json.loads(out.read_text())
-    names = [c["check"].split(":")[0] for c in r["checks"]]
-    assert r["passed"] and r["complete"] and all(c["passed"] for c in r["checks"]), r["checks"]
-    assert names == ["runner", "baseline engine (no speculation) starts and generates", "greedy", "greedy", "greedy",
-                     "refit", "greedy", "sampled"]
-    runner = r["checks"][0]
-    assert {m: v["model_runner"] for m, v in runner.items() if isinstance(v, dict)} == dict.fromkeys(
-        ("none", "eagle3", "draft_model", "ngram", "history"), "V1")   # the CPU build has no Model Runner V2
-    assert r["checks"][5]["outputs_changed"] and r["checks"][5]["accepted"][0] == r["checks"][5]["accepted"][1] > 0
-    assert r["checks"][6]["calibrated_k"] == [-1, 0, 1, 2, 3]
-    assert "all passed" in p.stdout
 
 
 def test_a_killed_check_keeps_the_checks_that_ran(tmp_path):
