@@ -98,7 +98,7 @@ class AdaptiveK:
         self.last_lengths = [len(r) for r in ro.response_ids]
         k_min = self.planner.calls_k_min(self.plan, len(ro.response_ids))
         if ro.history is not None:  # drafts per request: measured over every row it was asked for
-            from rlspec.speculation.history import per_pos
+            from rlspec.speculation.history_stats import per_pos
 
             h, k_max = ro.history, self.planner.k_max
             if h.get("propose_timing"):  # the lookups' own time, charged to drafting modes only

@@ -27,9 +27,6 @@ again, in proportion. Finished responses join the store in a background thread, 
 trains; the next engine step waits for it. A record that fails (a bad id, no memory) leaves the
 store as it was.
 
-The saved state (`state_dict`) holds the stored sequences in arena order as numpy arrays: loaded
-back, the chains hold the same positions in the same order, so the drafts are the same.
-
 vLLM hosts the drafter as a custom proposer (rlspec/speculation/history_proposer.py; Model
 Runner V1 runs it: on a GPU vLLM falls back to V1 for it); the Generator tells it through
 collective_rpc when a call begins (`begin_call`) and which responses the call returned (`record`)."""
@@ -44,8 +41,8 @@ import numpy as np
 from rlspec.config import HistoryConfig
 from rlspec.speculation import store as S
 from rlspec.speculation.arena import HistoryArena, LiveArena
+from rlspec.speculation.history_state import STATE_VERSION, loadable
 from rlspec.speculation.history_stats import HistoryStats, replay_in_shadow
-from rlspec.speculation.history_stats import per_pos as per_pos  # where callers import it from
 from rlspec.speculation.store import SOURCES
 
 WALK = 4  # chain links a lookup follows per candidate it may take (hash collisions and evicted text)
@@ -53,11 +50,6 @@ SLACK = 0.95  # over max_tokens, the store is cut to this share of it
 RISE = 0.5  # under this share of max_tokens, the admission limit rises again
 GROWTH = 1.5  # a rebuilt arena's room: this times what it holds and must take
 MAX_ID = (1 << 31) - 1  # token ids are stored as int32; negative ones would read as END or DEAD
-STATE_VERSION = 3
-# What a saved state's numpy arrays unpickle through: a file written by torch.save loads with
-# torch.load(path, weights_only=True) under torch.serialization.safe_globals(STATE_GLOBALS).
-STATE_GLOBALS = [np.zeros(0).__reduce__()[0], np.ndarray, np.dtype,
-                 *(type(np.dtype(t)) for t in (np.int32, np.int64, np.uint64))]
 
 
 class Seq:
@@ -138,9 +130,8 @@ class HistoryIndex:
         self.slots: dict = {}       # this call's request key -> (slot, salt)
         self.slot_salt: list[int] = []
         self.live_prompts: set[int] = set()
-        self.pend = np.zeros((256, max(k_max, 1)), np.int64)
+        self.pend, self.pend_src = (np.zeros((256, max(k_max, 1)), np.int64) for _ in range(2))
         self.pend_len = np.zeros(256, np.int64)
-        self.pend_src = np.zeros((256, max(k_max, 1)), np.int64)
         self.appended = np.zeros(256, np.int64)  # per slot: the row's tokens in its live sequence
         self.counts = np.zeros(2 * len(SOURCES) + k_max, np.int64)  # drafted, accepted by source; per position
         self.stats = self._new_stats()
@@ -349,30 +340,20 @@ class HistoryIndex:
                 "stored": np.array([seq.stored for _, _, seq in placed], np.int64), "arena": body}
 
     def load_state_dict(self, state: dict) -> None:
-        """A saved state (or several, merge_states), every bound applied. Version 3 is relinked
-        with its chain-head count: where nothing had been evicted, every draft is as before.
-        Version 2 (sequences grouped by prompt) loads in that order; before it, ([prompt,
-        [responses]] per prompt) the responses are recorded afresh. A state that fails to load
-        leaves the store as it was."""
+        """A saved state (history_state.py; several: merge_states), every bound applied, relinked
+        with its chain-head count: where nothing had been evicted, every draft is as before. A
+        state that fails to load leaves the store as it was."""
         self.flush()
         fresh = HistoryIndex(self.cfg, self.k_max, self.vocab)
-        version = state.get("version")
-        if version in (2, STATE_VERSION):
-            fresh._load(state if version == STATE_VERSION else _arrays_of_v2(state))
-        elif version is None:
+        arrays = loadable(state)
+        if arrays is None:
             fresh._record([(p, r) for p, rs in state["prompts"] for r in rs if len(r)])
         else:
-            raise ValueError(f"history state of format version {version}: this rlspec reads 2 and {STATE_VERSION}")
+            fresh._load(state, *arrays)
         self.arena, self.prompts = fresh.arena, fresh.prompts
         self.total, self.admit_below = fresh.total, fresh.admit_below
 
-    def _load(self, state: dict) -> None:
-        salts = np.asarray(state["salt"], np.uint64)
-        tokens, stored = np.asarray(state["tokens"], np.int64), np.asarray(state["stored"], np.int64)
-        body = np.asarray(state["arena"], np.int32)
-        if not len(salts) == len(tokens) == len(stored) or body.size != stored.sum() or \
-                (body.size and (body.min() < S.END or np.any(stored <= tokens))):
-            raise ValueError("history state: sequences and arena do not agree")
+    def _load(self, state: dict, salts, tokens, stored, body) -> None:
         self.admit_below = int(state.get("admit_below", 1 << 64))
         undo = _Undo(self)
         seqs = [Seq(n, t) for n, t in zip(stored.tolist(), tokens.tolist())]
@@ -517,31 +498,3 @@ class HistoryIndex:
     def shadow(self, prompt_ids: list[list[int]], response_ids: list[list[int]], max_rows: int) -> None:
         """What drafting would have accepted in a call that drafted nothing (history_stats.replay_in_shadow)."""
         replay_in_shadow(self, prompt_ids, response_ids, max_rows)
-
-
-def merge_states(states: list[dict]) -> dict:
-    """Several engines' saved stores (state_dict, one per Generator) as one state load_state_dict
-    takes: their sequences one store after another, each in its own order, the most permissive
-    admission limit and the largest chain-head count (loading applies the bounds). Every state must
-    be of one format version."""
-    versions = {s.get("version") for s in states}
-    if len(versions) > 1:
-        raise ValueError(f"history stores of different format versions {sorted(map(str, versions))} cannot merge")
-    version = versions.pop() if versions else STATE_VERSION
-    admit = str(max((int(s.get("admit_below", 1 << 64)) for s in states), default=1 << 64))
-    if version != STATE_VERSION:
-        out = {"prompts": [x for s in states for x in s["prompts"]]}
-        return out if version is None else {**out, "version": version, "admit_below": admit}
-    empty = {"salt": np.uint64, "tokens": np.int64, "stored": np.int64, "arena": np.int32}
-    return {"version": version, "admit_below": admit, "heads": max((int(s["heads"]) for s in states), default=0),
-            **{key: np.concatenate([np.zeros(0, t)] + [s[key] for s in states]) for key, t in empty.items()}}
-
-
-def _arrays_of_v2(state: dict) -> dict:
-    """A version-2 state ([salt, [[response tokens, stored sequence], ...]] per prompt) in version
-    3's arrays, sequences grouped by prompt as saved."""
-    seqs = [(int(salt), tokens, body) for salt, held in state["prompts"] for tokens, body in held]
-    return {"admit_below": state.get("admit_below", str(1 << 64)), "heads": 0,
-            "salt": np.array([x[0] for x in seqs], np.uint64), "tokens": np.array([x[1] for x in seqs], np.int64),
-            "stored": np.array([len(x[2]) for x in seqs], np.int64),
-            "arena": np.concatenate([np.zeros(0, np.int32)] + [np.asarray(x[2], np.int32) for x in seqs])}

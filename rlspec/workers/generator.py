@@ -84,7 +84,7 @@ class Generator(RefitReceiver):
 
     def load_history(self, paths: list[str]) -> None:
         """The stores saved at `paths`, merged (least recently seen first, bounds applied)."""
-        from rlspec.speculation.history import STATE_GLOBALS, merge_states
+        from rlspec.speculation.history_state import STATE_GLOBALS, merge_states
 
         with torch.serialization.safe_globals(STATE_GLOBALS):
             states = [torch.load(p, weights_only=True) for p in paths]

@@ -9,7 +9,9 @@ import pytest
 
 from rlspec.config import HistoryConfig
 from rlspec.speculation.arena import HistoryArena
-from rlspec.speculation.history import SOURCES, STATE_GLOBALS, HistoryIndex, per_pos
+from rlspec.speculation.history import SOURCES, HistoryIndex
+from rlspec.speculation.history_stats import per_pos
+from rlspec.speculation.history_state import STATE_GLOBALS
 from rlspec.speculation.history_proposer import HistoryProposer
 
 PROMPT = [1, 2, 3]
@@ -592,7 +594,7 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
 
     auto = start_generator(["speculation=history", "speculation.num_speculative_tokens=auto",
                             "speculation.max_speculative_tokens=3", "speculation.auto_buckets=[1,4]"])
-    from rlspec.speculation.history import per_pos
+    from rlspec.speculation.history_stats import per_pos
 
     for _ in range(2):
         ro = _gen(auto, prompts, 1, 0.0)

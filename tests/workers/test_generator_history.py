@@ -11,7 +11,7 @@ def call(method, *args):
 
 
 def test_merged_states_keep_their_format_version_and_admission_limit():
-    from rlspec.speculation.history import merge_states
+    from rlspec.speculation.history_state import merge_states
 
     a = {"version": 2, "admit_below": "5", "prompts": [["1", []]]}
     b = {"version": 2, "admit_below": str(1 << 63), "prompts": [["2", []]]}
