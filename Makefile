@@ -22,20 +22,27 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/python -m rlspec.train
 
+# Tests run in WORKERS pytest-xdist processes, a test file at a time in each (its module fixtures:
+# one Ray cluster, one engine). The tests' processes wait on each other often enough that a second
+# worker pays on 2 cores: both tiers took 70 minutes in two workers, about 85 in one process
+# (docs/operations.md#tests). WORKERS=0: one process.
+WORKERS ?= 2
+XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 lint: setup
 	$(BIN)/ruff check rlspec tests scripts
 
-# The tier the default suite leaves out: every test marked slow or multinode (CPU; about 40 minutes
+# The tier the default suite leaves out: every test marked slow or multinode (CPU; about 37 minutes
 # on 2 cores, which CI's time does not hold beside the default suite yet).
 test-slow: setup
-	$(BIN)/python -m pytest -q -m "slow or multinode"
+	$(BIN)/python -m pytest -q $(XDIST) -m "slow or multinode"
 
 # Every test in one run (the gpu tests too, which skip without a CUDA GPU).
 test-all: setup
-	$(BIN)/python -m pytest -q -m ""
+	$(BIN)/python -m pytest -q $(XDIST) -m ""
 
 # A first run on one GPU (CPU too): pass/fail table, figures in gpu_check.json.
 gpu-check: setup

@@ -9,6 +9,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RLSPEC_TEST_SESSION", str(os.getpid()))  # helpers/procs.py: what this session started
 
 
 TEST_EXPERIMENT = "+experiment=tiny_cpu"  # the tests' baseline: the fast addition task

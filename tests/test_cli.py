@@ -7,7 +7,7 @@ import time
 import pytest
 
 from conftest import ROOT, TEST_EXPERIMENT
-from helpers.cli import SMALL
+from helpers.cli import SMALL, kill_actor_of
 
 
 def test_two_step_run_writes_summary_plot_and_final_policy(tmp_path):
@@ -49,7 +49,7 @@ def test_killed_generator_ends_run_naming_it(tmp_path):
         for line in proc.stdout:
             if "validation @ step 0" in line or time.time() > deadline:
                 break
-        subprocess.run(["pkill", "-9", "-f", "ray::Generator"], check=False)
+        kill_actor_of(proc.pid, "ray::Generator")
         t0 = time.time()
         _, err = proc.communicate(timeout=180)
     finally:

@@ -75,7 +75,7 @@ def test_sigkill_of_the_driver_mid_checkpoint_leaves_the_last_one_loadable(tmp_p
     directory stays hidden, `latest` still names k-1, and trainer.resume=auto continues from it."""
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
-    before, ray_dirs = ray_processes(), set(Path("/tmp").glob("rlspec-ray-*"))
+    before = ray_processes()
     every = "trainer.checkpoint_every=1"
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rlspec.train", *BASE, every, f"hydra.run.dir={run}"],
@@ -99,7 +99,7 @@ def test_sigkill_of_the_driver_mid_checkpoint_leaves_the_last_one_loadable(tmp_p
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        for d in set(Path("/tmp").glob("rlspec-ray-*")) - ray_dirs:  # no __exit__ ran to remove it
+        for d in Path("/tmp").glob(f"rlspec-ray-{proc.pid}-*"):  # no __exit__ ran to remove it
             shutil.rmtree(d, ignore_errors=True)
     assert caught, ("the run ended before a second checkpoint was being written:\n"
                     + (tmp_path / "killed.log").read_text()[-3000:])

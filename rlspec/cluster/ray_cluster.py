@@ -75,8 +75,9 @@ class RayCluster:
         env = local_actor_env(self.cfg)
         self.env_set = [k for k in env if k not in os.environ]
         os.environ.update({k: env[k] for k in self.env_set})
-        # Ray's socket paths must stay short: keep its session directory out of the run dir.
-        self.tmp = tempfile.mkdtemp(prefix="rlspec-ray-", dir="/tmp")
+        # Ray's socket paths must stay short: keep its session directory out of the run dir. The
+        # folder names this process: which run left one behind.
+        self.tmp = tempfile.mkdtemp(prefix=f"rlspec-ray-{os.getpid()}-", dir="/tmp")
         plan = plan_of(self.cfg)
         needed = sum(plan.slots_per_node) * c.cpus_per_slot
         ray.init(num_cpus=max(c.num_cpus or os.cpu_count() or 1, needed), include_dashboard=False,

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from helpers.cli import left_behind, ray_processes
 from rlspec.config import DatasetConfig, SyntheticConfig
 from rlspec.data.loading import DataError, PromptSampler, load_prompts, normalise_row
 from rlspec.data.synthetic import Problem, is_heldout, make_split, solution
@@ -86,15 +87,19 @@ def test_cli_bad_row_exits_2_naming_it_and_stops_the_ray_it_started(tmp_path):
     actor starts, and the Ray it brought up is shut down with its session directory."""
     f = tmp_path / "d.jsonl"
     write_jsonl(f, [BAD_ROWS[0], BAD_ROWS[5]])
-    before = set(glob.glob("/tmp/rlspec-ray-*"))
-    p = subprocess.run([sys.executable, "-m", "rlspec.train", f"data.train.source={f}", "data.on_bad_row=error",
-                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 2, p.stderr[-2000:]
-    assert f"{f}, row 2: invalid JSON" in p.stderr and "data.on_bad_row=error" in p.stderr
-    assert "Generator" not in p.stdout + p.stderr and "Learner" not in p.stdout + p.stderr
-    assert set(glob.glob("/tmp/rlspec-ray-*")) <= before  # session directory removed
-    left = subprocess.run(["pgrep", "-f", "rlspec-ray-"], capture_output=True, text=True).stdout.split()
-    assert not left, left
+    before = ray_processes()
+    p = subprocess.Popen([sys.executable, "-m", "rlspec.train", f"data.train.source={f}", "data.on_bad_row=error",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=180)
+    finally:
+        p.kill()
+    assert p.returncode == 2, err[-2000:]
+    assert f"{f}, row 2: invalid JSON" in err and "data.on_bad_row=error" in err
+    assert "Generator" not in out + err and "Learner" not in out + err
+    assert not glob.glob(f"/tmp/rlspec-ray-{p.pid}-*")  # its session directory removed
+    assert not left_behind(before)
 
 
 def test_parquet_and_saved_dataset_load_through_datasets(tmp_path, tokenizer):

@@ -53,7 +53,7 @@ def interrupted(run_dir: Path, *extra: str, after_steps: int, act, timeout: int 
 
 
 def ray_processes() -> set[int]:
-    """Live processes of any rlspec local Ray cluster (raylet, gcs, workers)."""
+    """Live processes of this test session's rlspec local Ray clusters (raylet, gcs, workers)."""
     return processes_with(b"rlspec-ray-")
 
 

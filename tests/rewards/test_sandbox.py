@@ -25,8 +25,9 @@ def cases(stdout: str) -> str:
 
 
 def sandbox_processes() -> set[int]:
-    """Processes started by any sandbox still alive (their command line names the sandbox dir)."""
-    return processes_with(b"rlspec-sandbox-")
+    """Processes started by any sandbox still alive (their command line names the sandbox dir;
+    their environment is the sandbox's own, so any session's)."""
+    return processes_with(b"rlspec-sandbox-", this_session=False)
 
 
 def test_correct_partial_and_wrong_programs():
