@@ -169,6 +169,13 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
     _check(0 <= h.min_rollouts_per_prompt <= h.max_rollouts_per_prompt, "speculation.history.min_rollouts_per_prompt",
            "must be in [0, speculation.history.max_rollouts_per_prompt]")
     _check(h.shadow_rows >= 0, "speculation.history.shadow_rows", f"must be >= 0, got {h.shadow_rows}")
+    _check(h.drafter in ("host", "device"), "speculation.history.drafter", f"must be host or device, got {h.drafter!r}")
+    _check(1 << 10 <= h.device_max_tokens <= 1 << 31, "speculation.history.device_max_tokens",
+           f"must be in [2^10, 2^31], got {h.device_max_tokens}")
+    if sp.method == "history" and h.drafter == "device":
+        _check(not sp.adaptive, "speculation.num_speculative_tokens",
+               "'auto' does not work with speculation.history.drafter=device yet (its drafts are timed per "
+               "call on the host drafter only): give an integer k, or set speculation.history.drafter=host")
     o = sp.online
     if o.enabled:
         _check(sp.method == "eagle3", "speculation.online.enabled",

@@ -229,6 +229,14 @@ class HistoryConfig:
     # drafted, and check it against the tokens the target samples next: the acceptance 'auto' needs
     # to turn drafting back on when prompts come back with history (0: no such measurement).
     shadow_rows: int = 32
+    # Where drafts are made: `host`, the store above in the engine's process (vLLM's custom
+    # proposer: Model Runner V1, async scheduling off); `device`, the store in tensors on the
+    # engine's device (rlspec/speculation/device_history.py, in vLLM's ngram_gpu slot: no copy of
+    # the rows to the host, async scheduling kept on a GPU). The device store is a ring of
+    # device_max_tokens tokens (about 60 bytes each at the default key lengths); it takes the
+    # key settings above but not the per-prompt bounds, and not num_speculative_tokens=auto yet.
+    drafter: str = "host"
+    device_max_tokens: int = 1 << 22
 
 
 @dataclass

@@ -167,8 +167,12 @@ class DeviceHistory:
         pad = torch.zeros(len(pairs), int(plen.max()), dtype=torch.int64, device=dev)
         for i, (p, _) in enumerate(pairs):
             pad[i, : len(p)] = torch.from_numpy(p)
-        salts = prompt_hash(pad, plen)
-        bodies = [np.concatenate([p[max(0, len(p) - self.max_match):], r, [END]]) for p, r in pairs]
+        self._insert(prompt_hash(pad, plen),
+                     [np.concatenate([p[max(0, len(p) - self.max_match):], r, [END]]) for p, r in pairs])
+
+    def _insert(self, salts: torch.Tensor, bodies: list[np.ndarray]) -> None:
+        """Sequences ([prompt tail | response | END], their prompts' salts) into the ring."""
+        dev = self.device
         sizes = torch.tensor([len(b) for b in bodies], device=dev)
         body = torch.from_numpy(np.concatenate(bodies)).to(dev)
         total = body.numel()
@@ -191,6 +195,40 @@ class DeviceHistory:
         self._add_entries(key[ok] & (self.n_buckets - 1), at)
         self._written = new_written
         self.written.fill_(new_written)
+
+    def state_dict(self) -> dict:
+        """The ring's whole sequences, oldest first, on the host: their tokens ([prompt tail |
+        response | END], concatenated: int32) and their prompts' salts (int64)."""
+        n = self.stored()
+        at = (torch.arange(self._written - n, self._written, device=self.device) % self.capacity)
+        tok, pid = self.tok[at].cpu().numpy(), self.pid[at].cpu().numpy()
+        if self._written > self.capacity:  # the oldest sequence may have lost its start
+            ends = np.flatnonzero(tok == END)
+            first = int(ends[0]) + 1 if len(ends) else n
+            tok, pid = tok[first:], pid[first:]
+        ends = np.flatnonzero(tok == END)
+        tok, pid = tok[: int(ends[-1]) + 1 if len(ends) else 0], pid[: int(ends[-1]) + 1 if len(ends) else 0]
+        starts = np.concatenate([[0], ends[:-1] + 1]) if len(ends) else np.zeros(0, np.int64)
+        return {"format": "device", "tokens": tok.astype(np.int32), "salts": pid[starts].astype(np.int64),
+                "sizes": (ends - starts + 1).astype(np.int64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A saved ring (state_dict; several engines' states, merge_device_states), inserted afresh
+        into an empty one of this store's settings: past capacity, the newest sequences stay."""
+        tokens = np.asarray(state["tokens"], np.int32)
+        sizes = np.asarray(state["sizes"], np.int64)
+        salts = np.asarray(state["salts"], np.int64)
+        if len(sizes) != len(salts) or int(sizes.sum()) != len(tokens) or \
+                (len(sizes) and not np.all(tokens[np.cumsum(sizes) - 1] == END)):
+            raise ValueError("device history state: sequences and tokens do not agree")
+        self.tok = torch.full_like(self.tok, EMPTY)
+        self.pid, self.table, self.fill = torch.zeros_like(self.pid), torch.full_like(self.table, -1), \
+            torch.zeros_like(self.fill)
+        self._written = 0
+        self.written.fill_(0)
+        if len(sizes):
+            bodies = np.split(tokens.astype(np.int64), np.cumsum(sizes)[:-1])
+            self._insert(torch.from_numpy(salts).to(self.device), bodies)
 
     def _add_entries(self, bucket: torch.Tensor, pos: torch.Tensor) -> None:
         """Append positions to their buckets in the given order; a bucket keeps its newest `width`."""
@@ -330,6 +368,13 @@ class DeviceHistory:
             drafts[:, t] = torch.where(go, tok, -1).int()
             alive = voters & (x == tok[:, None])
         return drafts
+
+
+def merge_device_states(states: list[dict]) -> dict:
+    """Several engines' saved rings (DeviceHistory.state_dict) as one: their sequences one after
+    another."""
+    return {"format": "device", **{key: np.concatenate([np.zeros(0, t)] + [np.asarray(s[key], t) for s in states])
+                                   for key, t in (("tokens", np.int32), ("salts", np.int64), ("sizes", np.int64))}}
 
 
 def _last(hit_reversed: torch.Tensor, L: int) -> torch.Tensor:

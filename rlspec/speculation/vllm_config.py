@@ -10,7 +10,12 @@ def vllm_speculative_config(spec: SpeculationConfig, draft_dir: str | None) -> d
     if spec.method == "none":
         return None
     out: dict = {"method": spec.method, "num_speculative_tokens": spec.k_max}
-    if spec.method == "history":  # rlspec's own drafter, hosted as vLLM's custom proposer
+    if spec.method == "history" and spec.history.drafter == "device":
+        # rlspec's drafter on the engine's device, in vLLM's ngram_gpu slot (its n-gram settings unread)
+        from rlspec.speculation.device_proposer import MARK
+
+        out.update(method="ngram_gpu", model=MARK, prompt_lookup_min=1, prompt_lookup_max=1)
+    elif spec.method == "history":  # rlspec's own drafter, hosted as vLLM's custom proposer
         from rlspec.speculation.history_proposer import PROPOSER
 
         out.update(method="custom_class", model=PROPOSER)
@@ -50,6 +55,8 @@ def adaptive_schedule(k_max: int) -> list[list[int]]:
 def gpu_model_runner(spec: SpeculationConfig) -> str:
     """The model runner vLLM picks for this speculation on a GPU ("V1" or "V2"): V2 wherever
     Triton runs, except for the methods V2 does not implement (vLLM's own rule, checked against
-    the installed wheel by tests/speculation/test_runner_api.py). The CPU build always runs V1."""
-    return "V1" if spec.method in V1_ONLY_METHODS or spec.method == "history" else "V2"
+    the installed wheel by tests/speculation/test_runner_api.py): the host history drafter is a
+    custom proposer, the device one vLLM's ngram_gpu. The CPU build always runs V1."""
+    host_history = spec.method == "history" and spec.history.drafter == "host"
+    return "V1" if spec.method in V1_ONLY_METHODS or host_history else "V2"
 

@@ -3,6 +3,7 @@ speculative when configured, with k chosen per call under 'auto'; its target and
 are refit from the learner and the DraftTrainer."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict
@@ -26,12 +27,18 @@ class Generator(RefitReceiver):
         torch.set_num_threads(threads)
         if nice:
             os.nice(nice)
+        self.history = speculation.method == "history"
+        self.drafter = history_proposer
+        if self.history and speculation.history.drafter == "device":  # its store is built with the runner
+            from rlspec.speculation import device_proposer
+
+            self.drafter = device_proposer
+            os.environ[device_proposer.ENV] = json.dumps(asdict(speculation.history))
         self.engine = VLLMEngine(paths.model, paths.tokenizer, generation, model.max_model_len, seed,
                                  vllm_speculative_config(speculation, paths.draft))
         self.adaptive = AdaptiveK(self.engine, speculation) if speculation.adaptive else None
-        self.history = speculation.method == "history"
         self.history_validation = speculation.history.draft_validation
-        if self.history:
+        if self.history and self.drafter is history_proposer:
             self.engine.llm.collective_rpc(history_proposer.configure, args=(asdict(speculation.history),))
         self.engine.sleep()  # sleep mode: hold no GPU memory until the first call (learners start next)
         self.policy_version = 0
@@ -49,11 +56,11 @@ class Generator(RefitReceiver):
                 self.adaptive.before_call(prompt_ids, sampling.rollout)
             if self.history:
                 draft = sampling.rollout or self.history_validation
-                self.engine.llm.collective_rpc(history_proposer.begin_call, args=(draft,))
+                self.engine.llm.collective_rpc(self.drafter.begin_call, args=(draft,))
             ro = self.engine.generate(prompt_ids, sampling, self.policy_version)
             if self.history:  # under 'auto', a training call that drafted nothing is measured in shadow
                 shadow = self.adaptive is not None and sampling.rollout and not (ro.spec and ro.spec.drafts)
-                ro.history = self.engine.llm.collective_rpc(history_proposer.finish_call, args=(
+                ro.history = self.engine.llm.collective_rpc(self.drafter.finish_call, args=(
                     ro.prompt_ids if shadow else None, ro.response_ids if shadow else None))[0]
                 if sampling.rollout:  # training rollouts become history; validation answers do not
                     self.record_history(ro.prompt_ids, ro.response_ids)
@@ -70,25 +77,30 @@ class Generator(RefitReceiver):
         rollouts do so by themselves)."""
         if not self.history:
             raise RuntimeError("record_history: speculation.method is not history")
-        self.engine.llm.collective_rpc(history_proposer.record, args=(prompt_ids, response_ids))
+        self.engine.llm.collective_rpc(self.drafter.record, args=(prompt_ids, response_ids))
 
     def history_state(self) -> dict:
         """speculation=history: the drafter's store (every prompt's recent responses)."""
-        return self.engine.llm.collective_rpc(history_proposer.state_dict)[0]
+        return self.engine.llm.collective_rpc(self.drafter.state_dict)[0]
 
     def load_history_state(self, state: dict) -> None:
-        self.engine.llm.collective_rpc(history_proposer.load_state_dict, args=(state,))
+        self.engine.llm.collective_rpc(self.drafter.load_state_dict, args=(state,))
 
     def save_history(self, path: str) -> None:
         torch.save(self.history_state(), path)
 
     def load_history(self, paths: list[str]) -> None:
         """The stores saved at `paths`, merged (least recently seen first, bounds applied)."""
+        from rlspec.speculation.device_history import merge_device_states
         from rlspec.speculation.history_state import STATE_GLOBALS, merge_states
 
         with torch.serialization.safe_globals(STATE_GLOBALS):
             states = [torch.load(p, weights_only=True) for p in paths]
-        self.load_history_state(merge_states(states))
+        formats = {s.get("format") == "device" for s in states}
+        if formats != {self.drafter is not history_proposer}:
+            raise ValueError(f"history stores {paths} were saved by another speculation.history.drafter than this "
+                             "run's: a run resumes with the drafter it was saved with")
+        self.load_history_state(merge_device_states(states) if True in formats else merge_states(states))
 
     def refit_target(self) -> VLLMEngine:
         return self.engine

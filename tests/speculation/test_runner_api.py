@@ -102,3 +102,35 @@ def test_adaptive_schedule_names_every_k_and_parses_in_vllm():
     sched = vllm_speculative_config(spec, "/draft")["num_speculative_tokens_per_batch_size"]
     dense = build_dynamic_sd_schedule_lookup(sched, 256, 5)
     assert set(dense[1:]) == {1, 2, 3, 4, 5} and len(dense) == 257
+
+
+def test_the_device_history_drafter_takes_ngram_gpus_slot_in_both_runners():
+    """speculation.history.drafter=device is vLLM's ngram_gpu method (V2 takes it: GPUs run V2);
+    rlspec's plugin puts its subclasses under the names both runners build ngram_gpu from: V1's
+    NgramProposerGPU (called with the runner's device token rows) and V2's NgramGPUSpeculator
+    (imported by init_speculator when it builds one)."""
+    from vllm.v1.spec_decode import ngram_proposer_gpu
+    from vllm.v1.worker.gpu.spec_decode import init_speculator
+    from vllm.v1.worker.gpu.spec_decode.ngram import speculator
+
+    from rlspec.speculation.device_proposer import MARK, install
+
+    spec = SpeculationConfig(method="history", num_speculative_tokens=3)
+    spec.history.drafter = "device"
+    assert vllm_speculative_config(spec, None) == {"method": "ngram_gpu", "model": MARK, "num_speculative_tokens": 3,
+                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 1}
+    assert gpu_model_runner(spec) == "V2" and not unsupported_on_v2("ngram_gpu")
+    install()
+    runner = load("vllm.v1.worker.gpu_model_runner:GPUModelRunner")
+    import vllm.v1.worker.gpu_model_runner as v1
+
+    assert v1.NgramProposerGPU is ngram_proposer_gpu.NgramProposerGPU
+    assert v1.NgramProposerGPU.__name__ == "DeviceHistoryProposer"
+    assert speculator.NgramGPUSpeculator.__name__ == "DeviceHistorySpeculator"
+    src = inspect.getsource(runner.propose_draft_token_ids)
+    call = src[src.index("draft_token_ids, num_valid_draft_tokens = self.drafter.propose("):][:400]
+    assert all(a in call for a in ("num_spec_tokens_to_schedule,", "self.num_tokens_no_spec_gpu[:batch_size],",
+                                   "self.token_ids_gpu_tensor[:batch_size],", "valid_sampled_token_ids_gpu,",
+                                   "valid_sampled_tokens_count,"))
+    src = inspect.getsource(init_speculator)
+    assert "from vllm.v1.worker.gpu.spec_decode.ngram.speculator import" in src and "use_ngram()" in src

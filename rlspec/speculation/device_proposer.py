@@ -1,0 +1,286 @@
+"""Rollout-history drafting on vLLM's fast path (`speculation.history.drafter=device`): the drafter
+of rlspec/speculation/device_history.py in the slot of vLLM's `ngram_gpu` proposer on Model Runner
+V1, where the drafts are made on the engine's device from the runner's own token buffer, with no
+copy to the host and async scheduling left on (vLLM turns it off for a custom proposer).
+
+vLLM builds its `ngram_gpu` drafter from one name, `NgramProposerGPU`; rlspec's vLLM plugin
+(`install`, a vllm.general_plugins entry point, run in every vLLM process before a model runner
+exists) puts a subclass under that name. The subclass drafts from the history only for an engine
+whose speculative_config names MARK as its model (rlspec.speculation.vllm_config), and is vLLM's
+n-gram drafter for any other. The Generator feeds it through collective_rpc, as it feeds the
+host drafter: configure, record, finish_call, state_dict, load_state_dict.
+
+vLLM's CPU build has no accelerator, and the V1 runner's `ngram_gpu` path asks for pinned host
+buffers and CUDA streams and events; on the CPU platform `install` also gives the runner CPU
+stand-ins for those (`_cpu_stand_ins`), so the CPU tests run the drafter through the same runner
+path a GPU runs."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+
+from rlspec.speculation.device_history import prompt_hash
+
+MARK = "rlspec-device-history"  # speculative_config model under method ngram_gpu: this drafter
+ENV = "RLSPEC_DEVICE_HISTORY"    # the store's settings (speculation.history, JSON)
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+
+
+def _proposer_class(base):
+    class DeviceHistoryProposer(base):
+        """vLLM's NgramProposerGPU, or, for an engine whose speculative model is MARK, the
+        history drafter: propose() returns drafts [B, k] (-1 past a row's draft) and their counts,
+        as vLLM's does, for the runner's rows."""
+
+        def __init__(self, vllm_config, device, runner=None):
+            spec = vllm_config.speculative_config
+            self.history = None
+            if spec.model != MARK:
+                super().__init__(vllm_config, device, runner)
+                return
+            from rlspec.speculation.device_history import DeviceHistory
+
+            self.device, self.runner = device, runner
+            self.k = int(spec.num_speculative_tokens)
+            self.max_model_len = int(vllm_config.model_config.max_model_len)
+            self.vocab = int(vllm_config.model_config.get_vocab_size())
+            self.history = DeviceHistory(device, vocab_size=self.vocab, **settings())
+            self.stats = _Stats()
+
+        def load_model(self, *args, **kwargs) -> None:
+            if self.history is None:
+                super().load_model(*args, **kwargs)
+
+        def propose(self, num_speculative_tokens, num_tokens_no_spec, token_ids_gpu, valid_sampled_token_ids_gpu,
+                    valid_sampled_tokens_count):
+            if self.history is None:
+                return super().propose(num_speculative_tokens, num_tokens_no_spec, token_ids_gpu,
+                                       valid_sampled_token_ids_gpu, valid_sampled_tokens_count)
+            lengths = append_sampled(token_ids_gpu, num_tokens_no_spec, valid_sampled_token_ids_gpu,
+                                     valid_sampled_tokens_count)
+            batch = lengths.shape[0]
+            k = min(int(num_speculative_tokens), self.k)
+            prompt_lens = torch.as_tensor(self.runner.input_batch.num_prompt_tokens[:batch],
+                                          dtype=torch.int64).to(self.device, non_blocking=True)
+            salts = prompt_hash(token_ids_gpu, prompt_lens)
+            active = (valid_sampled_tokens_count > 0) if self.drafting else torch.zeros_like(lengths, dtype=torch.bool)
+            drafts, counts = self.history.propose(token_ids_gpu, lengths, salts, prompt_lens, k, active)
+            # no draft past the model's length: vLLM verifies k + 1 positions from the row's end
+            room = (self.max_model_len - 1 - lengths.long()).clamp(min=0)
+            keep = torch.arange(k, device=self.device)[None] < room[:, None]
+            drafts = torch.where(keep, drafts, -1)
+            counts = torch.minimum(counts, room.int())
+            self.stats.add(active, counts)
+            if k < self.k:  # the runner's buffers are k_max wide
+                drafts = torch.nn.functional.pad(drafts, (0, self.k - k), value=-1)
+            return drafts, counts
+
+    DeviceHistoryProposer.drafting = True
+    return DeviceHistoryProposer
+
+
+def _speculator_class(base):
+    class DeviceHistorySpeculator(base):
+        """Model Runner V2's NgramGPUSpeculator, or, for an engine whose speculative model is MARK,
+        the history drafter over the runner's request states: drafts [B, K] int64 for the batch,
+        K every row (V2 verifies K a row; where the history has none, the row's last sampled
+        token fills the slot, as vLLM's n-gram speculator fills it)."""
+
+        def __init__(self, vllm_config, device, req_states):
+            spec = vllm_config.speculative_config
+            self.history = None
+            if spec.model != MARK:
+                super().__init__(vllm_config, device, req_states)
+                return
+            from rlspec.speculation.device_history import DeviceHistory
+
+            self.vllm_config, self.device, self.req_states = vllm_config, device, req_states
+            self.speculative_config = spec
+            self.num_speculative_steps = self.k = int(spec.num_speculative_tokens)
+            self.max_num_reqs = int(vllm_config.scheduler_config.max_num_seqs)
+            self.max_model_len = int(vllm_config.model_config.max_model_len)
+            self.vocab = int(vllm_config.model_config.get_vocab_size())
+            self.history = DeviceHistory(device, vocab_size=self.vocab, **settings())
+            self.drafts = torch.zeros((self.max_num_reqs, self.k), dtype=torch.int64, device=device)
+            self.stats = _Stats()
+
+        def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                    num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
+                    *args, dummy_run: bool = False, **kwargs):
+            if self.history is None:
+                return super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                                       aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                                       next_prefill_tokens, temperature, seeds, *args, dummy_run=dummy_run, **kwargs)
+            n = input_batch.num_reqs
+            if dummy_run:
+                return self.drafts[:n]
+            rs, idx = self.req_states, input_batch.idx_mapping[:n]
+            token_ids = rs.all_token_ids.gpu[idx]                       # [B, max_model_len]
+            lengths = rs.total_len.gpu[idx]
+            prompt_lens = rs.prompt_len.gpu[idx].long()
+            active = (num_sampled[:n] > 0) & self.drafting
+            drafts, counts = self.history.propose(token_ids, lengths, prompt_hash(token_ids, prompt_lens),
+                                                  prompt_lens, self.k, active)
+            self.stats.add(active, counts)
+            fill = last_sampled.view(-1)[idx].long()
+            self.drafts[:n] = torch.where(drafts >= 0, drafts.long(), fill[:, None])
+            return self.drafts[:n]
+
+    DeviceHistorySpeculator.drafting = True
+    return DeviceHistorySpeculator
+
+
+def settings() -> dict:
+    """The store's settings, from the engine's environment (the Generator sets RLSPEC_DEVICE_HISTORY
+    before it builds the engine: the store is allocated with the runner, before vLLM sizes its
+    KV cache)."""
+    cfg = json.loads(os.environ.get(ENV, "{}"))
+    if not cfg:
+        return {}
+    return {"max_tokens": cfg["device_max_tokens"], "max_match": cfg["max_match"], "min_prob": cfg["min_prob"],
+            "global_keys": tuple(cfg["global_keys"]) if cfg["global_source"] else ()}
+
+
+class _Stats:
+    """A call's counts, kept on the device until finish_call reads them (no sync per step)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.rows: torch.Tensor | int = 0
+        self.matched: torch.Tensor | int = 0
+        self.drafted: torch.Tensor | int = 0
+
+    def add(self, active: torch.Tensor, counts: torch.Tensor) -> None:
+        self.steps += 1
+        self.rows = self.rows + active.sum()
+        self.matched = self.matched + (counts > 0).sum()
+        self.drafted = self.drafted + counts.sum()
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "rows": int(self.rows), "matched": int(self.matched),
+                "drafted_tokens": int(self.drafted)}
+
+
+def append_sampled(token_ids: torch.Tensor, lengths: torch.Tensor, sampled: torch.Tensor,
+                   count: torch.Tensor) -> torch.Tensor:
+    """Write each row's newly sampled tokens (sampled [B, k+1], its first count[i] valid, -1 the
+    rest) after its first lengths[i] tokens, in place, as vLLM's n-gram drafter does; the new
+    lengths [B]. Positions past the buffer's width are not written."""
+    width = token_ids.shape[1]
+    offsets = torch.arange(sampled.shape[1], device=token_ids.device)
+    at = lengths.long()[:, None] + offsets[None]
+    write = (offsets[None] < count[:, None]) & (sampled != -1) & (at < width)
+    # a position past the buffer rewrites the row's last token with itself: one slot that no write
+    # targets (clamping them all to the buffer's end would race a write there)
+    at = torch.where(at < width, at, (lengths.long() - 1).clamp(min=0)[:, None])
+    token_ids.scatter_(1, at, torch.where(write, sampled.to(token_ids.dtype), token_ids.gather(1, at)))
+    return (lengths + count).to(torch.int32)
+
+
+def install() -> None:
+    """rlspec's vLLM plugin: the subclass under vLLM's NgramProposerGPU name (and the CPU platform's
+    stand-ins). Run where a model runner may be built, before it is."""
+    from vllm.platforms import current_platform
+    from vllm.v1.spec_decode import ngram_proposer_gpu
+
+    from vllm.v1.worker.gpu.spec_decode.ngram import speculator
+
+    if getattr(ngram_proposer_gpu.NgramProposerGPU, "drafting", None) is None:
+        cls = _proposer_class(ngram_proposer_gpu.NgramProposerGPU)
+        ngram_proposer_gpu.NgramProposerGPU = cls
+        if _RUNNER in sys.modules:  # imported before the plugin ran: its name too
+            sys.modules[_RUNNER].NgramProposerGPU = cls
+    if getattr(speculator.NgramGPUSpeculator, "drafting", None) is None:  # V2 imports it when it builds one
+        speculator.NgramGPUSpeculator = _speculator_class(speculator.NgramGPUSpeculator)
+    if current_platform.is_cpu():
+        _cpu_stand_ins()
+
+
+def _cpu_stand_ins() -> None:
+    """On vLLM's CPU platform, what the V1 runner's ngram_gpu path needs an accelerator for: pinned
+    staging buffers (plain host memory: there is no device to copy to), CUDA events and streams
+    (no-ops: every copy is synchronous), the staged copy of token rows (a plain copy)."""
+    from vllm.v1.worker import cpu_model_runner, gpu_model_runner
+
+    if getattr(cpu_model_runner, "_rlspec_stand_ins", False):
+        return
+    cpu_model_runner._rlspec_stand_ins = True
+    inner = cpu_model_runner._torch_cuda_wrapper
+
+    @contextlib.contextmanager
+    def wrapper():
+        zeros, event = torch.zeros, torch.cuda.Event
+
+        def unpinned_zeros(*args, pin_memory=False, **kwargs):
+            return zeros(*args, **kwargs)
+
+        class _Event:
+            def record(self, *args) -> None:
+                pass
+
+            def synchronize(self) -> None:
+                pass
+
+        torch.zeros, torch.cuda.Event = unpinned_zeros, _Event
+        try:
+            with inner():
+                yield
+        finally:
+            torch.zeros, torch.cuda.Event = zeros, event
+
+    cpu_model_runner._torch_cuda_wrapper = wrapper
+    gpu_model_runner.update_ngram_gpu_tensors_incremental = _copy_rows
+    gpu_model_runner.copy_num_valid_draft_tokens = _copy_counts
+
+
+def _copy_rows(input_batch, token_ids_gpu_tensor, num_tokens_no_spec_gpu, new_reqs, device, **buffers) -> None:
+    """update_ngram_gpu_tensors_incremental on a CPU runner: the running rows' tokens and lengths
+    copied from the input batch (the same memory space: nothing to stage)."""
+    for idx in input_batch.req_id_to_index.values():
+        n = int(input_batch.num_tokens_no_spec[idx])
+        token_ids_gpu_tensor[idx, :n] = input_batch.token_ids_cpu_tensor[idx, :n]
+        num_tokens_no_spec_gpu[idx] = n
+
+
+def _copy_counts(counts_cpu, stream, event, counts, batch_size) -> None:
+    """copy_num_valid_draft_tokens on a CPU runner: a plain copy."""
+    if counts is not None and batch_size > 0:
+        n = min(batch_size, counts.shape[0])
+        counts_cpu[:n].copy_(counts[:n])
+
+
+# -- collective_rpc entry points (every worker: each drafts from its own store, the same records) --
+def _proposer(worker):
+    runner = worker.model_runner
+    drafter = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)   # V2's name, V1's
+    if getattr(drafter, "history", None) is None:
+        raise RuntimeError(f"the engine's drafter is {type(drafter).__name__}, not rlspec's device history drafter")
+    return drafter
+
+
+def begin_call(worker, draft: bool = True) -> None:
+    p = _proposer(worker)
+    p.drafting = draft
+    p.stats = _Stats()
+
+
+def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
+    _proposer(worker).history.insert(prompt_ids, response_ids)
+
+
+def finish_call(worker, prompt_ids=None, response_ids=None) -> dict:
+    """The call's counters (rows asked, rows drafted for, tokens drafted) and the store's size."""
+    p = _proposer(worker)
+    return {**p.stats.as_dict(), "history_tokens": p.history.stored()}
+
+
+def state_dict(worker) -> dict:
+    return _proposer(worker).history.state_dict()
+
+
+def load_state_dict(worker, state: dict) -> None:
+    _proposer(worker).history.load_state_dict(state)

@@ -1,0 +1,150 @@
+"""`speculation.history.drafter=device`: the device drafter in vLLM's ngram_gpu slot (Model Runner
+V1, the runner vLLM's CPU build runs), through a Generator on the tiny policy; its store's saved
+state; and the Model Runner V2 speculator's reading of the runner's request states (V2 does not
+run on CPU: its state is built here as the runner holds it)."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from rlspec.speculation.device_history import END, DeviceHistory, merge_device_states, prompt_hash
+
+SMALL = dict(max_tokens=1 << 12, width=8, max_match=8, prompt_keys=(4, 2, 1), global_keys=(4, 1))
+
+
+def test_append_sampled_writes_the_valid_tokens_after_each_row():
+    from rlspec.speculation.device_proposer import append_sampled
+
+    ids = torch.zeros(3, 6, dtype=torch.int32)
+    ids[:, :2] = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    lengths = torch.tensor([2, 2, 5], dtype=torch.int32)
+    sampled = torch.tensor([[7, 8, -1], [9, -1, -1], [10, 11, 12]])
+    count = torch.tensor([2, 1, 3], dtype=torch.int32)
+    new = append_sampled(ids, lengths, sampled, count)
+    assert new.tolist() == [4, 3, 8]   # row 3's length is past the buffer: counted, not written
+    assert ids.tolist() == [[1, 2, 7, 8, 0, 0], [3, 4, 9, 0, 0, 0], [5, 6, 0, 0, 0, 10]]
+
+
+def _drafts(store, rows, prompt_lens, k=4):
+    L = max(map(len, rows)) + 1
+    ids = torch.zeros(len(rows), L, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+    n = torch.tensor([len(r) for r in rows])
+    pl = torch.tensor(prompt_lens)
+    return store.propose(ids, n, prompt_hash(ids, pl), pl, k)[0].tolist()
+
+
+def test_a_saved_ring_loads_into_a_fresh_store_and_drafts_the_same():
+    """The store's state (its whole sequences, oldest first) loaded into an empty store of the same
+    settings drafts as the store did; after the ring wrapped, the sequence that lost its start is
+    left out; two engines' states merge into one store holding both."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 50, (6,), generator=g).tolist() for _ in range(12)]
+    answers = [torch.randint(0, 50, (int(m),), generator=g).tolist() for m in torch.randint(8, 40, (12,), generator=g)]
+    queries = [p + a[:5] for p, a in zip(prompts, answers)]
+    for cap in (1 << 12, 256):   # room for all; the ring wrapped
+        a = DeviceHistory(**{**SMALL, "max_tokens": cap})
+        a.insert(prompts, answers)
+        state = a.state_dict()
+        ends = np.cumsum(state["sizes"]) - 1
+        assert np.all(state["tokens"][ends] == END) and state["tokens"].size <= a.stored()
+        b = DeviceHistory(**{**SMALL, "max_tokens": cap})
+        b.load_state_dict(state)
+        assert _drafts(b, queries, [6] * 12) == _drafts(a, queries, [6] * 12)
+    one, two = DeviceHistory(**SMALL), DeviceHistory(**SMALL)
+    one.insert(prompts[:6], answers[:6])
+    two.insert(prompts[6:], answers[6:])
+    both = DeviceHistory(**SMALL)
+    both.load_state_dict(merge_device_states([one.state_dict(), two.state_dict()]))
+    whole = DeviceHistory(**SMALL)
+    whole.insert(prompts, answers)
+    assert _drafts(both, queries, [6] * 12) == _drafts(whole, queries, [6] * 12)
+    with pytest.raises(ValueError, match="do not agree"):
+        both.load_state_dict({**one.state_dict(), "sizes": np.array([3])})
+    assert _drafts(both, queries, [6] * 12) == _drafts(whole, queries, [6] * 12)   # left as it was
+
+
+def test_the_v2_speculator_drafts_from_the_runners_request_states():
+    """Model Runner V2's slot reads each batch row's tokens, length and prompt length through the
+    batch's idx_mapping into the runner's request states; a row the history has no draft for is
+    filled with its last sampled token (V2 verifies K a row)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.gpu.spec_decode.ngram import speculator
+
+    from rlspec.speculation.device_proposer import MARK, _speculator_class
+
+    cls = _speculator_class(speculator.NgramGPUSpeculator)
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(model=MARK, num_speculative_tokens=4),
+                          scheduler_config=SimpleNamespace(max_num_seqs=8),
+                          model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 100))
+    states = SimpleNamespace(all_token_ids=SimpleNamespace(gpu=torch.zeros(8, 64, dtype=torch.int32)),
+                             total_len=SimpleNamespace(gpu=torch.zeros(8, dtype=torch.int32)),
+                             prompt_len=SimpleNamespace(gpu=torch.zeros(8, dtype=torch.int32)))
+    spec = cls(cfg, torch.device("cpu"), states)
+    prompt, answer = [5, 6, 7, 8], [10, 11, 12, 13, 14, 15, 16, 17]
+    spec.history.insert([prompt], [answer])
+    rows = {3: prompt + answer[:3], 6: [9, 9, 9, 9, 40]}   # request-state slots: one with history, one without
+    for slot, r in rows.items():
+        states.all_token_ids.gpu[slot, : len(r)] = torch.tensor(r)
+        states.total_len.gpu[slot] = len(r)
+        states.prompt_len.gpu[slot] = 4
+    batch = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([6, 3]))
+    last = torch.zeros(8, 1, dtype=torch.int64)
+    last[3, 0], last[6, 0] = 12, 40
+    out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None)
+    assert out.tolist() == [[40] * 4, [13, 14, 15, 16]]
+    assert spec.stats.as_dict()["drafted_tokens"] == 4
+
+
+# -- through real vLLM (V1's ngram_gpu slot), in a Generator actor ---------------------------------------
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    from conftest import heldout_prompts
+
+    return heldout_prompts(tokenizer, 12)
+
+
+def _gen(actor, prompts, n, temperature, max_tokens=48):
+    import ray
+
+    from conftest import sampling
+
+    return ray.get(actor.generate.remote(prompts, sampling(n, temperature, max_tokens)), timeout=600)
+
+
+def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, prompts):
+    """Greedy: every call equals no speculation token for token; the engine runs vLLM's ngram_gpu
+    path; the second call drafts from the first's responses and accepts more than the first; a new
+    engine loaded with the saved store drafts as the first did on its second call."""
+    import ray
+
+    from conftest import start_generator
+
+    plain = start_generator([])
+    base = _gen(plain, prompts, 1, 0.0)
+    ray.kill(plain)
+    dev = start_generator(["speculation=history", "speculation.history.drafter=device"])
+    assert ray.get(dev.runner_info.remote(), timeout=60)["speculation"] == "ngram_gpu"
+    first = _gen(dev, prompts, 1, 0.0)
+    second = _gen(dev, prompts, 1, 0.0)
+    assert first.response_ids == base.response_ids and second.response_ids == base.response_ids
+    print(f"acceptance length: first call {first.spec.acceptance_length:.2f}, second "
+          f"{second.spec.acceptance_length:.2f}; counters {first.history} / {second.history}")
+    assert second.history["history_tokens"] > 0 and second.spec.accepted_tokens > 0
+    assert second.spec.acceptance_length > first.spec.acceptance_length + 0.5, (first.spec, second.spec)
+    # vLLM verified the rows the drafter drafted for, save those drafted at a request's last step
+    # (it finished there); it counts k tokens a verified draft (the scheduler's, before the runner
+    # trims a draft to its valid tokens), and accepts no more than were drafted
+    h = second.history
+    assert h["matched"] - len(prompts) <= second.spec.drafts <= h["matched"], (second.spec, h)
+    assert second.spec.accepted_tokens <= h["drafted_tokens"], (second.spec, h)
+    state = ray.get(dev.history_state.remote(), timeout=60)
+    ray.kill(dev)
+    resumed = start_generator(["speculation=history", "speculation.history.drafter=device"])
+    ray.get(resumed.load_history_state.remote(state), timeout=60)
+    again = _gen(resumed, prompts, 1, 0.0)
+    assert again.response_ids == base.response_ids
+    assert again.spec.accepted_tokens == second.spec.accepted_tokens
+    ray.kill(resumed)
