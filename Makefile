@@ -35,7 +35,7 @@ test: setup
 lint: setup
 	$(BIN)/ruff check rlspec tests scripts
 
-# The tier the default suite leaves out: every test marked slow or multinode (CPU; about 37 minutes
+# The tier the default suite leaves out: every test marked slow or multinode (CPU; about 38 minutes
 # on 2 cores, which CI's time does not hold beside the default suite yet).
 test-slow: setup
 	$(BIN)/python -m pytest -q $(XDIST) -m "slow or multinode"
