@@ -262,6 +262,12 @@ def _proposer(worker):
     return drafter
 
 
+def check(worker) -> None:
+    """RuntimeError unless this worker's runner drafts with the history (a worker process where
+    install() did not run would draft with vLLM's n-gram drafter)."""
+    _proposer(worker)
+
+
 def begin_call(worker, draft: bool = True) -> None:
     p = _proposer(worker)
     p.drafting = draft

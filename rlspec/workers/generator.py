@@ -34,12 +34,17 @@ class Generator(RefitReceiver):
 
             self.drafter = device_proposer
             os.environ[device_proposer.ENV] = json.dumps(asdict(speculation.history))
+            # in this process whether or not rlspec's vLLM plugins are installed here (an unpacked
+            # tree, the GPU kit): an engine core built in-process takes the drafter from it
+            device_proposer.install()
         self.engine = VLLMEngine(paths.model, paths.tokenizer, generation, model.max_model_len, seed,
                                  vllm_speculative_config(speculation, paths.draft))
         self.adaptive = AdaptiveK(self.engine, speculation) if speculation.adaptive else None
         self.history_validation = speculation.history.draft_validation
         if self.history and self.drafter is history_proposer:
             self.engine.llm.collective_rpc(history_proposer.configure, args=(asdict(speculation.history),))
+        elif self.history:
+            self.engine.llm.collective_rpc(self.drafter.check)
         self.engine.sleep()  # sleep mode: hold no GPU memory until the first call (learners start next)
         self.policy_version = 0
         self.draft_version = 0
