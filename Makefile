@@ -35,8 +35,8 @@ test: setup
 lint: setup
 	$(BIN)/ruff check rlspec tests scripts
 
-# The tier the default suite leaves out: every test marked slow or multinode (CPU; about 38 minutes
-# on 2 cores, which CI's time does not hold beside the default suite yet).
+# The tier the default suite leaves out: every test marked slow or multinode (CPU); .ci/run runs it
+# after the default suite.
 test-slow: setup
 	$(BIN)/python -m pytest -q $(XDIST) -m "slow or multinode"
 

@@ -9,11 +9,12 @@ In-process engines (no Ray), one after another, each a Generator over the shippe
 its draft model, EAGLE-3 head or rollout history; on a GPU bfloat16, CUDA graphs and sleep mode
 (the platform's defaults), on CPU float32, eager, no sleep. Checks, most valuable first, so that a
 run cut off by --budget-s still says most:
-1. runner: the model runner and async scheduling vLLM picks for none, eagle3, draft_model, ngram
-   and history, against rlspec's rule (speculation.vllm_config.gpu_model_runner; V1 on CPU), and
+1. runner: the model runner and async scheduling vLLM picks for none, eagle3, draft_model, ngram,
+   history and history_device (history drafted on the engine's device, in vLLM's ngram_gpu slot:
+   Model Runner V2 on a GPU), against rlspec's rule (speculation.vllm_config.gpu_model_runner; V1 on CPU), and
    each engine built reports the same;
-2. greedy: with speculation (eagle3, history, draft_model, ngram under `auto`), token for token
-   the rollouts of the engine without;
+2. greedy: with speculation (eagle3, history, history_device, draft_model, ngram under `auto`),
+   token for token the rollouts of the engine without;
 3. refit: after sleep and wake, target and draft weights refit through vLLM's weight-transfer API
    from device tensors; greedy rollouts and accepted draft tokens then equal those of a fresh
    engine built on the new weights;
@@ -21,7 +22,8 @@ run cut off by --budget-s still says most:
    and position, Bonferroni level 0.01, power stated at the observed distributions);
 5. acceptance > 0 at every draft position; under `auto` every k of the schedule ran (its
    calibration times each k at each batch size, under CUDA graphs on a GPU);
-6. tokens/s with and without speculation at batch 1, 8 and 64 (reported), and on a GPU the memory
+6. tokens/s with and without speculation at batch 1, 8 and 64 (reported; eagle3, and both history
+   drafters on answers they have seen), and on a GPU the memory
    a sleeping engine keeps against the memory model's figure.
 Before the first, vLLM's compiled parts the kit carries are loaded explicitly (`compiled_parts` in the
 JSON; vLLM itself only warns when one fails). A pass/fail table, exit 1 if a check failed (a check not
@@ -46,7 +48,9 @@ from gpu_probe import compiled_parts, origins
 
 ROOT = Path(__file__).resolve().parents[1]
 
-METHODS = ("none", "eagle3", "draft_model", "ngram", "history")
+METHODS = ("none", "eagle3", "draft_model", "ngram", "history", "history_device")
+# A method is a speculation group, or one of these: the group and the overrides that make it
+VARIANTS = {"history_device": ("history", ["speculation.history.drafter=device"])}
 SAMPLED_PROMPTS = 3
 SAMPLED_TOKENS = 6
 SHIFT = 0.05  # the power is stated against moving this much probability between a position's two commonest tokens
@@ -59,8 +63,9 @@ def config(method: str, on_gpu: bool, extra: list[str] = ()):
     from rlspec.config import resolve_auto
     from rlspec.train import compose_config
 
-    overrides = ["+experiment=chain_cpu", f"speculation={method}", "speculation.num_speculative_tokens=3", *extra,
-                 *OVERRIDES]
+    group, variant = VARIANTS.get(method, (method, []))
+    overrides = ["+experiment=chain_cpu", f"speculation={group}", "speculation.num_speculative_tokens=3", *variant,
+                 *extra, *OVERRIDES]
     if on_gpu:  # one GPU; bfloat16, CUDA graphs and sleep mode by the platform's defaults
         overrides += ["cluster.gpus_per_node=1", "cluster.placement=colocated", "generation.gpu_memory_utilization=0.2"]
     return resolve_auto(compose_config(overrides))
@@ -104,7 +109,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("gpu_vllm_check.json"))
     ap.add_argument("--samples", type=int, default=2000, help="samples per prompt and side for the two-sample test")
-    ap.add_argument("--methods", default="eagle3,history,draft_model,ngram",
+    ap.add_argument("--methods", default="eagle3,history,history_device,draft_model,ngram",
                     help="speculation methods whose engines are built (in this order)")
     ap.add_argument("--budget-s", type=float, default=330.0, help="start no check after this many seconds")
     ap.add_argument("--stop-s", type=float, default=None,
@@ -194,11 +199,13 @@ def main() -> int:
         release(gen)
         return True, figures
 
-    def speeds(gen) -> dict:
+    def speeds(gen, rollout: bool = False) -> dict:
+        """Tokens/s at batch 1, 8 and 64, each shape timed on its second call (history: training
+        calls, so the second drafts from the first's answers)."""
         out = {}
         for b in (1, 8, 64):
             prompts = [val[i % len(val)] for i in range(b)]
-            s = Sampling(1, 1.0, 128, seed=5, rollout=False)
+            s = Sampling(1, 1.0, 128, seed=5, rollout=rollout)
             gen.generate(prompts, s)  # warm-up at this shape
             ro = gen.generate(prompts, s)
             out[b] = ro.num_tokens / ro.seconds
@@ -218,7 +225,7 @@ def main() -> int:
         info = gen.runner_info()
         state["engines"][method] = info
         figures = {"runner": info}
-        if method == "history":  # history to draft from: a sampled training call on the same prompts
+        if method.startswith("history"):  # history to draft from: a sampled training call on the same prompts
             gen.generate(held_out, Sampling(4, 1.0, max_new, seed=1))
         ro = gen.generate(held_out, Sampling(1, 0.0, max_new))  # a training call: history drafts in it
         equal = ro.response_ids == state["greedy"]
@@ -237,6 +244,8 @@ def main() -> int:
             got = gen.generate(ids, Sampling(a.samples, 1.0, SAMPLED_TOKENS, seed=1, rollout=False))
             state["eagle3_sampled"] = got
             figures["speed"] = {"speculation": speeds(gen), "none": state["speed_none"]}
+        if method.startswith("history"):  # the host drafter against the device drafter, each beside none
+            figures["speed"] = {"speculation": speeds(gen, rollout=True), "none": state["speed_none"]}
         if method != "draft_model":
             release(gen)
         figures["greedy_equal"] = equal

@@ -9,7 +9,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("RLSPEC_TEST_SESSION", str(os.getpid()))  # helpers/procs.py: what this session started
+# helpers/procs.py: what this test process started. Set, not defaulted: pytest-xdist's workers
+# inherit the controller's environment, which loads this file first, and would share its mark
+os.environ["RLSPEC_TEST_SESSION"] = str(os.getpid())
+# Tests run side by side (pytest-xdist workers; in each, a run's Generator and learner ranks), so
+# the torch threads outnumber the cores: under OpenMP's default spin-wait a thread waiting for a
+# descheduled partner burns the core that partner needs (a CLI run's step 5x longer beside another
+# run). Threads sleep at once instead; every process a test starts inherits this.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 TEST_EXPERIMENT = "+experiment=tiny_cpu"  # the tests' baseline: the fast addition task

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from rlspec.speculation.device_history import prompt_hash
+from rlspec.speculation.device_history import DeviceHistory, prompt_hash
 
 MARK = "rlspec-device-history"  # speculative_config model under method ngram_gpu: this drafter
 ENV = "RLSPEC_DEVICE_HISTORY"    # the store's settings (speculation.history, JSON)
@@ -42,8 +42,6 @@ def _proposer_class(base):
             if spec.model != MARK:
                 super().__init__(vllm_config, device, runner)
                 return
-            from rlspec.speculation.device_history import DeviceHistory
-
             self.device, self.runner = device, runner
             self.k = int(spec.num_speculative_tokens)
             self.max_model_len = int(vllm_config.model_config.max_model_len)
@@ -96,8 +94,6 @@ def _speculator_class(base):
             if spec.model != MARK:
                 super().__init__(vllm_config, device, req_states)
                 return
-            from rlspec.speculation.device_history import DeviceHistory
-
             self.vllm_config, self.device, self.req_states = vllm_config, device, req_states
             self.speculative_config = spec
             self.num_speculative_steps = self.k = int(spec.num_speculative_tokens)
