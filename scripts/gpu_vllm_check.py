@@ -11,8 +11,8 @@ its draft model, EAGLE-3 head or rollout history; on a GPU bfloat16, CUDA graphs
 run cut off by --budget-s still says most:
 1. runner: the model runner and async scheduling vLLM picks for none, eagle3, draft_model, ngram,
    history and history_device (history drafted on the engine's device, in vLLM's ngram_gpu slot:
-   Model Runner V2 on a GPU), against rlspec's rule (speculation.vllm_config.gpu_model_runner; V1 on CPU), and
-   each engine built reports the same;
+   Model Runner V2 on a GPU), against rlspec's rule (speculation.vllm_config.gpu_model_runner;
+   V1 on CPU), and each engine built reports the same;
 2. greedy: with speculation (eagle3, history, history_device, draft_model, ngram under `auto`),
    token for token the rollouts of the engine without;
 3. refit: after sleep and wake, target and draft weights refit through vLLM's weight-transfer API
@@ -23,13 +23,15 @@ run cut off by --budget-s still says most:
 5. acceptance > 0 at every draft position; under `auto` every k of the schedule ran (its
    calibration times each k at each batch size, under CUDA graphs on a GPU);
 6. tokens/s with and without speculation at batch 1, 8 and 64 (reported; eagle3, and both history
-   drafters on answers they have seen), and on a GPU the memory
-   a sleeping engine keeps against the memory model's figure.
-Before the first, vLLM's compiled parts the kit carries are loaded explicitly (`compiled_parts` in the
-JSON; vLLM itself only warns when one fails). A pass/fail table, exit 1 if a check failed (a check not
-reached is 'not run'). The JSON is rewritten after every check; at --stop-s a watchdog marks the
-running check 'interrupted', writes the JSON and exits (status 3), so a call's time limit never takes
-what already ran.
+   drafters on answers they have seen), and on a GPU the memory a sleeping engine keeps against
+   the memory model's figure.
+They run in this order: the runner check, the engine without speculation, then an engine a method
+(--methods) with its greedy check, EAGLE-3's sampled test right after EAGLE-3's, the refit after
+the draft model's. Before the first, vLLM's compiled parts the kit carries are loaded explicitly
+(`compiled_parts` in the JSON; vLLM itself only warns when one fails). A pass/fail table, exit 1
+if a check failed (a check not reached is 'not run'). The JSON is rewritten after every check; at
+--stop-s a watchdog marks the running check 'interrupted', writes the JSON and exits (status 3), so
+a call's time limit never takes what already ran.
 """
 from __future__ import annotations
 
@@ -273,13 +275,6 @@ def main() -> int:
         return same and changed, {"outputs_changed": changed, "accepted": [got.spec.accepted_tokens,
                                                                            want.spec.accepted_tokens]}
 
-    for method in methods:
-        run(f"greedy: {method} equals no speculation, token for token", lambda m=method: spec_engine(m))
-        if "refit_engine" in state:  # before another engine starts: a second live engine in the process
-            run("refit: sleep, wake, target + draft refit equal a fresh engine", refit)  # broke its draft refit
-            if "refit_engine" in state:
-                release(state.pop("refit_engine")[0])
-
     def sampled():
         got, ref = state["eagle3_sampled"], state["sampled"]
         n = a.samples
@@ -295,8 +290,15 @@ def main() -> int:
             "accepted_draft_tokens": got.spec.accepted_tokens,
             "median_power_to_detect_shift": power[len(power) // 2], "shift": SHIFT}
 
-    if "eagle3_sampled" in state:
-        run("sampled: EAGLE-3 speculation keeps the distribution", sampled)
+    for method in methods:
+        run(f"greedy: {method} equals no speculation, token for token", lambda m=method: spec_engine(m))
+        if "eagle3_sampled" in state:  # the sampled test right after its engine: it outranks the later engines
+            run("sampled: EAGLE-3 speculation keeps the distribution", sampled)
+            del state["eagle3_sampled"]
+        if "refit_engine" in state:  # before another engine starts: a second live engine in the process
+            run("refit: sleep, wake, target + draft refit equal a fresh engine", refit)  # broke its draft refit
+            if "refit_engine" in state:
+                release(state.pop("refit_engine")[0])
     return finish(a.out, checks, platform, state, t_all)
 
 
