@@ -24,8 +24,7 @@ demo: setup
 
 # Tests run in WORKERS pytest-xdist processes, a test file at a time in each (its module fixtures:
 # one Ray cluster, one engine). The tests' processes wait on each other often enough that a second
-# worker pays on 2 cores: both tiers took 70 minutes in two workers, about 85 in one process
-# (docs/operations.md#tests). WORKERS=0: one process.
+# worker pays on 2 cores (docs/operations.md#tests). WORKERS=0: one process.
 WORKERS ?= 2
 XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
