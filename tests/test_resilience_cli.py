@@ -93,10 +93,10 @@ def test_sigkill_of_the_driver_mid_checkpoint_leaves_the_last_one_loadable(tmp_p
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        orphans = left_behind(before)
+        orphans, named = left_behind(before), []
         for pid in orphans:  # keep the machine clean even when the assertion below fails
             try:
-                orphans[orphans.index(pid)] = (pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:120])
+                named.append((pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:120]))
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
@@ -104,7 +104,7 @@ def test_sigkill_of_the_driver_mid_checkpoint_leaves_the_last_one_loadable(tmp_p
             shutil.rmtree(d, ignore_errors=True)
     assert caught, ("the run ended before a second checkpoint was being written:\n"
                     + (tmp_path / "killed.log").read_text()[-3000:])
-    assert proc.returncode == -signal.SIGKILL and not orphans, orphans
+    assert proc.returncode == -signal.SIGKILL and not orphans, named
     assert (ckpts / caught).is_dir()  # killed mid-write: the half-written checkpoint is still on disk
     k = int(caught.split("_")[1].split("-")[0])
     assert not (ckpts / ck.step_dir_name(k)).exists()
