@@ -43,6 +43,12 @@ def interrupted(run_dir: Path, *extra: str, after_steps: int, act, timeout: int 
         deadline = time.time() + timeout
         while steps_done(run_dir) < after_steps and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
+        if steps_done(run_dir) < after_steps:  # what act() was to interrupt never happened: say why
+            ended = f"ended with exit {proc.returncode}" if proc.poll() is not None else f"was still running after {timeout}s"
+            if proc.poll() is None:
+                proc.kill()
+            out, err = proc.communicate(timeout=60)
+            raise AssertionError(f"the run {ended} before finishing step {after_steps}:\n{out[-2000:]}\n{err[-4000:]}")
         act(proc)
         t0 = time.time()
         out, err = proc.communicate(timeout=timeout)
@@ -66,15 +72,24 @@ def left_behind(before: set[int], within_s: float = 20.0) -> list[int]:
     return sorted(new)
 
 
-def kill_actor_of(driver_pid: int, title: str) -> int:
-    """SIGKILL the Ray worker process titled `title` that this driver started (by pid)."""
+def kill_actor_of(driver_pid: int, title: str, within_s: float = 30.0) -> int:
+    """SIGKILL the Ray worker process titled `title` that this driver started (by pid), looking
+    again for up to `within_s` seconds while the driver lives."""
     from rlspec.rewards.sandbox import _descendants
 
-    for pid in _descendants(driver_pid):
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title.encode()):
-                os.kill(pid, signal.SIGKILL)
-                return pid
-        except OSError:
-            continue
-    raise AssertionError(f"no {title} process under driver {driver_pid}")
+    deadline = time.time() + within_s
+    while True:
+        seen = {}
+        for pid in _descendants(driver_pid):
+            try:
+                seen[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if seen[pid].startswith(title.encode()):
+                    os.kill(pid, signal.SIGKILL)
+                    return pid
+            except OSError:
+                continue
+        if time.time() > deadline or not Path(f"/proc/{driver_pid}").exists():
+            break
+        time.sleep(0.5)
+    names = "\n".join(f"  {pid}: {cmd[:120]!r}" for pid, cmd in seen.items())
+    raise AssertionError(f"no {title} process under driver {driver_pid}; its descendants:\n{names or '  none'}")
