@@ -44,7 +44,8 @@ def interrupted(run_dir: Path, *extra: str, after_steps: int, act, timeout: int 
         while steps_done(run_dir) < after_steps and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
         if steps_done(run_dir) < after_steps:  # what act() was to interrupt never happened: say why
-            ended = f"ended with exit {proc.returncode}" if proc.poll() is not None else f"was still running after {timeout}s"
+            ended = (f"ended with exit {proc.returncode}" if proc.poll() is not None
+                     else f"was still running after {timeout}s")
             if proc.poll() is None:
                 proc.kill()
             out, err = proc.communicate(timeout=60)
