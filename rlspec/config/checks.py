@@ -174,8 +174,9 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
            f"must be in [2^10, 2^31], got {h.device_max_tokens}")
     if sp.method == "history" and h.drafter == "device":
         _check(not sp.adaptive, "speculation.num_speculative_tokens",
-               "'auto' does not work with speculation.history.drafter=device yet (its drafts are timed per "
-               "call on the host drafter only): give an integer k, or set speculation.history.drafter=host")
+               "'auto' does not work with speculation.history.drafter=device yet (at a step the schedule gives k=0, "
+               "vLLM's V1 ngram_gpu path still verifies placeholder drafts): give an integer k, or set "
+               "speculation.history.drafter=host")
     o = sp.online
     if o.enabled:
         _check(sp.method == "eagle3", "speculation.online.enabled",

@@ -5,9 +5,11 @@ to the planner (rlspec/speculation/adaptive.py holds the planner itself).
 The engine is built for k_max; a call's k per batch size is set through the scheduler's
 batch-size -> k lookup (vLLM's `num_speculative_tokens_per_batch_size`; the scheduler is the same
 object under Model Runner V1 and V2), and a call run without speculation also turns the drafter's
-forward pass off where the runner allows it (V1). rlspec's history drafter is the exception: it is
-timed with every row drafting k (filled where its lookup finds fewer), planned per row from its
-counters, and after a call that drafted nothing it measures in shadow what it would have drafted.
+forward pass off where the runner allows it (V1). rlspec's history drafters are the exception:
+they are timed with every row drafting k (filled where the lookup finds fewer: the host drafter
+without its lookup, whose time it measures apart, the device drafter with it, inside the step),
+planned per row from their counters, and after a call that drafted nothing they measure in
+shadow what they would have drafted.
 
 What rlspec reads or writes inside vLLM, per class, is listed in VLLM_SURFACE and checked against
 the installed wheel (tests/speculation/test_runner_api.py)."""
@@ -129,11 +131,14 @@ class AdaptiveK:
         off = k_of_batch == OFF
         sched.dynamic_sd_lookup[:] = [0] * n if off else [0] + [k_of_batch(b) for b in range(1, n)]
         method = self.engine.spec_config["method"]
-        if method == "custom_class":  # rlspec's history drafter reads k itself
+        if method == "custom_class":  # rlspec's host history drafter reads k itself
             from rlspec.speculation import history_proposer
 
             self.engine.llm.collective_rpc(history_proposer.set_k, args=(list(sched.dynamic_sd_lookup),))
-        if method != "ngram":  # n-gram lookup costs nothing to skip
+        # n-gram lookup costs nothing to skip; the device history drafter is handed the scheduler's
+        # k and looks up nothing at k=0, and vLLM's ngram_gpu bookkeeping (the runner's device copy
+        # of the rows) runs inside the draft call, which must go on
+        if method not in ("ngram", "ngram_gpu"):
             self.engine.llm.collective_rpc(_set_drafting, args=(not off,))
 
     def _time_steps(self, prompt_ids: list[list[int]], batch: int, k: int, steps: int) -> list[float]:
@@ -162,16 +167,14 @@ class AdaptiveK:
         median per (bucket, k), made non-decreasing in k (a longer draft never costs less).
         Acceptance comes from the calls themselves."""
         t0 = time.perf_counter()
-        per_request = self.engine.spec_config["method"] == "custom_class"
-        if per_request:  # rlspec's history drafter: time every row drafting k (the planner scales)
-            from rlspec.speculation import history_proposer
-
-            self.engine.llm.collective_rpc(history_proposer.set_full, args=(True,))
+        drafter = history_drafter(self.engine.spec_config)
+        if drafter:  # rlspec's history drafter: time every row drafting k (the planner scales)
+            self.engine.llm.collective_rpc(drafter.set_full, args=(True,))
         try:
             seconds, k_max, max_batch = self._timed_costs(prompt_ids, rounds, steps)
         finally:
-            if per_request:
-                self.engine.llm.collective_rpc(history_proposer.set_full, args=(False,))
+            if drafter:
+                self.engine.llm.collective_rpc(drafter.set_full, args=(False,))
         self.calibration_seconds = time.perf_counter() - t0
         return DraftLengthPlanner(k_max=k_max, max_batch=max_batch, step_seconds=seconds)
 
@@ -189,6 +192,19 @@ class AdaptiveK:
             costs = non_decreasing([statistics.median(samples[(b, k)]) for k in ks])
             seconds.update({(b, k): c for k, c in zip(ks, costs)})
         return seconds, k_max, max_batch
+
+
+def history_drafter(spec_config: dict | None):
+    """rlspec's history drafter module behind an engine's speculative_config (the host proposer's
+    or the device drafter's), or None for any other method."""
+    from rlspec.speculation import device_proposer, history_proposer
+
+    spec_config = spec_config or {}
+    if spec_config.get("method") == "custom_class" and spec_config.get("model") == history_proposer.PROPOSER:
+        return history_proposer
+    if spec_config.get("method") == "ngram_gpu" and spec_config.get("model") == device_proposer.MARK:
+        return device_proposer
+    return None
 
 
 def _set_drafting(worker, enabled: bool) -> None:

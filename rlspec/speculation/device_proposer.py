@@ -47,7 +47,7 @@ def _proposer_class(base):
             self.max_model_len = int(vllm_config.model_config.max_model_len)
             self.vocab = int(vllm_config.model_config.get_vocab_size())
             self.history = DeviceHistory(device, vocab_size=self.vocab, **settings())
-            self.stats = _Stats()
+            self.stats = _Stats(self.k, device)
 
         def load_model(self, *args, **kwargs) -> None:
             if self.history is None:
@@ -61,23 +61,32 @@ def _proposer_class(base):
             lengths = append_sampled(token_ids_gpu, num_tokens_no_spec, valid_sampled_token_ids_gpu,
                                      valid_sampled_tokens_count)
             batch = lengths.shape[0]
-            k = min(int(num_speculative_tokens), self.k)
+            k = min(int(num_speculative_tokens), self.k)   # 'auto': the scheduler's k for this batch size
+            if k <= 0 or not self.drafting:  # no lookup at all (a call 'auto' or validation runs without)
+                return (torch.full((batch, self.k), -1, dtype=torch.int32, device=self.device),
+                        torch.zeros(batch, dtype=torch.int32, device=self.device))
             prompt_lens = torch.as_tensor(self.runner.input_batch.num_prompt_tokens[:batch],
                                           dtype=torch.int64).to(self.device, non_blocking=True)
             salts = prompt_hash(token_ids_gpu, prompt_lens)
-            active = (valid_sampled_tokens_count > 0) if self.drafting else torch.zeros_like(lengths, dtype=torch.bool)
+            active = valid_sampled_tokens_count > 0
             drafts, counts = self.history.propose(token_ids_gpu, lengths, salts, prompt_lens, k, active)
+            if self.full:  # 'auto' times steps: the lookup as always, every draft filled to k
+                last = token_ids_gpu.gather(1, (lengths.long() - 1).clamp(min=0)[:, None])
+                drafts = torch.where(active[:, None] & (drafts < 0), last.to(drafts.dtype), drafts)
+                counts = torch.where(active, k, 0).int()
             # no draft past the model's length: vLLM verifies k + 1 positions from the row's end
             room = (self.max_model_len - 1 - lengths.long()).clamp(min=0)
             keep = torch.arange(k, device=self.device)[None] < room[:, None]
             drafts = torch.where(keep, drafts, -1)
             counts = torch.minimum(counts, room.int())
-            self.stats.add(active, counts)
+            if not self.full:
+                self.stats.add(active, counts)
             if k < self.k:  # the runner's buffers are k_max wide
                 drafts = torch.nn.functional.pad(drafts, (0, self.k - k), value=-1)
             return drafts, counts
 
     DeviceHistoryProposer.drafting = True
+    DeviceHistoryProposer.full = False
     return DeviceHistoryProposer
 
 
@@ -102,7 +111,7 @@ def _speculator_class(base):
             self.vocab = int(vllm_config.model_config.get_vocab_size())
             self.history = DeviceHistory(device, vocab_size=self.vocab, **settings())
             self.drafts = torch.zeros((self.max_num_reqs, self.k), dtype=torch.int64, device=device)
-            self.stats = _Stats()
+            self.stats = _Stats(self.k, device)
 
         def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                     num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
@@ -115,19 +124,32 @@ def _speculator_class(base):
             if dummy_run:
                 return self.drafts[:n]
             rs, idx = self.req_states, input_batch.idx_mapping[:n]
+            fill = last_sampled.view(-1)[idx].long()
+            # 'auto': the scheduler's k for this step (V2 keeps that many of each row's drafts)
+            step_k = kwargs.get("num_speculative_tokens")
+            k = self.k if step_k is None else min(self.k, int(step_k))
+            if k <= 0 or not self.drafting:
+                self.drafts[:n] = fill[:, None]
+                return self.drafts[:n]
             token_ids = rs.all_token_ids.gpu[idx]                       # [B, max_model_len]
             lengths = rs.total_len.gpu[idx]
             prompt_lens = rs.prompt_len.gpu[idx].long()
-            active = (num_sampled[:n] > 0) & self.drafting
+            active = num_sampled[:n] > 0
             drafts, counts = self.history.propose(token_ids, lengths, prompt_hash(token_ids, prompt_lens),
-                                                  prompt_lens, self.k, active)
-            self.stats.add(active, counts)
-            fill = last_sampled.view(-1)[idx].long()
+                                                  prompt_lens, k, active)
+            if not self.full:
+                self.stats.add(active, counts)
+            drafts = torch.nn.functional.pad(drafts, (0, self.k - k), value=-1)
             self.drafts[:n] = torch.where(drafts >= 0, drafts.long(), fill[:, None])
             return self.drafts[:n]
 
     DeviceHistorySpeculator.drafting = True
+    DeviceHistorySpeculator.full = False  # V2 fills every row to k by itself
     return DeviceHistorySpeculator
+
+
+def shadow_rows() -> int:
+    return int(json.loads(os.environ.get(ENV, "{}")).get("shadow_rows", 32))
 
 
 def settings() -> dict:
@@ -142,23 +164,31 @@ def settings() -> dict:
 
 
 class _Stats:
-    """A call's counts, kept on the device until finish_call reads them (no sync per step)."""
+    """A call's counts, kept on the device until finish_call reads them (no sync per step): rows
+    asked, rows drafted for, tokens drafted, and per position i the rows whose draft reached it
+    (drafts_ge_{i+1}: what 'auto' plans from, as from the host drafter's HistoryStats)."""
 
-    def __init__(self):
+    def __init__(self, k: int = 0, device="cpu"):
         self.steps = 0
         self.rows: torch.Tensor | int = 0
         self.matched: torch.Tensor | int = 0
         self.drafted: torch.Tensor | int = 0
+        self.pos = torch.zeros(k, dtype=torch.int64, device=device)
+        self.shadow: dict = {}
 
     def add(self, active: torch.Tensor, counts: torch.Tensor) -> None:
         self.steps += 1
         self.rows = self.rows + active.sum()
         self.matched = self.matched + (counts > 0).sum()
         self.drafted = self.drafted + counts.sum()
+        at = torch.arange(self.pos.shape[0], device=counts.device)
+        self.pos += (counts.long()[:, None] > at[None]).sum(0)
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "rows": int(self.rows), "matched": int(self.matched),
-                "drafted_tokens": int(self.drafted)}
+                "drafted_tokens": int(self.drafted),
+                **{f"drafts_ge_{i + 1}": int(v) for i, v in enumerate(self.pos.tolist())},
+                "shadow_responses": 0, "shadow_rows": 0, **self.shadow}
 
 
 def append_sampled(token_ids: torch.Tensor, lengths: torch.Tensor, sampled: torch.Tensor,
@@ -267,7 +297,7 @@ def check(worker) -> None:
 def begin_call(worker, draft: bool = True) -> None:
     p = _proposer(worker)
     p.drafting = draft
-    p.stats = _Stats()
+    p.stats = _Stats(p.k, p.device)
 
 
 def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
@@ -275,9 +305,20 @@ def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -
 
 
 def finish_call(worker, prompt_ids=None, response_ids=None) -> dict:
-    """The call's counters (rows asked, rows drafted for, tokens drafted) and the store's size."""
+    """The call's counters (rows asked, rows drafted for, tokens drafted, per position) and the
+    store's size; given the call's rows and the call drafted nothing ('auto' ran it without), what
+    k_max drafts would have done, measured in shadow first (DeviceHistory.shadow, on up to
+    speculation.history.shadow_rows responses)."""
     p = _proposer(worker)
+    if prompt_ids is not None and int(p.stats.rows) == 0:
+        p.stats.shadow = p.history.shadow(prompt_ids, response_ids, shadow_rows(), p.k)
     return {**p.stats.as_dict(), "history_tokens": p.history.stored()}
+
+
+def set_full(worker, full: bool) -> None:
+    """'auto' times engine steps with every request drafting k tokens: the lookup runs as in any
+    call (its cost is the step's), and a row's draft is filled to k with its last token."""
+    _proposer(worker).full = full
 
 
 def state_dict(worker) -> dict:

@@ -85,6 +85,71 @@ def test_drafts_equal_the_reference_on_random_traces(seed):
     assert drafted > 0
 
 
+def shadow_reference(ref, prompts, responses, rows, k):
+    """The lock-step shadow replay of `rows` (indices into the call) row by row in Python, each
+    step's drafts read from the plain reference drafter: (verifications, drafted per position,
+    accepted per position)."""
+    pending = {i: ([], 0) for i in rows}
+    verifications, drafted, accepted = 0, [0] * k, [0] * k
+    for t in range(max(len(responses[i]) for i in rows)):
+        seqs = [list(prompts[i]) + list(responses[i][: t + 1]) for i in rows]
+        fresh = ref.draft(seqs, [len(prompts[i]) for i in rows], k)
+        for slot, i in enumerate(rows):
+            if t >= len(responses[i]):
+                continue
+            draft, j = pending[i]
+            if j < len(draft) and draft[j] == responses[i][t]:
+                accepted[j] += 1
+                pending[i] = (draft, j + 1)
+                continue
+            verifications += 1
+            for x in range(len(fresh[slot])):
+                drafted[x] += 1
+            pending[i] = (fresh[slot], 0)
+    return verifications, drafted, accepted
+
+
+def shadow_counts(st, k):
+    return (st["shadow_rows"], [st[f"shadow_drafts_ge_{i + 1}"] for i in range(k)],
+            [st[f"shadow_accepted_ge_{i + 1}"] for i in range(k)])
+
+
+def test_a_call_that_drafted_nothing_is_measured_in_shadow():
+    """As the host drafter's shadow replay (tests/speculation/test_history.py): the history drafts
+    11 12 13 14 after 10; the response goes on 11 12 99 (two accepted, the verification ends with
+    99), then 5 where nothing matches (a verification that drafts nothing)."""
+    dev = DeviceHistory(max_tokens=1024)
+    dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14]])
+    st = dev.shadow([[1, 2, 3]], [[10, 11, 12, 99, 5]], max_rows=8, k=5)
+    assert shadow_counts(st, 5) == (3, [1, 1, 1, 1, 0], [1, 1, 0, 0, 0]) and st["shadow_responses"] == 1
+    # siblings in lock step: the second answer writes 4 5 two steps after the first, whose 6 8 it
+    # drafts and accepts
+    dev, ref = pair()
+    responses = [[4, 5, 6, 8, 1, 2], [9, 9, 4, 5, 6, 8]]
+    st = dev.shadow([[1, 2, 3]] * 2, responses, 8, 5)
+    assert shadow_counts(st, 5) == shadow_reference(ref, [[1, 2, 3]] * 2, responses, [0, 1], 5)
+    assert shadow_counts(st, 5)[2][:2] == [1, 1]
+    # four prompts of one answer each, max_rows 2: every other group
+    st = DeviceHistory(max_tokens=1024).shadow([[1, 2, i] for i in range(4)], [[9] * 5, [9] * 3] * 2, 2, 5)
+    assert st["shadow_responses"] == 2 and sum(shadow_counts(st, 5)[2]) > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_shadow_replay_equals_the_reference_on_random_traces(seed):
+    g = random.Random(200 + seed)
+    dev, ref = pair(max_tokens=g.choice([300, 2000]), prompt_keys=g.choice([(4, 2), (4, 2, 1)]))
+    calls = trace(seed, vocab=g.choice([4, 6, 10]))
+    for call in calls[:-1]:
+        dev.insert(*zip(*call))
+        ref.insert(*zip(*call))
+    prompts, responses = zip(*calls[-1])
+    k = g.choice([2, 5])
+    st = dev.shadow(prompts, responses, max_rows=64, k=k)
+    want = shadow_reference(ref, prompts, responses, list(range(len(prompts))), k)
+    assert shadow_counts(st, k) == want and st["shadow_responses"] == len(prompts)
+    assert sum(want[2]) > 0
+
+
 def test_prompt_hash_equals_the_reference():
     rows = [[5, 6, 7, 8, 9], [5, 6, 7, 1, 1], [0]]
     ids, _, pid, _ = batch(rows, [3, 3, 1])

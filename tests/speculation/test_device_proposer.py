@@ -96,6 +96,15 @@ def test_the_v2_speculator_drafts_from_the_runners_request_states():
     out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None)
     assert out.tolist() == [[40] * 4, [13, 14, 15, 16]]
     assert spec.stats.as_dict()["drafted_tokens"] == 4
+    # 'auto': the step's k (V2 passes it; it keeps that many drafts a row); k=0 looks nothing up
+    out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None,
+                       num_speculative_tokens=2)
+    assert out[:, :2].tolist() == [[40] * 2, [13, 14]]
+    st = spec.stats.as_dict()
+    assert st["drafted_tokens"] == 6 and [st[f"drafts_ge_{i}"] for i in range(1, 5)] == [2, 2, 1, 1]
+    out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None,
+                       num_speculative_tokens=0)
+    assert out.tolist() == [[40] * 4, [12] * 4] and spec.stats.as_dict()["drafted_tokens"] == 6
 
 
 # -- through real vLLM (V1's ngram_gpu slot), in a Generator actor ---------------------------------------
@@ -148,3 +157,26 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     assert again.response_ids == base.response_ids
     assert again.spec.accepted_tokens == second.spec.accepted_tokens
     ray.kill(resumed)
+
+
+def test_a_store_saved_by_the_other_drafter_is_refused(tmp_path):
+    """Generator.load_history: a run resumes with the drafter its stores were saved by; a host
+    store given to the device drafter (and the reverse) stops the resume naming both."""
+    from rlspec.speculation import device_proposer, history_proposer
+    from rlspec.workers.generator import Generator
+
+    dev = DeviceHistory(**SMALL)
+    dev.insert([[1, 2, 3]], [[4, 5, 6]])
+    torch.save(dev.state_dict(), tmp_path / "device.pt")
+    torch.save({"format": 3, "prompts": {}}, tmp_path / "host.pt")
+    loaded = []
+    for drafter, path in ((history_proposer, "device.pt"), (device_proposer, "host.pt")):
+        stand_in = SimpleNamespace(drafter=drafter, load_history_state=loaded.append)
+        with pytest.raises(ValueError, match="saved by another speculation.history.drafter"):
+            Generator.load_history(stand_in, [str(tmp_path / path)])
+    # a mixed pair is refused too; a matching one loads
+    stand_in = SimpleNamespace(drafter=device_proposer, load_history_state=loaded.append)
+    with pytest.raises(ValueError, match="saved by another"):
+        Generator.load_history(stand_in, [str(tmp_path / "device.pt"), str(tmp_path / "host.pt")])
+    Generator.load_history(stand_in, [str(tmp_path / "device.pt")])
+    assert len(loaded) == 1 and loaded[0]["tokens"].tolist() == dev.state_dict()["tokens"].tolist()
