@@ -10,7 +10,14 @@ host store per step after a first call that takes the rows in, each later step a
 Also the insert of the stored responses, per token (the device's on its device, the host's compiled
 functions warmed up first).
 
+On an accelerator the device drafter's step is its kernels' memory traffic; with no GPU here,
+--gpu-widths counts it: propose runs on the `meta` device at each batch and buffer width (the
+engine's max_model_len: the drafter reads every row's whole buffer, whatever its length), every op
+it dispatches counted with the bytes it reads and writes (an indexing op the elements it gathers,
+a view none), and the seconds at --hbm bytes/s (at --hbm-efficiency) beside the launches' count.
+
     python scripts/bench_device_history.py --batches 64 512 --out /tmp/device_history_cost.json
+    python scripts/bench_device_history.py --batches 64 512 --gpu-widths 2048 18432 --out /tmp/device_history_cost.json
 """
 from __future__ import annotations
 
@@ -97,6 +104,53 @@ def time_host(args, stored, rows, plens, cuts) -> float:
     return 1e6 * float(np.median(t)) / len(rows), 1e6 * insert_s / sum(len(r) for _, r in stored)
 
 
+VIEWS = {"view", "_unsafe_view", "expand", "slice", "select", "unsqueeze", "squeeze", "permute", "transpose", "t",
+         "alias", "as_strided", "detach", "lift_fresh", "_reshape_alias", "unbind", "split", "split_with_sizes"}
+GATHERS = {"index", "gather", "index_select", "take", "take_along_dim"}
+
+
+def traffic(batch: int, width: int, k: int, arena: int) -> dict:
+    """The device drafter's propose on the meta device at `batch` rows of `width` columns: the ops
+    it dispatches and the bytes they move (reads and writes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlspec.speculation.device_history import DeviceHistory
+
+    def nbytes(x) -> int:
+        return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.bytes = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__.rstrip("_")
+            if name in VIEWS:
+                return out
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            written = sum(map(nbytes, outs))
+            flat = [a for a in args if isinstance(a, torch.Tensor)] + \
+                [t for a in args if isinstance(a, (tuple, list)) for t in a if isinstance(t, torch.Tensor)]
+            if name in GATHERS:   # the source tensor is read at the gathered elements only
+                read = written + sum(nbytes(t) for t in flat[1:])
+            else:
+                read = sum(map(nbytes, flat))
+            self.ops += 1
+            self.bytes += read + written
+            return out
+
+    h = DeviceHistory(device="meta", max_tokens=arena, max_siblings=GROUP)
+    ids = torch.zeros(batch, width, dtype=torch.int32, device="meta")
+    n = torch.full((batch,), width // 2, dtype=torch.int64, device="meta")
+    pl = torch.full((batch,), PROMPT, dtype=torch.int64, device="meta")
+    pid = torch.ones(batch, dtype=torch.int64, device="meta")
+    with Count() as c:
+        h.propose(ids, n, pid, pl, k)
+    return {"ops": c.ops, "bytes": c.bytes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 512])
@@ -109,6 +163,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch's CPU threads (the host store drafts on one)")
+    ap.add_argument("--gpu-widths", type=int, nargs="*", default=[],
+                    help="buffer widths at which to count the device drafter's ops and bytes (meta device)")
+    ap.add_argument("--hbm", type=float, default=3.35e12, help="memory bandwidth, bytes/s (H100 SXM)")
+    ap.add_argument("--hbm-efficiency", type=float, default=0.8, help="its fraction reached (the simulator's eff.hbm)")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -123,6 +181,16 @@ def main() -> None:
         out["us_per_row"][b] = {"device_torch_cpu": dev, "host_numba": host}
         out["insert_us_per_token"] = {"device_torch_cpu": dev_ins, "host_numba": host_ins}
         print(b, json.dumps(out["us_per_row"][b]), flush=True)
+    if args.gpu_widths:
+        out["gpu_estimate"] = {"hbm_bytes_per_s": args.hbm, "hbm_efficiency": args.hbm_efficiency, "per_step": {}}
+        for w in args.gpu_widths:
+            for b in args.batches:
+                t = traffic(b, w, args.k, args.arena)
+                t["memory_seconds"] = t["bytes"] / (args.hbm * args.hbm_efficiency)
+                out["gpu_estimate"]["per_step"][f"{b}x{w}"] = t
+                print(f"batch {b} width {w}: {t['ops']} ops, {t['bytes'] / 1e9:.3f} GB, "
+                      f"{1e3 * t['memory_seconds']:.3f} ms at {args.hbm_efficiency:.0%} of {args.hbm / 1e12:.2f} TB/s",
+                      flush=True)
     if args.out:
         harness.write(out, args.out)
 

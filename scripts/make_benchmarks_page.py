@@ -131,6 +131,26 @@ def scale(r: dict, path: Path) -> list[str]:
     return out + ([""] + [f"- {n}" for n in r["notes"]] if r["notes"] else [])
 
 
+def device_cost(r: dict, path: Path) -> list[str]:
+    out = [f"k={r['k']}, a token buffer {r['width']:,} columns wide, {r['stored_tokens']:,} tokens stored, torch on "
+           f"{r['torch_threads']} CPU thread(s).", "",
+           "| batch | device drafter, torch on CPU (us/row) | host store, numba (us/row) | device / host |",
+           "|---|---|---|---|"]
+    for b, v in r["us_per_row"].items():
+        out.append(f"| {b} | {v['device_torch_cpu']:.1f} | {v['host_numba']:.1f} | "
+                   f"{v['device_torch_cpu'] / v['host_numba']:.0f}x |")
+    ins = r["insert_us_per_token"]
+    out += ["", f"Insert per stored token: device {ins['device_torch_cpu']:.2f} us, host {ins['host_numba']:.2f} us."]
+    if est := r.get("gpu_estimate"):
+        out += ["", f"Counted on the `meta` device (no GPU ran): the ops one step dispatches and the bytes they move, "
+                f"and those bytes' seconds at {est['hbm_efficiency']:.0%} of {est['hbm_bytes_per_s'] / 1e12:.2f} TB/s.",
+                "", "| batch x buffer width | ops (kernels, eager) | GB moved | ms at that bandwidth |",
+                "|---|---|---|---|"]
+        for key, t in est["per_step"].items():
+            out.append(f"| {key} | {t['ops']} | {t['bytes'] / 1e9:.3f} | {1e3 * t['memory_seconds']:.3f} |")
+    return out
+
+
 def peer(r: dict, path: Path) -> list[str]:
     s, m, v = r["summary"], r["machine"], r["versions"]
     rows = {x["mode"]: x for x in s["rows"]}
@@ -210,7 +230,7 @@ RENDER = [  # (file name pattern, renderer(result, path))
     ("default_run*.json", default_run), ("async_*.json", async_2x2), ("draft_*.json", draft),
     ("minibatch*.json", minibatch), ("rollout_*.json", rollout), ("history_store_replay*.json", replay),
     ("history_store_scale.json", scale), ("vs_peer.json", peer), ("memory.json", memory),
-    ("memory_gpu.json", memory_gpu),
+    ("memory_gpu.json", memory_gpu), ("device_history_cost.json", device_cost),
 ]
 
 
