@@ -82,6 +82,46 @@ class SpecStats:
 
 
 @dataclass
+class Answer:
+    """One sample of a group under partial rollouts, finished or not: its tokens so far, each with
+    the behaviour log-prob and the policy version that sampled it."""
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = False  # done by the length limit
+    resumes: int = 0         # calls that continued it after an abort
+
+
+@dataclass
+class Group:
+    """A prompt's G answers as a partial-rollout call takes and returns them (rlspec/loops/partial.py).
+    seed: the group's sampling seed (answer j samples with seed + j, as vLLM seeds a request of
+    n > 1; a resumed answer with a seed of its own, Group.answer_seed); tag: the driver's name for
+    the group (its prompt)."""
+    prompt_ids: list[int]
+    answers: list[Answer]
+    seed: int | None
+    tag: int
+
+    @property
+    def done(self) -> bool:
+        return all(a.done for a in self.answers)
+
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the group's tokens (None: no token yet)."""
+        return min((a.versions[0] for a in self.answers if a.versions), default=None)
+
+    def answer_seed(self, j: int) -> int | None:
+        """Answer j's seed in the call that samples it now: the group's seed + j the first time
+        (what vLLM gives the j-th of n samples), a function of the resume count after that."""
+        a = self.answers[j]
+        if self.seed is None:
+            return None
+        return (self.seed + j + a.resumes * 0x9E3779B1) % (2**31 - 1)
+
+
+@dataclass
 class RolloutBatch:
     """Generator output for one request of P prompts x n samples (N = P * n, prompt-major)."""
     prompt_ids: list[list[int]]      # [N][P_i]
@@ -95,6 +135,13 @@ class RolloutBatch:
     # step_moments() of the call's decode steps (prefill steps left out): engine step cost vs batch
     decode_moments: list[float] | None = None
     history: dict | None = None      # speculation=history: the drafter's counters (HistoryStats)
+    # partial rollouts (rlspec/loops/partial.py): per token, the policy version that sampled it (None:
+    # every token policy_version's; policy_version is then the oldest), the rows' groups' tags (one a
+    # group) and the groups the call left unfinished, for the next call to resume
+    token_versions: list[list[int]] | None = None
+    tags: list[int] | None = None
+    carry: list[Group] | None = None
+    partial: dict | None = None       # the call's counts (VLLMEngine.generate_groups)
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +151,14 @@ class RolloutBatch:
         return RolloutBatch([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
                             [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
                             self.policy_version, self.seconds, self.spec, self.draft_schedule,
-                            self.decode_moments, self.history)
+                            self.decode_moments, self.history,
+                            None if self.token_versions is None else [self.token_versions[i] for i in idx])
+
+    def versions(self) -> list[list[int]]:
+        """[N][R_i] the policy version that sampled each token."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return [[self.policy_version] * len(r) for r in self.response_ids]
 
     @staticmethod
     def concat(parts: list["RolloutBatch"], mixed_versions: bool = False) -> "RolloutBatch":
@@ -114,10 +168,12 @@ class RolloutBatch:
         versions = {p.policy_version for p in parts}
         if len(versions) > 1 and not mixed_versions:
             raise ValueError("cannot concatenate rollouts of different policy versions")
+        per_token = any(p.token_versions is not None for p in parts)
         return RolloutBatch(
             [x for p in parts for x in p.prompt_ids], [x for p in parts for x in p.response_ids],
             [x for p in parts for x in p.logprobs], [x for p in parts for x in p.truncated],
-            min(versions))  # per-call seconds and spec counters are totalled by the caller
+            min(versions),  # per-call seconds and spec counters are totalled by the caller
+            token_versions=[x for p in parts for x in p.versions()] if per_token else None)
 
 
 @dataclass

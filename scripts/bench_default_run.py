@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 from pathlib import Path
@@ -45,6 +46,13 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
     """A run's figures; a step belongs to the epoch its first prompt was drawn in."""
     s = json.loads((run_dir / "summary.json").read_text())
     recs = s["records"]
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")  # the run's composed config
+    g = cfg.generation
+    partial = g.get("partial", {}).get("enabled", False)
+    # rows a generate call holds at its start: the step's groups, over-provisioned under partial rollouts
+    held = g.num_generations_per_prompt * (max(g.num_prompts_per_step, math.ceil(g.num_prompts_per_step *
+                                                                                 g.partial.over_provision))
+                                           if partial else g.num_prompts_per_step)
     parts: dict[int, list[dict]] = {}
     for r in recs:
         parts.setdefault(int((r["step"] - 1) / per_epoch + 1e-9), []).append(r)
@@ -52,13 +60,17 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
     for part in parts.values():
         drafts = sum((r["spec"] or {}).get("drafts", 0) for r in part)
         accepted = sum((r["spec"] or {}).get("accepted_tokens", 0) for r in part)
+        moments = [r["decode_step_moments"] for r in part if r.get("decode_step_moments")]
+        running = sum(m[1] for m in moments) / max(sum(m[0] for m in moments), 1.0)
         epochs.append({"steps": [part[0]["step"], part[-1]["step"]],
+                       # the engine's mean running batch over its decode steps, and over the rows it held
+                       "running_batch": running, "batch_fill": running / held,
                        "generation_seconds": statistics.mean(r["stage_seconds"]["generation"] for r in part),
                        "step_seconds": statistics.mean(r["step_seconds"] for r in part),
                        "acceptance_length": 1 + accepted / drafts if drafts else None,
                        "history_matches": sum((r["spec"] or {}).get("history_matches", 0) for r in part) or None})
     ex = [r["extra"] for r in recs]
-    spec = OmegaConf.load(run_dir / ".hydra" / "config.yaml").speculation  # the run's composed config
+    spec = cfg.speculation
     return {"setting": setting, "seed": seed, "run_dir": str(run_dir), "wall_seconds": s["wall_seconds"],
             "speculation": {k: spec[k] for k in ("method", "num_speculative_tokens", "max_speculative_tokens")},
             "steps": s["steps"], "step_seconds": s["step_seconds"], "stage_share": s["stage_share"],
@@ -66,6 +78,8 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
             "val_accuracy": s["val_accuracy"], "val_seconds": s["val_seconds"],
             "acceptance_length": s["acceptance_length"],
             "tokens_per_second": s["tokens_per_second"], "epochs": epochs,
+            "partial": {k[len("partial/"):]: sum(x[k] for x in ex) for k in ex[0] if k.startswith("partial/")}
+            if partial else None,
             # the lengths of the first step's rollouts (the shipped policy's) and over the whole run:
             # the mean of the steps' medians and 90th percentiles, the longest answer of any step
             "response_length_first": {q: ex[0][f"response_length_{q}"] for q in ("p50", "p90", "max")},
@@ -116,9 +130,13 @@ def summarise(runs: list[dict]) -> list[dict]:
             speed = [base[r["seed"]]["epochs"][e]["generation_seconds"] / r["epochs"][e]["generation_seconds"]
                      for r in mine if r["seed"] in base]
             acc = [r["epochs"][e]["acceptance_length"] for r in mine if r["epochs"][e]["acceptance_length"]]
+            fill = [r["epochs"][e]["batch_fill"] for r in mine if "batch_fill" in r["epochs"][e]]
             row["epochs"].append({"steps": mine[0]["epochs"][e]["steps"], "generation_seconds": harness.mean_std(gen),
+                                  "batch_fill": harness.mean_std(fill) if fill else None,
                                   "speedup_vs_none": harness.mean_std(speed) if speed else None,
                                   "acceptance_length": statistics.mean(acc) if acc else None})
+        if all(r.get("partial") for r in mine):  # partial rollouts: counts over the run, mean over seeds
+            row["partial"] = {k: statistics.mean(r["partial"][k] for r in mine) for k in mine[0]["partial"]}
         for which in ("first", "run"):
             row[f"response_length_{which}"] = {q: statistics.mean(r[f"response_length_{which}"][q] for r in mine)
                                                for q in ("p50", "p90", "max")}
@@ -167,8 +185,17 @@ def table(rows: list[dict]) -> str:
             sp = ("" if r["setting"] == "none" or not e["speedup_vs_none"] else
                   f", {pm(e['speedup_vs_none'], unit='x', spread=spread)}")
             acc = "" if e["acceptance_length"] is None else f", {e['acceptance_length']:.2f} tok/verif."
-            cells.append(f"{pm(e['generation_seconds'], spread=spread)} s{sp}{acc}")
+            fill = "" if not e.get("batch_fill") else f", batch {pm(e['batch_fill'], '.0%', spread=False)} full"
+            cells.append(f"{pm(e['generation_seconds'], spread=spread)} s{sp}{acc}{fill}")
         out.append(f"| {label(r)} | " + " | ".join(cells) + " |")
+    if any(r.get("partial") for r in rows):  # partial rollouts: what the run's calls carried (mean over seeds)
+        out += ["", "| setting | groups carried | answers carried | answers resumed | answers dropped (too old) |",
+                "|---|---|---|---|---|"]
+        for r in rows:
+            if r.get("partial"):
+                c = r["partial"]
+                out.append(f"| {label(r)} | {c['carried_groups']:.0f} | {c['carried_answers']:.0f} | "
+                           f"{c['resumed_answers']:.0f} | {c['dropped_answers']:.0f} |")
     return "\n".join(out)
 
 

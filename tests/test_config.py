@@ -86,6 +86,10 @@ def test_wrong_type_fails_naming_key():
     ("async_grpo.max_policy_lag=-1", "async_grpo.max_policy_lag"),
     ("async_grpo.queue_capacity=0", "async_grpo.queue_capacity"),
     ("async_grpo.on_stale=reuse", "async_grpo.on_stale"),
+    ("generation.partial.enabled=true generation.partial.over_provision=0.5", "generation.partial.over_provision"),
+    ("generation.partial.enabled=true generation.partial.max_carry_versions=-1",
+     "generation.partial.max_carry_versions"),
+    ("generation.partial.enabled=true async_grpo.enabled=true", "generation.partial.enabled"),
     ("algo.off_policy_correction=vtrace", "algo.off_policy_correction"),
     ("algo.behaviour_weight_cap=0.5", "algo.behaviour_weight_cap"),
     ("algo.recompute_logprobs=false algo.kl_coef=0.1", "algo.recompute_logprobs"),
@@ -200,6 +204,11 @@ def test_dtype_policy_resolves_per_platform_and_corrects_low_precision_sampling(
                                    "cluster.learner_world_size=16", "cluster.logprob_world_size=16",
                                    "trainer.micro_batch_size=2"], plain=False))
     assert lagged.algo.off_policy_correction == "behaviour_ppo"
+    # partial rollouts resume answers with newer weights: their tokens mix versions
+    carried = resolve_auto(compose(["generation.partial.enabled=true"]))
+    assert carried.algo.off_policy_correction == "behaviour_ppo"
+    on_policy = resolve_auto(compose(["generation.partial.enabled=true", "generation.partial.max_carry_versions=0"]))
+    assert on_policy.algo.off_policy_correction == "none"
     with pytest.raises(ConfigError, match="^trainer.dtype:"):
         validate(compose(["trainer.dtype=float16"]))
 

@@ -37,10 +37,33 @@ def merge_routed(parts: list[RolloutBatch], routes: list[list[int]], n: int) -> 
     return out.select(order)
 
 
-def merge_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
+def shares(needed: int | None, sizes: list[int]) -> list[int | None]:
+    """`needed` complete groups spread over engines holding `sizes` groups, in proportion (largest
+    remainders first, none above its size); None: all of each."""
+    if needed is None:
+        return [None] * len(sizes)
+    total = sum(sizes)
+    exact = [needed * s / total for s in sizes]
+    out = [int(x) for x in exact]
+    for i in sorted(range(len(sizes)), key=lambda i: out[i] - exact[i])[:needed - sum(out)]:
+        out[i] += 1
+    return [min(k, s) for k, s in zip(out, sizes)]
+
+
+def merge_groups(parts: list[RolloutBatch]) -> RolloutBatch:
+    """Partial-rollout calls' outputs (VLLMEngine.generate_groups) in engine order: rows, tags and
+    carried groups joined, counts added."""
+    out = merge_rollouts(parts, mixed_versions=True)
+    out.tags = [t for p in parts for t in p.tags]
+    out.carry = [g for p in parts for g in p.carry]
+    out.partial = {k: sum(p.partial[k] for p in parts) for k in parts[0].partial}
+    return out
+
+
+def merge_rollouts(parts: list[RolloutBatch], mixed_versions: bool = False) -> RolloutBatch:
     """Engine outputs in prompt order. Engines run in parallel: the call took the slowest one's
     time; speculation counters add up."""
-    out = RolloutBatch.concat(parts)
+    out = RolloutBatch.concat(parts, mixed_versions)
     out.seconds = max(p.seconds for p in parts)
     specs = [p.spec for p in parts if p.spec is not None]
     out.spec = sum(specs[1:], specs[0]) if specs else None

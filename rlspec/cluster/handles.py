@@ -71,6 +71,23 @@ class Generators(Group):
                  for e, (lo, hi) in enumerate(fanout.split(len(prompt_ids), len(self.handles))) if hi > lo]
         return fan_out(self.role, Generator.generate.__name__, parts, fanout.merge_rollouts)
 
+    def generate_groups(self, groups: list, sampling: Sampling, needed: int | None,
+                        max_carry_versions: int | None) -> Call:
+        """Partial rollouts (Generator.generate_groups): the groups spread over the engines (by
+        prompt under history), each engine needing its share of `needed`; results in engine order."""
+        method = Generator.generate_groups
+        if len(self.handles) == 1:
+            return self.one(0, method, groups, sampling, needed, max_carry_versions)
+        from rlspec.cluster import fanout
+
+        E = len(self.handles)
+        routes = (fanout.by_prompt([g.prompt_ids for g in groups], E) if self.sticky
+                  else [list(range(lo, hi)) for lo, hi in fanout.split(len(groups), E)])
+        used = [(e, r) for e, r in enumerate(routes) if r]
+        parts = [self.one(e, method, [groups[i] for i in r], sampling, k, max_carry_versions)
+                 for (e, r), k in zip(used, fanout.shares(needed, [len(r) for _, r in used]))]
+        return fan_out(self.role, method.__name__, parts, fanout.merge_groups)
+
     def ping(self) -> list[Call]:
         return self.all(Generator.ping)
 

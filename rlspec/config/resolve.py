@@ -10,8 +10,9 @@ def off_policy_correction(cfg: RLSpecConfig) -> str:
     c = cfg.algo.off_policy_correction
     if c != "auto":
         return c
-    q = cfg.async_grpo
-    if q.enabled and q.max_policy_lag >= 1:
+    q, pr = cfg.async_grpo, cfg.generation.partial
+    # tokens sampled by older weights: lagged batches, or answers partial rollouts resumed
+    if (q.enabled and q.max_policy_lag >= 1) or (pr.enabled and pr.max_carry_versions >= 1):
         return "behaviour_ppo"
     return "tis" if engine_dtype(cfg) != "float32" else "none"
 

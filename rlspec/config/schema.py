@@ -113,7 +113,8 @@ class AlgoConfig:
     # decoupled_ppo (ratio against the proximal policy, i.e. the current weights' log-probs,
     # times the behaviour weight pi_prox/pi_behav; tokens whose weight exceeds
     # behaviour_weight_cap get no loss), tis (the same weight truncated to the cap), none, or
-    # auto: behaviour_ppo when async_grpo runs with max_policy_lag >= 1; else tis when the engines
+    # auto: behaviour_ppo when async_grpo runs with max_policy_lag >= 1 or partial rollouts carry
+    # answers across versions (generation.partial.max_carry_versions >= 1); else tis when the engines
     # sample in a low precision (generation.dtype bfloat16 / float16, the GPU default), whose
     # log-probs differ from the learner's; else none.
     off_policy_correction: str = "auto"
@@ -125,6 +126,21 @@ class AlgoConfig:
     # the behaviour weight) are the learner's own forward pass, detached (ratio 1 in value, as in
     # PPO's first epoch), and the recompute is skipped.
     recompute_logprobs: Optional[bool] = None
+
+
+@dataclass
+class PartialRolloutConfig:
+    """Partial rollouts (rlspec/loops/partial.py): a generate call is given more groups than the
+    step trains on and returns once the step's groups are complete; the unfinished answers are
+    aborted, their tokens kept (each with its behaviour log-prob and policy version), and the next
+    call resumes them first with the weights it has."""
+    enabled: bool = False
+    # Groups in flight per call over the groups a step trains (generation.num_prompts_per_step);
+    # new prompts fill the call up to it beside the carried groups.
+    over_provision: float = 1.5
+    # A carried answer (finished or not) with a token sampled more than this many policy versions
+    # before the weights that would resume it is started again, and counted (partial/dropped_answers).
+    max_carry_versions: int = 2
 
 
 @dataclass
@@ -163,6 +179,7 @@ class GenerationConfig:
     # KV cache for the next call. null (auto): on when colocated on GPUs without async GRPO. Needs
     # a platform with vLLM sleep mode (CUDA, ROCm); true elsewhere stops the engine's start.
     sleep_mode: Optional[bool] = None
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
 
 
 @dataclass

@@ -221,6 +221,9 @@ class PromptSampler:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "size": len(self.prompts)}
 
     def load_state(self, state: dict) -> None:
+        if state.get("partial"):
+            raise ValueError("the checkpoint carries unfinished groups of partial rollouts: resume it with "
+                             "generation.partial.enabled=true, as it was saved")
         if state["size"] != len(self.prompts) or state["seed"] != self.seed:
             raise ValueError(f"checkpointed data position is for {state['size']} prompts and seed {state['seed']}, "
                              f"this run has {len(self.prompts)} prompts and seed {self.seed}")

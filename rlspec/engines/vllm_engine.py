@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from rlspec.config import GenerationConfig
-from rlspec.messages import RolloutBatch, Sampling, SpecStats, step_moments
+from rlspec.messages import Answer, Group, RolloutBatch, Sampling, SpecStats, step_moments
 
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
@@ -255,6 +255,84 @@ class VLLMEngine:
         self.decode_steps = decode_only(steps)
         return RolloutBatch(prompts, responses, logprobs, truncated, policy_version, seconds, spec,
                             decode_moments=step_moments(self.decode_steps))
+
+    def generate_groups(self, groups: list[Group], sampling: Sampling, policy_version: int,
+                        needed: int | None = None, max_carry_versions: int | None = None) -> RolloutBatch:
+        """Partial rollouts (rlspec/loops/partial.py): every unfinished answer of `groups` is
+        continued (prompt plus its tokens so far, with what is left of sampling.max_tokens) until
+        `needed` groups (None: all) are complete; the rest are aborted (vLLM's abort) and come back
+        in the batch's `carry` with the tokens they had, each with its behaviour log-prob and this
+        call's policy_version. The batch's rows are the first `needed` groups to complete, in the
+        order given; groups already complete count at once. An answer holding a token sampled
+        more than max_carry_versions versions before policy_version is started again first.
+        The batch's `partial` counts answers resumed, dropped so and carried out."""
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.engine_seeded and sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        engine = self.llm.llm_engine
+        needed = len(groups) if needed is None else min(needed, len(groups))
+        stats = dict.fromkeys(("resumed_answers", "resumed_tokens", "dropped_answers", "dropped_tokens",
+                               "carried_groups", "carried_answers", "new_tokens"), 0)
+        oldest_kept = None if max_carry_versions is None else policy_version - max_carry_versions
+        for g in groups:
+            for j, a in enumerate(g.answers):
+                if oldest_kept is not None and a.versions and a.versions[0] < oldest_kept:
+                    stats["dropped_answers"] += 1
+                    stats["dropped_tokens"] += len(a.response_ids)
+                    g.answers[j] = a = Answer(resumes=a.resumes + 1)
+                if a.response_ids and not a.done:
+                    stats["resumed_answers"] += 1
+                    stats["resumed_tokens"] += len(a.response_ids)
+        live: dict[str, tuple[int, int]] = {}
+        before = self.spec_counters()
+        t0 = time.perf_counter()
+        for gi, g in enumerate(groups):
+            for j, a in enumerate(g.answers):
+                if a.done:
+                    continue
+                rid = f"rlspec-{gi}-{j}"
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=g.prompt_ids + a.response_ids), SamplingParams(
+                    n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                    max_tokens=sampling.max_tokens - len(a.response_ids), logprobs=0, detokenize=False,
+                    seed=None if self.engine_seeded else g.answer_seed(j), output_kind=RequestOutputKind.DELTA))
+                live[rid] = (gi, j)
+        complete = [gi for gi, g in enumerate(groups) if g.done]
+        with self.timed_steps() as steps:
+            while len(complete) < needed and engine.has_unfinished_requests():
+                for out in engine.step():
+                    gi, j = live[out.request_id]
+                    c, a = out.outputs[0], groups[gi].answers[j]
+                    ids = list(c.token_ids)
+                    a.response_ids += ids
+                    a.logprobs += [float(step[t].logprob) for t, step in zip(ids, c.logprobs)]
+                    a.versions += [policy_version] * len(ids)
+                    stats["new_tokens"] += len(ids)
+                    if out.finished:
+                        a.done, a.truncated = True, c.finish_reason == "length"
+                        del live[out.request_id]
+                        complete += [gi] if groups[gi].done else []
+            if live:
+                engine.abort_request(list(live))
+                for gi, j in live.values():
+                    groups[gi].answers[j].resumes += 1
+        if engine.has_unfinished_requests():
+            raise RuntimeError(f"vLLM still runs requests after aborting {len(live)}: the engine is not idle")
+        seconds = time.perf_counter() - t0
+        chosen = set(complete[:needed])
+        carry = [g for gi, g in enumerate(groups) if gi not in chosen]
+        stats["carried_groups"] = len(carry)
+        stats["carried_answers"] = sum(not a.done for g in carry for a in g.answers)
+        rows = [(g, a) for gi, g in enumerate(groups) if gi in chosen for a in g.answers]
+        spec = None if before is None else self.spec_counters() - before
+        self.decode_steps = decode_only(steps)
+        versions = [a.versions for _, a in rows]
+        return RolloutBatch(
+            [g.prompt_ids for g, _ in rows], [a.response_ids for _, a in rows], [a.logprobs for _, a in rows],
+            [a.truncated for _, a in rows], min((v for vs in versions for v in vs), default=policy_version), seconds,
+            spec, decode_moments=step_moments(self.decode_steps), token_versions=versions,
+            tags=[g.tag for gi, g in enumerate(groups) if gi in chosen], carry=carry, partial=stats)
 
     def sleep(self) -> None:
         """Sleep mode: weights to CPU memory, KV cache freed (vLLM sleep level 1; the draft's

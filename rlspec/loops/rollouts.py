@@ -8,6 +8,7 @@ import torch
 
 from rlspec.cluster.calls import Call, wait
 from rlspec.data.loading import Prompt
+from rlspec.loops.partial import PartialRollouts
 from rlspec.loops.runlog import StageTimer
 from rlspec.loops.state import Run
 from rlspec.messages import RolloutBatch, Sampling, SpecStats, add_moments
@@ -34,9 +35,12 @@ class GenTotals:
     draft_schedule: list | None = None  # 'auto': the last call's [first, last, k] ranges
     decode_moments: list | None = None  # engine decode steps' step_moments(), every call and engine
     history: dict | None = None  # speculation=history: the drafter's counters, summed over calls
+    partial: dict | None = None  # partial rollouts: the calls' counts (VLLMEngine.generate_groups), summed
 
     def add(self, ro: RolloutBatch) -> None:
-        self.tokens += ro.num_tokens
+        self.tokens += ro.num_tokens if ro.partial is None else ro.partial["new_tokens"]
+        if ro.partial is not None:
+            self.partial = {k: (self.partial or {}).get(k, 0) + v for k, v in ro.partial.items()}
         if ro.history is not None:  # counters add up over calls; the store's size is the latest
             old = self.history or {}
             self.history = {k: v if k in ("prompts", "history_tokens") else old.get(k, type(v)()) + v
@@ -58,6 +62,19 @@ def generate(run: Run, prompts: list[Prompt], seed: int, timer: StageTimer, tota
     with timer("generation"):
         ro = wait(submit(run, prompts, seed), run.actors.timeout_s, abort=lambda: run.stop.preempt)
     return ro, rewards(run, prompts, ro, timer, totals)
+
+
+def generate_partial(run: Run, partial: PartialRollouts, seed: int, timer: StageTimer, totals: GenTotals):
+    """Partial rollouts (rlspec/loops/partial.py): the carried groups and new prompts in one call
+    that returns once P groups are complete; their prompts, rollouts and rewards [P, G]."""
+    sampling = Sampling.of(run.cfg.generation, seed)
+    with timer("data"):
+        groups = partial.groups(partial.draw(), sampling)
+    with timer("generation"):
+        ro = wait(run.actors.generators.generate_groups(groups, sampling, partial.P, partial.max_carry_versions),
+                  run.actors.timeout_s, abort=lambda: run.stop.preempt)
+    prompts = partial.returned(ro)
+    return prompts, ro, rewards(run, prompts, ro, timer, totals)
 
 
 def rewards(run: Run, prompts: list[Prompt], ro: RolloutBatch, timer: StageTimer, totals: GenTotals) -> torch.Tensor:

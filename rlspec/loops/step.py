@@ -17,26 +17,34 @@ from rlspec.algo.batching import build_train_batch, gradient_rows, shard_rows
 from rlspec.cluster.calls import Call, wait
 from rlspec.data.loading import PromptSampler
 from rlspec.loops.queue import RolloutQueue
-from rlspec.loops.rollouts import GenTotals, generate, rewards, step_seed
+from rlspec.loops.partial import PartialRollouts
+from rlspec.loops.rollouts import GenTotals, generate, generate_partial, rewards, step_seed
 from rlspec.loops.runlog import StageTimer
 from rlspec.loops.state import Counters, Run
 from rlspec.messages import MiniBatch, RolloutBatch, StepRecord, TrainBatch
 
 
 def collect_groups(run: Run, sampler: PromptSampler, step: int, timer: StageTimer, totals: GenTotals,
-                   queue: RolloutQueue | None = None):
+                   queue: RolloutQueue | None = None, partial: PartialRollouts | None = None):
     """One step's rollouts [P*G] and rewards [P, G], with dynamic sampling when enabled: groups
     whose rewards all agree are replaced by fresh prompts for up to max_rounds extra rounds; if the
     batch still is not full, dropped groups fill it with sample weight 0 (kept for shape only).
     Under async GRPO the first round comes from the rollout queue; extra rounds use the weights the
-    Generator has then."""
+    Generator has then. With partial rollouts every round is a partial call (carried groups first)."""
     cfg = run.cfg
     P, G = cfg.generation.num_prompts_per_step, cfg.generation.num_generations_per_prompt
     stats = {"groups_dropped": 0.0, "sampling_rounds": 1.0, "stale_groups_dropped": 0}
-    if queue is None:
+
+    def fresh_round(rnd: int):
+        seed = step_seed(cfg.trainer.seed, step, rnd)
+        if partial is not None:
+            return generate_partial(run, partial, seed, timer, totals)
         with timer("data"):
             prompts = sampler.next_batch(P)
-        ro, rw = generate(run, prompts, step_seed(cfg.trainer.seed, step), timer, totals)
+        return (prompts, *generate(run, prompts, seed, timer, totals))
+
+    if queue is None:
+        prompts, ro, rw = fresh_round(0)
     else:
         prompts, ro, stats["stale_groups_dropped"] = queue.take(step, timer)
         rw = rewards(run, prompts, ro, timer, totals)
@@ -45,9 +53,7 @@ def collect_groups(run: Run, sampler: PromptSampler, step: int, timer: StageTime
     keep, spare = [], []
     for rnd in range(cfg.algo.dynamic_sampling_max_rounds + 1):
         if rnd:
-            with timer("data"):
-                prompts = sampler.next_batch(P)
-            ro, rw = generate(run, prompts, step_seed(cfg.trainer.seed, step, rnd), timer, totals)
+            prompts, ro, rw = fresh_round(rnd)
             stats["sampling_rounds"] += 1
         flat = zero_variance_groups(rw)
         for i in range(P):
@@ -89,10 +95,10 @@ def mini_batches(batch: TrainBatch, weight: torch.Tensor, size: int | None, worl
 
 
 def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
-               queue: RolloutQueue | None = None) -> StepRecord:
+               queue: RolloutQueue | None = None, partial: PartialRollouts | None = None) -> StepRecord:
     cfg, actors = run.cfg, run.actors
     timer, totals, t0 = StageTimer(), GenTotals(), time.perf_counter()
-    ro, rw, group_weight, stats = collect_groups(run, sampler, step, timer, totals, queue)
+    ro, rw, group_weight, stats = collect_groups(run, sampler, step, timer, totals, queue, partial)
     stale = stats.pop("stale_groups_dropped")
     G = cfg.generation.num_generations_per_prompt
     if cfg.logging.save_rollouts:
@@ -172,8 +178,16 @@ def step_record(step: int, version: int, ro: RolloutBatch, rw: torch.Tensor, tim
                "response_length": ro.num_tokens / len(ro.response_ids),
                **length_quantiles([len(r) for r in ro.response_ids]),
                "truncated_frac": sum(ro.truncated) / len(ro.truncated),
-               "behaviour_version": float(ro.policy_version)},
+               "behaviour_version": float(ro.policy_version), **token_lag(step, ro),
+               **{f"partial/{k}": float(v) for k, v in (totals.partial or {}).items()}},
         decode_step_moments=totals.decode_moments)
+
+
+def token_lag(step: int, ro: RolloutBatch) -> dict[str, float]:
+    """Policy lag per trained token (step - 1 - the version that sampled it), its mean; partial
+    rollouts mix versions within an answer (the record's policy_lag_max is the oldest token's)."""
+    lags = [step - 1 - v for vs in ro.versions() for v in vs]
+    return {"policy_lag_mean": sum(lags) / len(lags) if lags else 0.0}
 
 
 def length_quantiles(lengths: list[int]) -> dict[str, float]:

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from rlspec.cluster.calls import Abandoned
 from rlspec.data.loading import PromptSampler
 from rlspec.loops.checkpoint import Checkpointer
+from rlspec.loops.partial import PartialRollouts
 from rlspec.loops.preemption import NumericalDivergence, Preempted
 from rlspec.loops.queue import RolloutQueue
 from rlspec.loops.rollouts import validate
@@ -28,11 +29,16 @@ def run_loop(run: Run, resume_from: Path | None = None, restarts: int = 0) -> di
     restarts: how often this run was restarted after an actor failure so far."""
     cfg, t = run.cfg, run.cfg.trainer
     sampler = PromptSampler(run.train, seed=t.seed, shuffle=cfg.data.shuffle)
+    g = cfg.generation
+    partial = (PartialRollouts(sampler, run.train.prompts, g.num_prompts_per_step, g.num_generations_per_prompt,
+                               g.partial.over_provision, g.partial.max_carry_versions)
+               if g.partial.enabled else None)
+    data = partial or sampler  # the data position: the sampler's, and the carried groups under partial rollouts
     ckpt = Checkpointer(run.ckpt_root, t.checkpoint_keep, run.actors, run.log,
                         OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
     start, counters = 1, Counters(restarts=restarts)
     if resume_from is not None:
-        state, restored = ckpt.restore(resume_from, sampler)
+        state, restored = ckpt.restore(resume_from, data)
         start = state.step + 1
         counters = replace(restored, restarts=restarts)
     else:
@@ -40,14 +46,14 @@ def run_loop(run: Run, resume_from: Path | None = None, restarts: int = 0) -> di
     # Async: rollouts run ahead; a checkpoint stores the sampler position before the oldest
     # untrained step (the queue's), so a resume draws those prompts again.
     queue = RolloutQueue(run, sampler, start) if cfg.async_grpo.enabled else None
-    position = queue or sampler
+    position = queue or data
     for step in range(start, t.max_steps + 1):
         at_start = position.state()
         try:
-            rec = train_step(run, counters, sampler, step, queue)
+            rec = train_step(run, counters, sampler, step, queue, partial)
         except Abandoned:  # before the update: the step is redone (identically when sync) after the resume
-            sampler.load_state(at_start)
-            ckpt.save(sampler.state(), step - 1, counters)
+            data.load_state(at_start)
+            ckpt.save(data.state(), step - 1, counters)
             raise Preempted(step - 1, run.stop.preempt_signal) from None
         run.log.step(rec)
         guard_nonfinite(counters, rec, t.max_nonfinite_steps, run.log, lambda: ckpt.save(position.state(), rec.step,
@@ -63,6 +69,9 @@ def run_loop(run: Run, resume_from: Path | None = None, restarts: int = 0) -> di
     if queue is not None:
         queue.drain()
         run.log.notes["stale_groups_dropped"] = queue.stale_groups
+    if partial is not None:  # groups still carried at the end were never trained: counted, not lost silently
+        run.log.notes.update({f"partial_{k}": v for k, v in partial.totals.items()})
+        run.log.notes["partial_groups_untrained_at_end"] = len(partial.carry)
     return run.log.summary()
 
 

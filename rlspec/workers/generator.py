@@ -12,7 +12,7 @@ import torch
 
 from rlspec.config import GenerationConfig, ModelConfig, SpeculationConfig
 from rlspec.engines.vllm_engine import VLLMEngine
-from rlspec.messages import RolloutBatch, Sampling
+from rlspec.messages import Group, RolloutBatch, Sampling
 from rlspec.models import ModelPaths
 from rlspec.refit.receiver import RefitReceiver
 from rlspec.speculation import history_proposer
@@ -68,6 +68,31 @@ class Generator(RefitReceiver):
                 ro.history = self.engine.llm.collective_rpc(self.drafter.finish_call, args=(
                     ro.prompt_ids if shadow else None, ro.response_ids if shadow else None))[0]
                 if sampling.rollout:  # training rollouts become history; validation answers do not
+                    self.record_history(ro.prompt_ids, ro.response_ids)
+            if self.adaptive:
+                self.adaptive.after_call(ro, self.engine.decode_steps, sampling.rollout)
+                ro.draft_schedule = self.adaptive.draft_schedule()
+            ro.seconds = time.perf_counter() - t0
+            return ro
+        finally:
+            self.engine.sleep()
+
+    def generate_groups(self, groups: list[Group], sampling: Sampling, needed: int | None = None,
+                        max_carry_versions: int | None = None) -> RolloutBatch:
+        """Partial rollouts: `groups` continued until `needed` of them are complete, the rest carried
+        (VLLMEngine.generate_groups), the call otherwise as `generate` runs it. The groups' finished
+        answers join the history when their group is returned."""
+        t0 = time.perf_counter()
+        self.engine.wake_up()
+        try:
+            if self.adaptive:
+                self.adaptive.before_call([g.prompt_ids for g in groups], sampling.rollout)
+            if self.history:
+                self.engine.llm.collective_rpc(self.drafter.begin_call, args=(sampling.rollout,))
+            ro = self.engine.generate_groups(groups, sampling, self.policy_version, needed, max_carry_versions)
+            if self.history:
+                ro.history = self.engine.llm.collective_rpc(self.drafter.finish_call, args=(None, None))[0]
+                if sampling.rollout:
                     self.record_history(ro.prompt_ids, ro.response_ids)
             if self.adaptive:
                 self.adaptive.after_call(ro, self.engine.decode_steps, sampling.rollout)

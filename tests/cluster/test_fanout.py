@@ -39,6 +39,26 @@ def test_history_routing_keeps_each_prompt_on_one_engine_and_rows_in_prompt_orde
     assert m.seconds == 3.0 and m.history == {"rows": 40}
 
 
+def test_needed_groups_are_shared_in_proportion_and_partial_calls_merge():
+    from rlspec.messages import Answer, Group
+
+    assert fanout.shares(4, [3, 3]) == [2, 2] and fanout.shares(5, [4, 2]) == [3, 2]
+    assert fanout.shares(3, [1, 5]) == [1, 2] and fanout.shares(None, [2, 2]) == [None, None]
+    assert sum(fanout.shares(7, [5, 3, 4])) == 7
+
+    def part(tag, version, carried):
+        done = Answer([9], [-0.5], [version], done=True)
+        ro = RolloutBatch([[tag]], [[9]], [[-0.5]], [False], version, 1.0 + tag, token_versions=[[version]],
+                          tags=[tag], carry=[Group([tag + 10], [Answer([1], [-1.0], [version])], None, tag + 10)]
+                          if carried else [], partial={"carried_groups": int(carried), "new_tokens": 1})
+        return ro, done
+
+    (a, _), (b, _) = part(0, 2, True), part(1, 3, False)
+    m = fanout.merge_groups([a, b])
+    assert m.tags == [0, 1] and [g.tag for g in m.carry] == [10] and m.policy_version == 2
+    assert m.token_versions == [[2], [3]] and m.partial == {"carried_groups": 1, "new_tokens": 2}
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     from rlspec.loops.runlog import RunLog
@@ -96,3 +116,17 @@ def test_prompts_spread_over_engines_and_broadcast_refit_reaches_all(stack):
                                  eos_token_id=stack.tokenizer.eos_token_id, pad_token_id=stack.tokenizer.pad_token_id)
             assert got == out[0, len(p):].tolist(), f"generator[{e}] not refit"
     assert wait(a.logprobs.ping(), a.timeout_s)[0] == 1
+
+
+def test_a_partial_call_over_two_engines_returns_the_groups_needed(stack):
+    """Partial rollouts over both engines: 6 groups, 3 needed (2 on one engine, 1 on the other);
+    the merged call returns 3 complete groups and carries the other 3, every group once."""
+    from rlspec.cluster.calls import wait
+    from rlspec.messages import Answer, Group
+
+    a = stack.actors
+    groups = [Group(p.token_ids, [Answer() for _ in range(2)], 100 + i, i) for i, p in enumerate(stack.val.prompts[:6])]
+    ro = wait(a.generators.generate_groups(groups, sampling(2, 1.0, 16, seed=3), 3, 2), a.timeout_s)
+    assert len(ro.tags) == 3 and sorted(ro.tags + [g.tag for g in ro.carry]) == list(range(6))
+    assert len(ro.response_ids) == 6 and ro.partial["carried_groups"] == 3
+    assert {len([t for t in ro.tags if t < 3]), len([t for t in ro.tags if t >= 3])} == {1, 2}

@@ -1,0 +1,113 @@
+"""Partial rollouts in the Generator (VLLMEngine.generate_groups) through the real vLLM engine: a call
+stops once the groups it needs are complete, aborts the rest and hands their tokens back; the next
+call resumes them. Each engine runs in its own Ray actor, as in training."""
+import pytest
+
+from conftest import heldout_prompts, sampling, start_generator
+
+
+def call(method, *args):
+    import ray
+    return ray.get(method.remote(*args), timeout=600)
+
+
+def groups_of(prompts, n, seed=None, first_tag=0):
+    from rlspec.messages import Answer, Group, Sampling
+
+    s = Sampling(n, 1.0, 1, seed)
+    return [Group(p, [Answer() for _ in range(n)], s.request_seed(i), first_tag + i) for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return heldout_prompts(tokenizer, 6)
+
+
+@pytest.fixture(scope="module")
+def engines(ray_session):
+    import ray
+
+    actors = {"none": start_generator([]), "ngram": start_generator(["speculation=ngram"])}
+    yield actors
+    for a in actors.values():
+        ray.kill(a)
+
+
+def test_a_call_that_needs_every_group_samples_what_generate_samples(engines, prompts):
+    """Seeded sampling at T=1 with nothing aborted: the same tokens and behaviour log-probs as the
+    whole-call path (answer j of a group is seeded as vLLM seeds the j-th of n samples)."""
+    plain = engines["none"]
+    whole = call(plain.generate, prompts, sampling(3, 1.0, 40, seed=11))
+    got = call(plain.generate_groups, groups_of(prompts, 3, seed=11), sampling(3, 1.0, 40, seed=11), None)
+    assert got.response_ids == whole.response_ids
+    assert got.logprobs == whole.logprobs
+    assert got.tags == list(range(len(prompts))) and got.carry == []
+    assert got.token_versions == [[0] * len(r) for r in got.response_ids]
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_aborted_answers_resume_to_the_uninterrupted_greedy_answers(engines, prompts, method):
+    """Greedy (groups of two answers, each the prompt's greedy answer): a call that needs one group
+    of six returns the first complete one and aborts the others mid-answer; the next call resumes
+    them (prompt plus partial answer) and every answer, joined, is the uninterrupted greedy answer
+    token for token, its behaviour log-probs equal to the uninterrupted ones within float32
+    rounding of a prefill against a decode (1e-4)."""
+    actor = engines[method]
+    n, max_tokens = 2, 48
+    whole = call(actor.generate, prompts, sampling(1, 0.0, max_tokens))  # vLLM: greedy needs n=1
+    first = call(actor.generate_groups, groups_of(prompts, n), sampling(n, 0.0, max_tokens), 1)
+    assert len(first.tags) == 1 and len(first.carry) == len(prompts) - 1
+    cut = [a for g in first.carry for a in g.answers if not a.done]
+    assert any(0 < len(a.response_ids) for a in cut), "no answer was stopped mid-way"
+    assert all(a.resumes == 1 for a in cut)
+    assert all(len(a.logprobs) == len(a.versions) == len(a.response_ids) for a in cut)
+    second = call(actor.generate_groups, first.carry, sampling(n, 0.0, max_tokens), None)
+    assert second.carry == [] and sorted(first.tags + second.tags) == list(range(len(prompts)))
+    got = {}
+    for ro in (first, second):
+        for g, tag in enumerate(ro.tags):
+            for j in range(n):
+                got[(tag, j)] = (ro.response_ids[g * n + j], ro.logprobs[g * n + j], ro.truncated[g * n + j])
+    for i in range(len(prompts)):
+        for j in range(n):
+            ids, lps, trunc = got[(i, j)]
+            assert ids == whole.response_ids[i]
+            assert trunc == whole.truncated[i]
+            assert max((abs(a - b) for a, b in zip(lps, whole.logprobs[i])), default=0.0) < 1e-4
+
+
+def test_over_calls_every_group_is_returned_once_and_no_token_is_lost(engines, tokenizer):
+    """Six partial calls (3 groups of 3 needed, 6 in flight) through the driver's PartialRollouts:
+    each call returns exactly the groups it needed, each complete, with its own prompt; no group
+    comes back twice; every group made is returned or still carried; and every token sampled is in
+    a returned answer or a carried one (tokens sampled = tokens returned + tokens carried)."""
+    from collections import Counter
+
+    from rlspec.data.loading import Prompt, PromptSampler, PromptSet
+    from rlspec.loops.partial import PartialRollouts
+    from rlspec.messages import Sampling
+
+    prompts = [Prompt(str(i), "", ids, i + 1) for i, ids in enumerate(heldout_prompts(tokenizer, 16, seed=9))]
+    part = PartialRollouts(PromptSampler(PromptSet("test", prompts), seed=0), prompts, groups_per_step=3,
+                           group_size=3, over_provision=2.0, max_carry_versions=2)
+    seen, sampled, returned, resumed = Counter(), 0, 0, 0
+    for c in range(6):
+        s = Sampling(3, 1.0, 48, seed=c + 1)
+        groups = part.groups(part.draw(), s)
+        assert len(groups) == 6
+        ro = call(engines["none"].generate_groups, groups, s, 3, 2)
+        got = part.returned(ro)
+        assert len(ro.tags) == 3 and len(ro.response_ids) == 9
+        assert sorted(ro.tags + [g.tag for g in ro.carry]) == sorted(g.tag for g in groups)
+        assert [p.token_ids for p in got] == ro.prompt_ids[::3]
+        assert all(len(r) == len(lp) == len(v) for r, lp, v in zip(ro.response_ids, ro.logprobs, ro.token_versions))
+        seen.update(ro.tags)
+        sampled += ro.partial["new_tokens"]
+        returned += ro.num_tokens
+        resumed += ro.partial["resumed_answers"]
+    carried = sum(len(a.response_ids) for g in part.carry for a in g.answers)
+    assert max(seen.values()) == 1 and len(seen) + len(part.carry) == part.next_tag
+    assert sampled == returned + carried
+    assert resumed > 0 and part.totals["dropped_answers"] == 0  # the weights never moved: nothing too old
+    print(f"6 calls: {len(seen)} groups returned, {len(part.carry)} carried, {resumed} answers resumed; "
+          f"{sampled} tokens sampled = {returned} returned + {carried} carried")
