@@ -157,6 +157,10 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         self.engine_seeded = speculative_config is not None and current_platform.is_cpu()
+        # Partial rollouts resume answers whose prompt (prompt + answer so far) is prefilled in chunks;
+        # vLLM rewinds a seeded request's generator offset after a chunk, which a CPU generator lacks
+        # ("CPU Generator does not use offset"): there partial calls reseed the engine too.
+        self.partial_engine_seeded = current_platform.is_cpu()
         self.step_log: list[tuple[int, int, float]] | None = None  # while set: (running, waiting, seconds)
         self.decode_steps: list[tuple[int, float]] = []  # the last generate call's (running batch, seconds)
         self._time_engine_steps()
@@ -256,6 +260,11 @@ class VLLMEngine:
         return RolloutBatch(prompts, responses, logprobs, truncated, policy_version, seconds, spec,
                             decode_moments=step_moments(self.decode_steps))
 
+    @staticmethod
+    def request_id(group: int, answer: int) -> str:
+        """The request id generate_groups gives vLLM for answer `answer` of its group `group`."""
+        return f"rlspec-{group}-{answer}"
+
     def generate_groups(self, groups: list[Group], sampling: Sampling, policy_version: int,
                         needed: int | None = None, max_carry_versions: int | None = None) -> RolloutBatch:
         """Partial rollouts (rlspec/loops/partial.py): every unfinished answer of `groups` is
@@ -269,7 +278,8 @@ class VLLMEngine:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        if self.engine_seeded and sampling.seed is not None:
+        engine_seeded = self.engine_seeded or self.partial_engine_seeded
+        if engine_seeded and sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         engine = self.llm.llm_engine
         needed = len(groups) if needed is None else min(needed, len(groups))
@@ -292,11 +302,11 @@ class VLLMEngine:
             for j, a in enumerate(g.answers):
                 if a.done:
                     continue
-                rid = f"rlspec-{gi}-{j}"
+                rid = self.request_id(gi, j)
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=g.prompt_ids + a.response_ids), SamplingParams(
                     n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                     max_tokens=sampling.max_tokens - len(a.response_ids), logprobs=0, detokenize=False,
-                    seed=None if self.engine_seeded else g.answer_seed(j), output_kind=RequestOutputKind.DELTA))
+                    seed=None if engine_seeded else g.answer_seed(j), output_kind=RequestOutputKind.DELTA))
                 live[rid] = (gi, j)
         complete = [gi for gi, g in enumerate(groups) if g.done]
         with self.timed_steps() as steps:

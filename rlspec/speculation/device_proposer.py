@@ -24,6 +24,7 @@ import sys
 import torch
 
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
+from rlspec.speculation.history_proposer import own_prompt_lens
 
 MARK = "rlspec-device-history"  # speculative_config model under method ngram_gpu: this drafter
 ENV = "RLSPEC_DEVICE_HISTORY"    # the store's settings (speculation.history, JSON)
@@ -65,8 +66,10 @@ def _proposer_class(base):
             if k <= 0 or not self.drafting:  # no lookup at all (a call 'auto' or validation runs without)
                 return (torch.full((batch, self.k), -1, dtype=torch.int32, device=self.device),
                         torch.zeros(batch, dtype=torch.int32, device=self.device))
-            prompt_lens = torch.as_tensor(self.runner.input_batch.num_prompt_tokens[:batch],
-                                          dtype=torch.int64).to(self.device, non_blocking=True)
+            plens = self.runner.input_batch.num_prompt_tokens[:batch]
+            if self.prompt_len_of:  # partial rollouts: resumed answers drafted under their own prompt
+                plens = own_prompt_lens(plens, self.runner.input_batch.req_ids[:batch], self.prompt_len_of)
+            prompt_lens = torch.as_tensor(plens, dtype=torch.int64).to(self.device, non_blocking=True)
             salts = prompt_hash(token_ids_gpu, prompt_lens)
             active = valid_sampled_tokens_count > 0
             drafts, counts = self.history.propose(token_ids_gpu, lengths, salts, prompt_lens, k, active)
@@ -87,6 +90,7 @@ def _proposer_class(base):
 
     DeviceHistoryProposer.drafting = True
     DeviceHistoryProposer.full = False
+    DeviceHistoryProposer.prompt_len_of = {}
     return DeviceHistoryProposer
 
 
@@ -144,6 +148,7 @@ def _speculator_class(base):
             return self.drafts[:n]
 
     DeviceHistorySpeculator.drafting = True
+    DeviceHistorySpeculator.prompt_len_of = {}
     DeviceHistorySpeculator.full = False  # V2 fills every row to k by itself
     return DeviceHistorySpeculator
 
@@ -294,9 +299,12 @@ def check(worker) -> None:
     _proposer(worker)
 
 
-def begin_call(worker, draft: bool = True) -> None:
+def begin_call(worker, draft: bool = True, prompt_len_of: dict[str, int] | None = None) -> None:
+    """As history_proposer.begin_call; prompt_len_of reaches the V1 path (on Model Runner V2 a
+    resumed answer is drafted under vLLM's prompt, its answer so far included)."""
     p = _proposer(worker)
     p.drafting = draft
+    p.prompt_len_of = prompt_len_of or {}
     p.stats = _Stats(p.k, p.device)
 
 

@@ -36,6 +36,9 @@ class HistoryProposer:
         self.k_of_batch: list[int] | None = None  # 'auto': k per running batch size
         self.full = False  # 'auto' times steps: every draft filled to k, as if every request matched
         self.runner = None  # the V1 model runner (configure): its input batch's request ids and prompt lengths
+        # partial rollouts: a resumed answer's request carries its answer so far in vLLM's prompt; its
+        # prompt (the identity history drafts by) is the first this-many tokens (begin_call)
+        self.prompt_len_of: dict[str, int] = {}
 
     def load_model(self, *args, **kwargs) -> None:  # no model to load
         pass
@@ -56,6 +59,8 @@ class HistoryProposer:
             batch = self.runner.input_batch if self.runner is not None else None
             keys = batch.req_ids[:n] if batch is not None else list(range(n))
             prompt_lens = batch.num_prompt_tokens[:n] if batch is not None else np.zeros(n, np.int64)
+            if self.prompt_len_of:
+                prompt_lens = own_prompt_lens(prompt_lens, keys, self.prompt_len_of)
             drafts = self.index.propose_rows(token_ids_cpu, nums, lens, keys, prompt_lens, k, self.max_model_len)
         out = [d[: max(0, self.max_model_len - int(nums[i]) - 1)] for i, d in enumerate(drafts)]
         if not self.full:
@@ -65,6 +70,17 @@ class HistoryProposer:
             cell[1] += dt
             self.index.stats.propose_seconds += dt
         return out
+
+
+def own_prompt_lens(prompt_lens, req_ids, prompt_len_of: dict[str, int]) -> np.ndarray:
+    """Rows' prompt lengths with those of resumed answers (partial rollouts) set to their own
+    prompt's: vLLM's request id is the one rlspec gave plus '-' and 8 random characters."""
+    out = np.array(prompt_lens, np.int64)
+    for i, rid in enumerate(req_ids):
+        n = prompt_len_of.get(rid.rpartition("-")[0])
+        if n is not None:
+            out[i] = n
+    return out
 
 
 # -- collective_rpc entry points --
@@ -98,10 +114,13 @@ def configure(worker, cfg: dict) -> None:
 
 # The calls below answer None, and do nothing, on a worker with no store; the Generator reads the
 # first worker's answer, the output rank's without pipeline parallelism.
-def begin_call(worker, draft: bool = True) -> None:
-    index = _proposer(worker).index
-    if index is not None:
-        index.begin_call(draft)
+def begin_call(worker, draft: bool = True, prompt_len_of: dict[str, int] | None = None) -> None:
+    """A call starts (draft: whether it drafts); prompt_len_of: the prompt length of each request
+    (rlspec's id) that resumes an answer (partial rollouts)."""
+    p = _proposer(worker)
+    p.prompt_len_of = prompt_len_of or {}
+    if p.index is not None:
+        p.index.begin_call(draft)
 
 
 def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:

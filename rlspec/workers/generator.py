@@ -87,8 +87,10 @@ class Generator(RefitReceiver):
         try:
             if self.adaptive:
                 self.adaptive.before_call([g.prompt_ids for g in groups], sampling.rollout)
-            if self.history:
-                self.engine.llm.collective_rpc(self.drafter.begin_call, args=(sampling.rollout,))
+            if self.history:  # a resumed answer is drafted under its own prompt, not vLLM's (prompt + answer so far)
+                resumed = {VLLMEngine.request_id(gi, j): len(g.prompt_ids) for gi, g in enumerate(groups)
+                           for j, a in enumerate(g.answers) if a.response_ids and not a.done}
+                self.engine.llm.collective_rpc(self.drafter.begin_call, args=(sampling.rollout, resumed))
             ro = self.engine.generate_groups(groups, sampling, self.policy_version, needed, max_carry_versions)
             if self.history:
                 ro.history = self.engine.llm.collective_rpc(self.drafter.finish_call, args=(None, None))[0]

@@ -27,7 +27,7 @@ def prompts(tokenizer):
 def engines(ray_session):
     import ray
 
-    actors = {"none": start_generator([]), "ngram": start_generator(["speculation=ngram"])}
+    actors = {"ngram": start_generator(["speculation=ngram"]), "history": start_generator(["speculation=history"])}
     yield actors
     for a in actors.values():
         ray.kill(a)
@@ -35,17 +35,20 @@ def engines(ray_session):
 
 def test_a_call_that_needs_every_group_samples_what_generate_samples(engines, prompts):
     """Seeded sampling at T=1 with nothing aborted: the same tokens and behaviour log-probs as the
-    whole-call path (answer j of a group is seeded as vLLM seeds the j-th of n samples)."""
-    plain = engines["none"]
-    whole = call(plain.generate, prompts, sampling(3, 1.0, 40, seed=11))
-    got = call(plain.generate_groups, groups_of(prompts, 3, seed=11), sampling(3, 1.0, 40, seed=11), None)
+    whole-call path. Where requests carry seeds (GPUs) answer j of a group is seeded as vLLM seeds
+    the j-th of n samples; on CPU both calls reseed the engine and add the rows in the same order
+    (an n-gram engine: the whole-call path reseeds under speculation there, and its drafts depend
+    on the rows' own tokens only)."""
+    actor = engines["ngram"]
+    whole = call(actor.generate, prompts, sampling(3, 1.0, 40, seed=11))
+    got = call(actor.generate_groups, groups_of(prompts, 3, seed=11), sampling(3, 1.0, 40, seed=11), None)
     assert got.response_ids == whole.response_ids
     assert got.logprobs == whole.logprobs
     assert got.tags == list(range(len(prompts))) and got.carry == []
     assert got.token_versions == [[0] * len(r) for r in got.response_ids]
 
 
-@pytest.mark.parametrize("method", ["none", "ngram"])
+@pytest.mark.parametrize("method", ["ngram", "history"])
 def test_aborted_answers_resume_to_the_uninterrupted_greedy_answers(engines, prompts, method):
     """Greedy (groups of two answers, each the prompt's greedy answer): a call that needs one group
     of six returns the first complete one and aborts the others mid-answer; the next call resumes
@@ -95,7 +98,7 @@ def test_over_calls_every_group_is_returned_once_and_no_token_is_lost(engines, t
         s = Sampling(3, 1.0, 48, seed=c + 1)
         groups = part.groups(part.draw(), s)
         assert len(groups) == 6
-        ro = call(engines["none"].generate_groups, groups, s, 3, 2)
+        ro = call(engines["ngram"].generate_groups, groups, s, 3, 2)
         got = part.returned(ro)
         assert len(ro.tags) == 3 and len(ro.response_ids) == 9
         assert sorted(ro.tags + [g.tag for g in ro.carry]) == sorted(g.tag for g in groups)
@@ -111,3 +114,18 @@ def test_over_calls_every_group_is_returned_once_and_no_token_is_lost(engines, t
     assert resumed > 0 and part.totals["dropped_answers"] == 0  # the weights never moved: nothing too old
     print(f"6 calls: {len(seen)} groups returned, {len(part.carry)} carried, {resumed} answers resumed; "
           f"{sampled} tokens sampled = {returned} returned + {carried} carried")
+
+
+def test_a_resumed_answer_is_drafted_under_its_own_prompt():
+    """vLLM's prompt of a resumed answer holds the answer so far; history finds the prompt's
+    earlier answers and siblings by the prompt rlspec names (request ids as vLLM makes them:
+    rlspec's id, '-', 8 random characters)."""
+    import numpy as np
+
+    from rlspec.engines.vllm_engine import VLLMEngine
+    from rlspec.speculation.history_proposer import own_prompt_lens
+
+    ids = [VLLMEngine.request_id(0, 1) + "-abcdefgh", "0_other-12345678", VLLMEngine.request_id(2, 0) + "-1a2b3c4d"]
+    own = {VLLMEngine.request_id(0, 1): 12, VLLMEngine.request_id(2, 0): 9}
+    got = own_prompt_lens(np.array([30, 25, 41]), ids, own)
+    assert got.tolist() == [12, 25, 9]
