@@ -83,6 +83,12 @@ class WorkloadConfig:
     mean_response_tokens: float = 4096.0
     # Spread of the uncapped response lengths, std/mean of a lognormal: the long tail the step waits on.
     response_length_cv: float = 0.6
+    # Partial rollouts (generation.partial): 0 = whole calls (the analytic tail model); >= 1 = a call
+    # holds this many times the step's groups and returns once the step's groups are complete, the
+    # rest resumed by the next call after a prefill of prompt + answer so far (event simulation over
+    # seeded lengths, steady state; 1.0 is whole calls in the same simulation, the like-for-like
+    # baseline).
+    partial_over_provision: float = 0.0
     # Log-prob and train batches padded to the longest sequence (rlspec) instead of packed (NeMo RL).
     padded: bool = False
     # A reference-policy forward in the log-prob stage (KL penalty on).
@@ -219,6 +225,10 @@ def validate(cfg: SimConfig) -> None:
     _check(0 < w.mean_response_tokens <= w.max_new_tokens, "workload.mean_response_tokens",
            f"must be in (0, max_new_tokens={w.max_new_tokens}]")
     _check(w.response_length_cv >= 0, "workload.response_length_cv", "must be >= 0")
+    _check(w.partial_over_provision == 0 or w.partial_over_provision >= 1, "workload.partial_over_provision",
+           "must be 0 (whole calls) or >= 1")
+    _check(w.partial_over_provision == 0 or c.mode == "sync" or c.policy_lag == 1, "workload.partial_over_provision",
+           "partial rollouts are simulated for sync or async lag 1 (rlspec's queue)")
     _check(s.method in SPEC_METHODS, "spec.method", f"{s.method!r} not in {list(SPEC_METHODS)}")
     _check(s.k >= 0, "spec.k", "must be >= 0")
     _check(0 <= s.acceptance_rate < 1, "spec.acceptance_rate", "must be in [0, 1)")

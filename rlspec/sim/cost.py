@@ -213,6 +213,56 @@ def rollout_continuous(cfg: SimConfig) -> RolloutEstimate:
     return _finish(cfg, t, steps, tau, L * B, B, kv_per_gpu)
 
 
+def rollout_partial(cfg: SimConfig, calls: int = 12, warm_up: int = 4, seed: int = 0) -> RolloutEstimate:
+    """Partial rollouts on one engine (its share of the step's groups, P_e): every call holds
+    ceil(over_provision x P_e) groups, carried ones first, and returns once P_e groups are complete
+    (a group when all its answers are); the unfinished answers are resumed by the next call, whose
+    prefill covers prompt + answer so far. Between completions every running answer advances tau
+    tokens a verification, at the running batch's cost. Lengths are drawn (seeded) from the step's
+    length distribution (`response_lengths`); the estimate is the mean of calls after `warm_up`."""
+    w, m, g = cfg.workload, cfg.model.target, cfg.cluster.gen_tp
+    tau = tokens_per_verification(cfg.spec)
+    G, P = w.num_generations_per_prompt, float(w.prompt_tokens)
+    need = max(1, round(w.num_prompts_per_step / _engines(cfg)))
+    hold = max(need, math.ceil(need * w.partial_over_provision))
+    pool = np.array(response_lengths(cfg))
+    rng = np.random.default_rng(seed)
+    groups: list[tuple[np.ndarray, np.ndarray]] = []  # per group: target lengths [G], tokens so far [G]
+    seconds, steps, occupancy, kv_peak = [], [], [], 0.0
+    for c in range(calls):
+        while len(groups) < hold:
+            groups.append((rng.choice(pool, G), np.zeros(G)))
+        total = np.concatenate([t for t, _ in groups])
+        done = np.concatenate([d for _, d in groups])
+        gid = np.repeat(np.arange(len(groups)), G)
+        so_far = done[done < total]  # every unfinished answer is prefilled: its prompt and answer so far
+        q = P + (so_far.mean() if len(so_far) else 0.0)
+        t = forward_seconds(m, cfg.gpu, cfg.eff, g, len(so_far), q, q / 2)
+        n_steps = occ = 0.0
+        complete = np.array([bool((d >= tt).all()) for tt, d in groups])
+        while complete.sum() < need:
+            run = done < total
+            left = (total - done)[run]
+            adv = left.min()  # tokens until the next answer ends
+            n = adv / tau
+            active = int(run.sum())
+            t += n * verification_seconds(cfg, active, P + done[run].mean() + adv / 2, tau)
+            n_steps, occ = n_steps + n, occ + n * active
+            kv_peak = max(kv_peak, float((P + np.minimum(done + adv, total))[run].sum()))
+            done = np.where(run, np.minimum(done + adv, total), done)
+            ended = np.bincount(gid, weights=(done >= total), minlength=len(groups))
+            complete = ended >= G
+        returned = set(np.flatnonzero(complete)[:need].tolist())
+        groups = [(tt, done[i * G:(i + 1) * G]) for i, (tt, _) in enumerate(groups) if i not in returned]
+        if c >= warm_up:
+            seconds.append(t)
+            steps.append(n_steps)
+            occupancy.append(occ / max(n_steps, 1e-9))
+    kv_per_gpu = kv_peak * kv_bytes_per_token(m) / g
+    return _finish(cfg, float(np.mean(seconds)), float(np.mean(steps)), tau, float(np.mean(occupancy)),
+                   float(hold * G), kv_per_gpu)
+
+
 def _finish(cfg, seconds, steps, tau, occupancy, seqs, kv_per_gpu) -> RolloutEstimate:
     est = RolloutEstimate(seconds, steps, tau, occupancy, seqs, kv_per_gpu)
     room = cfg.gpu.hbm_capacity - total_params(cfg.model.target) * cfg.model.target.bytes_per_param / cfg.cluster.gen_tp
@@ -224,6 +274,8 @@ def _finish(cfg, seconds, steps, tau, occupancy, seqs, kv_per_gpu) -> RolloutEst
 
 def rollout(cfg: SimConfig) -> RolloutEstimate:
     c = cfg.cluster
+    if cfg.workload.partial_over_provision >= 1:
+        return rollout_partial(cfg)
     return rollout_continuous(cfg) if c.mode == "async" and c.policy_lag >= 2 else rollout_tail(cfg)
 
 

@@ -106,6 +106,24 @@ def test_long_tail_lowers_occupancy_and_the_step_waits_for_it(base):
     assert ro_tail.seconds > 1.3 * ro_flat.seconds
 
 
+def test_partial_rollouts_keep_the_batch_full_and_pay_only_with_a_tail(base):
+    """The event simulation of partial rollouts: at over_provision 1 it is whole calls (every answer
+    of the call generated, its occupancy draining like the analytic tail's); over-provisioned, the
+    running batch stays fuller and a call takes less time when lengths have a tail; with equal
+    lengths whole calls by simulation equal the analytic model."""
+    tail = workload(base, response_length_cv=0.8)
+    whole = rollout(workload(tail, partial_over_provision=1.0))
+    part = rollout(workload(tail, partial_over_provision=2.0))
+    analytic = rollout(tail)
+    assert whole.seconds == pytest.approx(analytic.seconds, rel=0.25)  # seeded draws against quantiles
+    assert whole.mean_occupancy < 0.8 * whole.seqs_per_engine
+    assert part.mean_occupancy / part.seqs_per_engine > whole.mean_occupancy / whole.seqs_per_engine
+    assert part.seconds < whole.seconds
+    flat = workload(base, response_length_cv=0.0, partial_over_provision=1.0)
+    assert rollout(flat).mean_occupancy == pytest.approx(rollout(flat).seqs_per_engine)
+    assert rollout(flat).seconds == pytest.approx(rollout(workload(base, response_length_cv=0.0)).seconds, rel=1e-6)
+
+
 def test_training_logprob_refit_from_flops_and_bytes(base):
     cfg = replace(base, eff=replace(base.eff, logprob_mfu=0.3, train_mfu=0.3, link=1.0))
     assert train_seconds(cfg) == pytest.approx(3 * logprob_seconds(cfg))
@@ -172,6 +190,7 @@ def test_235b_scenarios_accept_three_tokens_per_verification():
     ("eff.train_mfu=1.5", "eff.train_mfu"),
     ("workload.mean_response_tokens=99999", "workload.mean_response_tokens"),
     ("model.draft=null", "model.draft"),
+    ("workload.partial_over_provision=0.5", "workload.partial_over_provision"),
 ])
 def test_validate_names_the_bad_key(override, key):
     with pytest.raises(SimConfigError, match=f"^{key}"):
