@@ -54,6 +54,22 @@ class Generator(RefitReceiver):
         Under generation.sleep_mode the engine releases its GPU memory when the call is done. The
         batch's seconds are the whole call's: waking, planning 'auto' (calibrating, on the first),
         the drafter's work before and after the engine's generate (history's insert and shadow)."""
+        return self._call(prompt_ids, sampling, lambda: self.engine.generate(prompt_ids, sampling, self.policy_version))
+
+    def generate_groups(self, groups: list[Group], sampling: Sampling, needed: int | None = None,
+                        max_carry_versions: int | None = None) -> RolloutBatch:
+        """Partial rollouts: `groups` continued until `needed` of them are complete, the rest carried
+        (VLLMEngine.generate_groups), the call otherwise as `generate` runs it. The groups' finished
+        answers join the history when their group is returned; a resumed answer is drafted under its
+        own prompt, not vLLM's (prompt + answer so far)."""
+        resumed = {VLLMEngine.request_id(gi, j): len(g.prompt_ids) for gi, g in enumerate(groups)
+                   for j, a in enumerate(g.answers) if a.response_ids and not a.done}
+        return self._call([g.prompt_ids for g in groups], sampling, lambda: self.engine.generate_groups(
+            groups, sampling, self.policy_version, needed, max_carry_versions), resumed)
+
+    def _call(self, prompt_ids: list[list[int]], sampling: Sampling, run, resumed: dict | None = None) -> RolloutBatch:
+        """One generate call around `run()` (the engine's): wake, 'auto' planning, the history
+        drafter's begin and finish, sleep."""
         t0 = time.perf_counter()
         self.engine.wake_up()
         try:
@@ -61,40 +77,13 @@ class Generator(RefitReceiver):
                 self.adaptive.before_call(prompt_ids, sampling.rollout)
             if self.history:
                 draft = sampling.rollout or self.history_validation
-                self.engine.llm.collective_rpc(self.drafter.begin_call, args=(draft,))
-            ro = self.engine.generate(prompt_ids, sampling, self.policy_version)
+                self.engine.llm.collective_rpc(self.drafter.begin_call, args=(draft, resumed or {}))
+            ro = run()
             if self.history:  # under 'auto', a training call that drafted nothing is measured in shadow
                 shadow = self.adaptive is not None and sampling.rollout and not (ro.spec and ro.spec.drafts)
                 ro.history = self.engine.llm.collective_rpc(self.drafter.finish_call, args=(
                     ro.prompt_ids if shadow else None, ro.response_ids if shadow else None))[0]
                 if sampling.rollout:  # training rollouts become history; validation answers do not
-                    self.record_history(ro.prompt_ids, ro.response_ids)
-            if self.adaptive:
-                self.adaptive.after_call(ro, self.engine.decode_steps, sampling.rollout)
-                ro.draft_schedule = self.adaptive.draft_schedule()
-            ro.seconds = time.perf_counter() - t0
-            return ro
-        finally:
-            self.engine.sleep()
-
-    def generate_groups(self, groups: list[Group], sampling: Sampling, needed: int | None = None,
-                        max_carry_versions: int | None = None) -> RolloutBatch:
-        """Partial rollouts: `groups` continued until `needed` of them are complete, the rest carried
-        (VLLMEngine.generate_groups), the call otherwise as `generate` runs it. The groups' finished
-        answers join the history when their group is returned."""
-        t0 = time.perf_counter()
-        self.engine.wake_up()
-        try:
-            if self.adaptive:
-                self.adaptive.before_call([g.prompt_ids for g in groups], sampling.rollout)
-            if self.history:  # a resumed answer is drafted under its own prompt, not vLLM's (prompt + answer so far)
-                resumed = {VLLMEngine.request_id(gi, j): len(g.prompt_ids) for gi, g in enumerate(groups)
-                           for j, a in enumerate(g.answers) if a.response_ids and not a.done}
-                self.engine.llm.collective_rpc(self.drafter.begin_call, args=(sampling.rollout, resumed))
-            ro = self.engine.generate_groups(groups, sampling, self.policy_version, needed, max_carry_versions)
-            if self.history:
-                ro.history = self.engine.llm.collective_rpc(self.drafter.finish_call, args=(None, None))[0]
-                if sampling.rollout:
                     self.record_history(ro.prompt_ids, ro.response_ids)
             if self.adaptive:
                 self.adaptive.after_call(ro, self.engine.decode_steps, sampling.rollout)
