@@ -47,12 +47,12 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
     s = json.loads((run_dir / "summary.json").read_text())
     recs = s["records"]
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")  # the run's composed config
-    g = cfg.generation
-    partial = g.get("partial", {}).get("enabled", False)
+    g = cfg.get("generation")
+    partial = g is not None and g.get("partial", {}).get("enabled", False)
     # rows a generate call holds at its start: the step's groups, over-provisioned under partial rollouts
-    held = g.num_generations_per_prompt * (max(g.num_prompts_per_step, math.ceil(g.num_prompts_per_step *
-                                                                                 g.partial.over_provision))
-                                           if partial else g.num_prompts_per_step)
+    held = None if g is None else g.num_generations_per_prompt * (
+        max(g.num_prompts_per_step, math.ceil(g.num_prompts_per_step * g.partial.over_provision))
+        if partial else g.num_prompts_per_step)
     parts: dict[int, list[dict]] = {}
     for r in recs:
         parts.setdefault(int((r["step"] - 1) / per_epoch + 1e-9), []).append(r)
@@ -64,7 +64,7 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
         running = sum(m[1] for m in moments) / max(sum(m[0] for m in moments), 1.0)
         epochs.append({"steps": [part[0]["step"], part[-1]["step"]],
                        # the engine's mean running batch over its decode steps, and over the rows it held
-                       "running_batch": running, "batch_fill": running / held,
+                       "running_batch": running, "batch_fill": running / held if held and moments else None,
                        "generation_seconds": statistics.mean(r["stage_seconds"]["generation"] for r in part),
                        "step_seconds": statistics.mean(r["step_seconds"] for r in part),
                        "acceptance_length": 1 + accepted / drafts if drafts else None,
@@ -130,7 +130,7 @@ def summarise(runs: list[dict]) -> list[dict]:
             speed = [base[r["seed"]]["epochs"][e]["generation_seconds"] / r["epochs"][e]["generation_seconds"]
                      for r in mine if r["seed"] in base]
             acc = [r["epochs"][e]["acceptance_length"] for r in mine if r["epochs"][e]["acceptance_length"]]
-            fill = [r["epochs"][e]["batch_fill"] for r in mine if "batch_fill" in r["epochs"][e]]
+            fill = [r["epochs"][e]["batch_fill"] for r in mine if r["epochs"][e].get("batch_fill") is not None]
             row["epochs"].append({"steps": mine[0]["epochs"][e]["steps"], "generation_seconds": harness.mean_std(gen),
                                   "batch_fill": harness.mean_std(fill) if fill else None,
                                   "speedup_vs_none": harness.mean_std(speed) if speed else None,
