@@ -183,3 +183,16 @@ def test_the_package_lists_every_module_pkgutil_finds():
 
     found = {m.name for m in pkgutil.walk_packages(rlspec.__path__, "rlspec.")}
     assert found <= set(modules())
+
+
+def test_the_driver_imports_no_vllm():
+    """A run's driver imports every actor's class (rlspec.cluster.launch) but starts no engine:
+    vLLM (with what it pulls in, ~10 s of CPU a process) loads only in the actors that use it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rlspec.train, rlspec.cluster.launch, rlspec.loops.sync\n"
+            "print(sorted(m for m in ('vllm', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

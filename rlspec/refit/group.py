@@ -7,10 +7,12 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
-from vllm.distributed.weight_transfer.base import ParamMeta
+
+if TYPE_CHECKING:  # vLLM loads where a round runs, not where a driver imports the learner's class
+    from vllm.distributed.weight_transfer.base import ParamMeta
 
 
 def numel(m: ParamMeta) -> int:
@@ -90,6 +92,7 @@ def recv_state(group: RefitGroup, metas: list[ParamMeta],
 
 def metas_from_lists(names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> list[ParamMeta]:
     """The per-round parameter lists vLLM's update infos carry, as metas."""
+    from vllm.distributed.weight_transfer.base import ParamMeta
     return [ParamMeta(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtype_names, shapes)]
 
 

@@ -11,13 +11,10 @@ RefitTarget, the one thing that differs between receivers:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from vllm.config import ParallelConfig, WeightTransferConfig
-
-from rlspec.refit.engine import BACKEND, RLSpecTransferEngine
 
 
 class RefitTarget(Protocol):
@@ -84,7 +81,7 @@ class _HostConfig:
     """What the backend reads of vLLM's config, for a receiver outside vLLM: one rank, and the dtype
     weights arrive in."""
     model_config: _ModelConfig
-    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel_config: Any = None  # vLLM's ParallelConfig (one rank)
 
 
 class HostedReceiver:
@@ -107,8 +104,12 @@ class HostedReceiver:
                         outer.params[name].copy_(t)
                     outer.loaded.add(name)
 
-        self.engine = RLSpecTransferEngine(WeightTransferConfig(backend=BACKEND), _HostConfig(_ModelConfig(wire_dtype)),
-                                           device, Loader())
+        # vLLM loads here, not where the module is imported: a driver imports the receiving actors' classes
+        from vllm.config import ParallelConfig, WeightTransferConfig
+
+        from rlspec.refit.engine import BACKEND, RLSpecTransferEngine
+        self.engine = RLSpecTransferEngine(WeightTransferConfig(backend=BACKEND),
+                                           _HostConfig(_ModelConfig(wire_dtype), ParallelConfig()), device, Loader())
 
     def init_refit(self, init_info: dict) -> None:
         self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))

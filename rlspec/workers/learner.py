@@ -17,7 +17,6 @@ from rlspec.engines.deepspeed_engine import init_distributed, make_engine
 from rlspec.messages import MiniBatch, TrainBatch
 from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
 from rlspec.refit.group import endpoint
-from rlspec.refit.source import LearnerSource
 
 
 def finite_inputs(batch: TrainBatch) -> bool:
@@ -194,8 +193,7 @@ class Learner:
     def full_weights(self, dtype: str = "float32", tied_head: bool = True) -> dict[str, torch.Tensor]:
         """Hugging Face-named full weights (gathered under ZeRO-3) on CPU in `dtype` (the
         engines' for a refit: a tied output layer as lm_head.weight too); empty off rank 0."""
-        source = LearnerSource(self.engine.module.lm, self.trainer.zero_stage == 3, getattr(torch, dtype), 256 << 20,
-                               tied_head)
+        source = self._source(dtype, 256 << 20, tied_head)
         if self.rank != 0:
             for _ in source:  # the gathers are collectives
                 pass
@@ -213,6 +211,13 @@ class Learner:
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
 
     # -- the refit (rlspec/refit/): rank 0 drives vLLM's weight-transfer API ----------------------
+    def _source(self, dtype: str, bucket_bytes: int, tied_head: bool = True):
+        """This rank's weights as vLLM's WeightSource (imported here: a driver imports this class
+        without vLLM)."""
+        from rlspec.refit.source import LearnerSource
+        return LearnerSource(self.engine.module.lm, self.trainer.zero_stage == 3, getattr(torch, dtype), bucket_bytes,
+                             tied_head)
+
     def refit_endpoint(self) -> tuple[str, int]:
         """Where the refit group meets (rank 0's node, a free port)."""
         return endpoint()
@@ -223,7 +228,7 @@ class Learner:
         in the engines' `dtype`; rank 0 rendezvouses with the receivers ((name, actor, first rank))."""
         from rlspec.refit.sender import RefitSender
 
-        source = LearnerSource(self.engine.module.lm, self.trainer.zero_stage == 3, getattr(torch, dtype), bucket_bytes)
+        source = self._source(dtype, bucket_bytes)
         self.sender = RefitSender(transport, source, receivers, self.rank, address, port, world_size, bucket_bytes,
                                   "nccl" if self.device.type == "cuda" else "gloo", timeout_s)
         return self.rank
