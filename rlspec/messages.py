@@ -108,10 +108,6 @@ class Group:
     def done(self) -> bool:
         return all(a.done for a in self.answers)
 
-    def oldest_version(self) -> int | None:
-        """The oldest policy version among the group's tokens (None: no token yet)."""
-        return min((a.versions[0] for a in self.answers if a.versions), default=None)
-
     def answer_seed(self, j: int) -> int | None:
         """Answer j's seed in the call that samples it now: the group's seed + j the first time
         (what vLLM gives the j-th of n samples), a function of the resume count after that."""

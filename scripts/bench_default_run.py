@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 import harness
+from rlspec.loops.partial import groups_in_flight
 
 
 def overrides(setting: str) -> list[str]:
@@ -51,8 +51,7 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
     partial = g is not None and g.get("partial", {}).get("enabled", False)
     # rows a generate call holds at its start: the step's groups, over-provisioned under partial rollouts
     held = None if g is None else g.num_generations_per_prompt * (
-        max(g.num_prompts_per_step, math.ceil(g.num_prompts_per_step * g.partial.over_provision))
-        if partial else g.num_prompts_per_step)
+        groups_in_flight(g.num_prompts_per_step, g.partial.over_provision) if partial else g.num_prompts_per_step)
     parts: dict[int, list[dict]] = {}
     for r in recs:
         parts.setdefault(int((r["step"] - 1) / per_epoch + 1e-9), []).append(r)

@@ -22,6 +22,12 @@ from rlspec.data.loading import Prompt, PromptSampler
 from rlspec.messages import Answer, Group, RolloutBatch, Sampling
 
 
+def groups_in_flight(groups_per_step: int, over_provision: float) -> int:
+    """The groups a generate call holds at its start: over_provision x the step's, never fewer
+    (the simulator's rollout_partial holds as many per engine)."""
+    return max(groups_per_step, math.ceil(groups_per_step * over_provision))
+
+
 class PartialRollouts:
     """The carried groups between a run's generate calls, and the prompts they belong to."""
 
@@ -30,7 +36,7 @@ class PartialRollouts:
         self.sampler, self.prompts = sampler, prompts
         self.index = {id(p): i for i, p in enumerate(prompts)}
         self.P, self.G = groups_per_step, group_size
-        self.in_flight = max(groups_per_step, math.ceil(groups_per_step * over_provision))
+        self.in_flight = groups_in_flight(groups_per_step, over_provision)
         self.max_carry_versions = max_carry_versions
         self.carry: list[Group] = []
         self.owner: dict[int, int] = {}  # a carried group's tag -> its prompt's index in `prompts`
