@@ -89,7 +89,6 @@ def test_wrong_type_fails_naming_key():
     ("generation.partial.enabled=true generation.partial.over_provision=0.5", "generation.partial.over_provision"),
     ("generation.partial.enabled=true generation.partial.max_carry_versions=-1",
      "generation.partial.max_carry_versions"),
-    ("generation.partial.enabled=true async_grpo.enabled=true", "generation.partial.enabled"),
     ("algo.off_policy_correction=vtrace", "algo.off_policy_correction"),
     ("algo.behaviour_weight_cap=0.5", "algo.behaviour_weight_cap"),
     ("algo.recompute_logprobs=false algo.kl_coef=0.1", "algo.recompute_logprobs"),

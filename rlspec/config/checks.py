@@ -124,8 +124,6 @@ def _validate_generation(cfg: RLSpecConfig) -> None:
         _check(pr.over_provision >= 1.0, "generation.partial.over_provision",
                "must be >= 1 (groups in flight over the groups a step trains)")
         _check(pr.max_carry_versions >= 0, "generation.partial.max_carry_versions", "must be >= 0")
-        _check(not cfg.async_grpo.enabled, "generation.partial.enabled",
-               "partial rollouts run in the synchronous loop only so far (async_grpo.enabled=false)")
 
 
 def _validate_speculation(cfg: RLSpecConfig) -> None:

@@ -12,7 +12,15 @@ ahead. Ray runs one actor's calls in submission order, which gives the two guara
   trained on; it is counted and regenerated with current weights (or replaced by new prompts).
 
 With max_policy_lag=0 the calls reach the actors in the synchronous loop's order with the same
-seeds, so the two loops train identically. Every wait is bounded by cluster.actor_timeout_s; a
+seeds, so the two loops train identically.
+
+Partial rollouts (generation.partial, rlspec/loops/partial.py): a call's groups are the previous
+call's unfinished ones plus new prompts, so a call is submitted only once the one before it has
+come back (the driver holds the carried groups, and a checkpoint holds them as they were before
+the oldest untrained call). The next call goes out as soon as the previous one is taken when the
+lag bound allows (it then samples the weights of the refit before, lag 1), else after the refit
+(lag 0, the synchronous loop's calls). A trained token is at most max_policy_lag +
+generation.partial.max_carry_versions versions old. Every wait is bounded by cluster.actor_timeout_s; a
 dead Generator surfaces on the next take as ActorFailure naming it.
 
     generator:  gen(s+1) gen(s+2)|refit(s) gen(s+3)|refit(s+1) ...     (L = 1, capacity 2)
@@ -25,10 +33,11 @@ from dataclasses import dataclass, field
 
 from rlspec.cluster.calls import Call, wait
 from rlspec.data.loading import Prompt, PromptSampler
+from rlspec.loops.partial import PartialRollouts
 from rlspec.loops.rollouts import step_seed, submit
 from rlspec.loops.runlog import StageTimer
 from rlspec.loops.state import Run
-from rlspec.messages import RolloutBatch
+from rlspec.messages import RolloutBatch, Sampling
 
 
 @dataclass
@@ -38,12 +47,15 @@ class Pending:
     call: Call
     sampler_state: dict                               # the sampler before these prompts were drawn
     refits: list[Call] = field(default_factory=list)  # generator refits submitted just before it
+    rollouts: RolloutBatch | None = None              # partial rollouts: the call's result once back
 
 
 class RolloutQueue:
-    def __init__(self, run: Run, sampler: PromptSampler, first_step: int):
+    def __init__(self, run: Run, sampler: PromptSampler, first_step: int, partial: PartialRollouts | None = None):
         q = run.cfg.async_grpo
-        self.run, self.sampler = run, sampler
+        self.run, self.sampler, self.partial = run, sampler, partial
+        self.data = partial or sampler  # the data position a checkpoint stores
+        self.version = first_step - 1  # the generator's weights after the refits submitted so far
         self.lag = q.max_policy_lag
         self.capacity = q.queue_capacity if q.queue_capacity is not None else q.max_policy_lag + 1
         self.on_stale = q.on_stale
@@ -55,6 +67,14 @@ class RolloutQueue:
 
     def _submit(self, step: int, prompts: list[Prompt] | None = None, salt: int = 0) -> Pending:
         cfg = self.run.cfg
+        if self.partial is not None:
+            state, pr = self.partial.state(), self.partial
+            sampling = Sampling.of(cfg.generation, step_seed(cfg.trainer.seed, step, salt))
+            groups = pr.groups(pr.draw(), sampling)
+            call = self.run.actors.generators.generate_groups(groups, sampling, pr.P, pr.max_carry_versions)
+            item = Pending(step, [], call, state, self.refits)
+            self.refits = []
+            return item
         state = self.sampler.state()
         prompts = prompts if prompts is not None else self.sampler.next_batch(cfg.generation.num_prompts_per_step)
         call = submit(self.run, prompts, step_seed(cfg.trainer.seed, step, salt))
@@ -63,10 +83,23 @@ class RolloutQueue:
         return item
 
     def fill(self) -> None:
-        """Submit generate calls up to `capacity` steps ahead (the run's last step at most)."""
+        """Submit generate calls up to `capacity` steps ahead (the run's last step at most). Partial
+        rollouts: only after the previous call is back, and only within the lag bound."""
         while len(self.pending) < self.capacity and self.next_step <= self.run.cfg.trainer.max_steps:
+            if self.partial is not None and (self.pending and self.pending[-1].rollouts is None
+                                             or self.next_step - 1 - self.version > self.lag):
+                break
             self.pending.append(self._submit(self.next_step))
             self.next_step += 1
+
+    def _collect(self, item: Pending) -> RolloutBatch:
+        """A partial call's result, its completed groups' prompts and the carried groups taken in
+        once (in call order: a call is submitted after the one before it is collected)."""
+        if item.rollouts is None:
+            item.rollouts = wait([*item.refits, item.call], self.run.actors.timeout_s,
+                                 abort=lambda: self.run.stop.preempt)[-1]
+            item.prompts = self.partial.returned(item.rollouts)
+        return item.rollouts
 
     def before_refit(self, timer: StageTimer) -> None:
         """A collective refit (Refit.collective): the learner would block in it
@@ -87,6 +120,7 @@ class RolloutQueue:
         else:
             wait(others, self.run.actors.timeout_s)
             self.refits.extend(to_generator)
+        self.version += 1
         self.fill()
 
     def take(self, step: int, timer: StageTimer) -> tuple[list[Prompt], RolloutBatch, int]:
@@ -95,6 +129,14 @@ class RolloutQueue:
         item = self.pending[0]
         assert item.step == step, f"rollout queue holds step {item.step}, the learner wants {step}"
         run, dropped, attempt = self.run, 0, 0
+        if self.partial is not None:
+            with timer("generation"):
+                ro = self._collect(item)
+            self.pending.popleft()
+            # submitted within the bound (fill), sampled by the version it was submitted behind
+            assert step - 1 - ro.policy_version <= self.lag + self.partial.max_carry_versions
+            self.fill()
+            return item.prompts, ro, 0
         while True:
             with timer("generation"):
                 ro = wait([*item.refits, item.call], run.actors.timeout_s, abort=lambda: run.stop.preempt)[-1]
@@ -114,7 +156,7 @@ class RolloutQueue:
     def state(self) -> dict:
         """Sampler position before the oldest step not yet trained: a checkpoint stores this, so a
         resumed run draws those prompts again (and samples them with the restored weights)."""
-        return self.pending[0].sampler_state if self.pending else self.sampler.state()
+        return self.pending[0].sampler_state if self.pending else self.data.state()
 
     def drain(self) -> None:
         """Wait for the refits and rollouts in flight (results stay queued for `take`)."""
@@ -122,3 +164,6 @@ class RolloutQueue:
         self.refits = []
         if calls:
             wait(calls, self.run.actors.timeout_s)
+        if self.partial is not None:
+            for p in self.pending:
+                self._collect(p)

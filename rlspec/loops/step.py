@@ -30,14 +30,15 @@ def collect_groups(run: Run, sampler: PromptSampler, step: int, timer: StageTime
     whose rewards all agree are replaced by fresh prompts for up to max_rounds extra rounds; if the
     batch still is not full, dropped groups fill it with sample weight 0 (kept for shape only).
     Under async GRPO the first round comes from the rollout queue; extra rounds use the weights the
-    Generator has then. With partial rollouts every round is a partial call (carried groups first)."""
+    Generator has then. With partial rollouts every round is a partial call (carried groups first);
+    under async GRPO the extra rounds are whole calls (the queue's next partial call holds the carry)."""
     cfg = run.cfg
     P, G = cfg.generation.num_prompts_per_step, cfg.generation.num_generations_per_prompt
     stats = {"groups_dropped": 0.0, "sampling_rounds": 1.0, "stale_groups_dropped": 0}
 
     def fresh_round(rnd: int):
         seed = step_seed(cfg.trainer.seed, step, rnd)
-        if partial is not None:
+        if partial is not None and queue is None:
             return generate_partial(run, partial, seed, timer, totals)
         with timer("data"):
             prompts = sampler.next_batch(P)

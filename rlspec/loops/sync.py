@@ -43,9 +43,9 @@ def run_loop(run: Run, resume_from: Path | None = None, restarts: int = 0) -> di
         counters = replace(restored, restarts=restarts)
     else:
         validate(run, 0)
-    # Async: rollouts run ahead; a checkpoint stores the sampler position before the oldest
-    # untrained step (the queue's), so a resume draws those prompts again.
-    queue = RolloutQueue(run, sampler, start) if cfg.async_grpo.enabled else None
+    # Async: rollouts run ahead; a checkpoint stores the sampler position (and the carried groups)
+    # before the oldest untrained step (the queue's), so a resume draws those prompts again.
+    queue = RolloutQueue(run, sampler, start, partial) if cfg.async_grpo.enabled else None
     position = queue or data
     for step in range(start, t.max_steps + 1):
         at_start = position.state()

@@ -1,10 +1,14 @@
 """Partial rollouts through the real entry point (rlspec/loops/partial.py): the lag bound on carried
-answers, and an exact resume with unfinished answers in flight."""
+answers, synchronous and async, async at lag 0 equal to the synchronous loop, and an exact resume
+with unfinished answers in flight."""
+import shutil
+
 import pytest
 
 from helpers.cli import records, train
 
 PARTIAL = "generation.partial.enabled=true"
+ASYNC = "async_grpo.enabled=true"
 
 
 def partial_counts(recs: list[dict], key: str) -> list[float]:
@@ -25,11 +29,28 @@ def test_with_no_version_to_carry_over_every_trained_token_is_on_policy(tmp_path
     assert partial_counts(recs, "resumed_answers") == [0.0] * 4
 
 
+def test_async_partial_rollouts_keep_every_token_within_both_bounds(tmp_path):
+    """Async GRPO (lag 1) with partial rollouts: a call goes out once the one before it is back, so
+    from step 2 on every batch was sampled a version behind the learner, and a resumed answer adds
+    at most max_carry_versions (1) to that: no trained token is more than 2 versions old."""
+    p = train(tmp_path / "run", PARTIAL, ASYNC, "generation.partial.max_carry_versions=1",
+              "generation.max_new_tokens=64")
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = records(tmp_path / "run")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert recs[0]["policy_lag_max"] == 0 and all(1 <= r["policy_lag_max"] <= 2 for r in recs[1:])
+    assert all(r["extra"]["behaviour_version"] >= r["step"] - 3 for r in recs)
+    assert sum(partial_counts(recs, "carried_groups")) > 0 and sum(partial_counts(recs, "resumed_answers")) > 0
+    assert all(r["stale_groups_dropped"] == 0 for r in recs)
+
+
 @pytest.mark.slow  # three CLI runs
 def test_a_run_resumed_with_carried_answers_continues_exactly(tmp_path):
-    """The step-2 checkpoint holds unfinished answers; resumed from it, steps 3 and 4 train on the
-    same rollouts (the same floats) as the run that never stopped. In that run answers are resumed
-    and no trained token trails the learner by more than max_carry_versions (2)."""
+    """Async GRPO at lag 0 with partial rollouts trains on the synchronous loop's rollouts (the same
+    floats). Its step-2 checkpoint, written with step 3's call already out, holds the unfinished
+    answers as they were before that call; a run resumed from it trains steps 3 and 4 exactly as
+    the others did. In these runs answers are resumed and no trained token trails the learner by
+    more than max_carry_versions (2)."""
     from rlspec.loops.checkpoint import read_driver_state
 
     extra = (PARTIAL, "generation.max_new_tokens=64")
@@ -39,16 +60,22 @@ def test_a_run_resumed_with_carried_answers_continues_exactly(tmp_path):
     assert sum(partial_counts(want, "resumed_answers")) > 0
     assert all(r["policy_lag_max"] <= 2 for r in want) and max(r["extra"]["policy_lag_mean"] for r in want) > 0
 
-    run = tmp_path / "run"
-    first = train(run, *extra, "trainer.max_steps=2", "trainer.checkpoint_every=2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    carry = read_driver_state(run / "checkpoints" / "step_00000002").sampler["partial"]["carry"]
+    lag0 = (*extra, ASYNC, "async_grpo.max_policy_lag=0")
+    run = tmp_path / "async"
+    whole = train(run, *lag0, "trainer.checkpoint_every=2")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    step2 = run / "checkpoints" / "step_00000002"
+    carry = read_driver_state(step2).sampler["partial"]["carry"]
     assert any(a["response_ids"] and not a["done"] for g in carry for a in g["answers"])
-    resumed = train(run, *extra)
+
+    again = tmp_path / "again"  # the async run as if it had stopped after its step-2 checkpoint
+    shutil.copytree(step2, again / "checkpoints" / step2.name)
+    (again / "checkpoints" / "latest").write_text(step2.name)
+    resumed = train(again, *lag0)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
-    got = records(run)
-    assert [r["step"] for r in got] == [1, 2, 3, 4]
-    for g, w in zip(got, want):  # exact: same floats
-        assert (g["loss"], g["reward_mean"], g["generated_tokens"]) == (w["loss"], w["reward_mean"],
-                                                                        w["generated_tokens"])
-        assert g["extra"]["policy_lag_mean"] == w["extra"]["policy_lag_mean"]
+    for got in (records(run), records(again)):
+        assert [r["step"] for r in got] == [1, 2, 3, 4]
+        for g, w in zip(got, want):  # exact: same floats
+            assert (g["loss"], g["reward_mean"], g["generated_tokens"]) == (w["loss"], w["reward_mean"],
+                                                                            w["generated_tokens"])
+            assert g["extra"]["policy_lag_mean"] == w["extra"]["policy_lag_mean"]
