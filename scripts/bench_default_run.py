@@ -75,6 +75,8 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
             "steps": s["steps"], "step_seconds": s["step_seconds"], "stage_share": s["stage_share"],
             "generation_seconds": s["stage_seconds"]["generation"], "val_steps": s["val_steps"],
             "val_accuracy": s["val_accuracy"], "val_seconds": s["val_seconds"],
+            # the steps' seconds (validation left out) up to each validation: time to an accuracy
+            "seconds_at_val": [sum(r["step_seconds"] for r in recs if r["step"] <= v) for v in s["val_steps"]],
             "acceptance_length": s["acceptance_length"],
             "tokens_per_second": s["tokens_per_second"], "epochs": epochs,
             "partial": {k[len("partial/"):]: sum(x[k] for x in ex) for k in ex[0] if k.startswith("partial/")}
@@ -99,8 +101,15 @@ def run_one(setting: str, seed: int, extra: list[str], work: Path, per_epoch: in
     return out
 
 
-def summarise(runs: list[dict]) -> list[dict]:
-    """One row per setting: means and stds over its seeds; speedups against 'none' of the same seeds."""
+def to_target(run: dict, target: float) -> float | None:
+    """Seconds of steps until the first validation at or above `target` (None: never reached)."""
+    hit = [t for t, acc in zip(run.get("seconds_at_val", []), run["val_accuracy"]) if acc >= target]
+    return hit[0] if hit else None
+
+
+def summarise(runs: list[dict], target: float = 0.9) -> list[dict]:
+    """One row per setting: means and stds over its seeds; speedups against 'none' of the same seeds;
+    seconds to held-out accuracy `target` over the seeds that reached it."""
     settings = list(dict.fromkeys(r["setting"] for r in runs))
     base = {r["seed"]: r for r in runs if r["setting"] == "none"}
     rows = []
@@ -116,6 +125,9 @@ def summarise(runs: list[dict]) -> list[dict]:
                          "val_first": lambda r: r["val_accuracy"][0],
                          "val_last": lambda r: r["val_accuracy"][-1]}.items():
             row[key], row[f"{key}_std"] = harness.mean_std([get(r) for r in mine])
+        reached = [t for t in (to_target(r, target) for r in mine) if t is not None]
+        row["target"], row["target_reached"] = target, len(reached)
+        row["target_seconds"], row["target_seconds_std"] = harness.mean_std(reached) if reached else (None, None)
         if all("val_seconds" in r for r in mine):  # seconds per validation, mean over the run's
             per_run = [statistics.mean(r["val_seconds"]) for r in mine]
             row["val_seconds"], row["val_seconds_std"] = harness.mean_std(per_run)
@@ -160,11 +172,22 @@ def label(row: dict) -> str:
     return row["setting"] if ":" in row["setting"] else f"{row['setting']} (k={spec['num_speculative_tokens']})"
 
 
+def reach(row: dict, spread: bool) -> str:
+    """Seconds to the target over the seeds that reached it, and how many of them did."""
+    if row.get("target_seconds") is None:
+        return f"never (0/{len(row['seeds'])})"
+    t = pm((row["target_seconds"], row["target_seconds_std"]), ".0f", spread=spread and row["target_reached"] > 1)
+    return f"{t} ({row['target_reached']}/{len(row['seeds'])})"
+
+
 def table(rows: list[dict]) -> str:
     """Two markdown tables: the runs' totals, and generation per epoch."""
     vals = " | ".join(f"held-out @{s}" for s in rows[0]["val_steps"])
-    out = [f"| setting | wall min | step s | generation share | validation s | {vals} | "
-           "response p50 / p90 / max (step 1) |", "|---|---|---|---|---|" + "---|" * len(rows[0]["val_steps"]) + "---|"]
+    target = rows[0].get("target")  # None: a JSON from before the time-to-target column
+    to = "" if target is None else f" step s to held-out >= {target:.2f} (seeds) |"
+    out = [f"| setting | wall min | step s | generation share | validation s | {vals} |{to} "
+           "response p50 / p90 / max (step 1) |",
+           "|---|---|---|---|---|" + "---|" * (len(rows[0]["val_steps"]) + (target is not None)) + "---|"]
     spread = any(len(r["seeds"]) > 1 for r in rows)
     for r in rows:
         v = " | ".join(pm(x, ".3f", spread=spread) for x in zip(r["val_accuracy"], r["val_accuracy_std"]))
@@ -173,7 +196,8 @@ def table(rows: list[dict]) -> str:
                    f"{pm((r['step_seconds'], r['step_seconds_std']), spread=spread)} | "
                    f"{pm((r['generation_share'], r['generation_share_std']), '.1%', spread=spread)} | "
                    f"{pm((r['val_seconds'], r['val_seconds_std']), spread=spread) if 'val_seconds' in r else '-'} | "
-                   f"{v} | {ln['p50']:.0f} / {ln['p90']:.0f} / {ln['max']:.0f} |")
+                   f"{v} |{'' if target is None else ' ' + reach(r, spread) + ' |'} "
+                   f"{ln['p50']:.0f} / {ln['p90']:.0f} / {ln['max']:.0f} |")
     eps = rows[0]["epochs"]
     out += ["", "| setting | " + " | ".join(f"epoch {i + 1} (steps {e['steps'][0]}-{e['steps'][1]})"
                                             for i, e in enumerate(eps)) + " |",
@@ -207,6 +231,7 @@ def main() -> None:
     ap.add_argument("--work", default="multirun/bench_default_run", help="run directories go here")
     ap.add_argument("--out", default="bench_default_run.json")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run before it counts as hung")
+    ap.add_argument("--target", type=float, default=0.9, help="held-out accuracy the time-to-target column reads")
     ap.add_argument("--table", metavar="JSON", help="print the tables of an earlier run's JSON and exit")
     ap.add_argument("--rescan", metavar="JSON", help="re-read an earlier run's run directories (still on disk) "
                     "into its JSON")
@@ -217,7 +242,7 @@ def main() -> None:
         if a.rescan:
             result["runs"] = [{**read_run(r["setting"], r["seed"], Path(r["run_dir"]), result["steps_per_epoch"]),
                                "process_seconds": r["process_seconds"]} for r in result["runs"]]
-            result["rows"] = summarise(result["runs"])
+            result["rows"] = summarise(result["runs"], a.target)
             harness.write(result, path)
         print(table(result["rows"]))
         return
@@ -229,7 +254,7 @@ def main() -> None:
     per_epoch = epoch_steps(a.overrides)
     stamp = harness.stamp()
     runs = [run_one(s, seed, a.overrides, work, per_epoch, a.timeout) for seed in a.seeds for s in a.settings]
-    rows = summarise(runs)
+    rows = summarise(runs, a.target)
     result = {**stamp, "settings": a.settings, "seeds": a.seeds, "overrides": a.overrides,
               "steps_per_epoch": per_epoch, "rows": rows, "runs": runs}
     print(table(rows))

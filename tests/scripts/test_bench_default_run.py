@@ -88,3 +88,15 @@ def test_a_setting_may_carry_overrides_of_its_own():
         "speculation=none", "trainer.skip_zero_gradient_rows=false"]
     assert bdr.overrides("draft_model:3+a.b=1+c=2") == ["speculation=draft_model",
                                                         "speculation.num_speculative_tokens=3", "a.b=1", "c=2"]
+
+
+def test_time_to_target_counts_step_seconds_to_the_first_validation_that_reaches_it(tmp_path):
+    # steps of 3, 3, 2, 2 s (generation + 1); validations at steps 0, 2 and 4
+    runs = [bdr.read_run("none", s, write_run(tmp_path / f"n{s}", [2.0, 2.0, 1.0, 1.0], val=val), per_epoch=2)
+            for s, val in enumerate([(0.3, 0.9, 0.95), (0.3, 0.5, 0.92), (0.3, 0.5, 0.6)])]
+    assert [r["seconds_at_val"] for r in runs[:1]] == [[0.0, 6.0, 10.0]]
+    assert [bdr.to_target(r, 0.9) for r in runs] == [6.0, 10.0, None]
+    row = bdr.summarise(runs, target=0.9)[0]
+    assert (row["target_seconds"], row["target_reached"]) == (pytest.approx(8.0), 2)
+    assert "step s to held-out >= 0.90 (seeds)" in bdr.table([row]) and "8 ± 3 (2/3)" in bdr.table([row])
+    assert "never (0/3)" in bdr.table(bdr.summarise(runs, target=0.99))
