@@ -308,6 +308,8 @@ def test_a_public_format_head_with_a_smaller_vocabulary_trains_serves_and_adapts
     r = subprocess.run([sys.executable, "-m", "rlspec.train", TEST_EXPERIMENT, "speculation=eagle3",
                         f"speculation.model={pub}",
                         "speculation.online.enabled=true", "trainer.max_steps=2", f"hydra.run.dir={run}",
+                        "generation.num_prompts_per_step=8", "generation.num_generations_per_prompt=4",
+                        "trainer.micro_batch_size=8", "data.val.num_rows=32", "logging.wandb_mode=disabled",
                         "logging.progress_bar=false"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((run / "summary.json").read_text())
