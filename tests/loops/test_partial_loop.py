@@ -32,9 +32,11 @@ def test_with_no_version_to_carry_over_every_trained_token_is_on_policy(tmp_path
 def test_async_partial_rollouts_keep_every_token_within_both_bounds(tmp_path):
     """Async GRPO (lag 1) with partial rollouts: a call goes out once the one before it is back, so
     from step 2 on every batch was sampled a version behind the learner, and a resumed answer adds
-    at most max_carry_versions (1) to that: no trained token is more than 2 versions old."""
+    at most max_carry_versions (1) to that: no trained token is more than 2 versions old. With
+    dynamic sampling on, the extra rounds (whole calls under async) take the place of the groups
+    whose rewards agree."""
     p = train(tmp_path / "run", PARTIAL, ASYNC, "generation.partial.max_carry_versions=1",
-              "generation.max_new_tokens=64")
+              "generation.max_new_tokens=64", "algo.dynamic_sampling=true")
     assert p.returncode == 0, p.stderr[-3000:]
     recs = records(tmp_path / "run")
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
@@ -42,6 +44,8 @@ def test_async_partial_rollouts_keep_every_token_within_both_bounds(tmp_path):
     assert all(r["extra"]["behaviour_version"] >= r["step"] - 3 for r in recs)
     assert sum(partial_counts(recs, "carried_groups")) > 0 and sum(partial_counts(recs, "resumed_answers")) > 0
     assert all(r["stale_groups_dropped"] == 0 for r in recs)
+    assert all(r["extra"]["sampling_rounds"] >= 1 for r in recs) and any(r["extra"]["sampling_rounds"] > 1
+                                                                        for r in recs)
 
 
 @pytest.mark.slow  # three CLI runs
