@@ -9,6 +9,9 @@ over no speculation and the tokens per verification.
 
     python scripts/bench_default_run.py --settings none history draft_model:3 --seeds 0 1 2 \\
         --out docs/bench/default_run.json
+
+With --add the grid grows an earlier --out one run at a time (the JSON is rewritten after each):
+a grid too long for one sitting is run in parts, each run stamped with the commit it ran at.
 """
 from __future__ import annotations
 
@@ -232,6 +235,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench_default_run.json")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run before it counts as hung")
     ap.add_argument("--target", type=float, default=0.9, help="held-out accuracy the time-to-target column reads")
+    ap.add_argument("--add", action="store_true", help="grow --out where it exists: the (setting, seed) runs it "
+                    "holds are kept, the others run; the JSON is rewritten after every run, so a grid can span "
+                    "several invocations")
     ap.add_argument("--table", metavar="JSON", help="print the tables of an earlier run's JSON and exit")
     ap.add_argument("--rescan", metavar="JSON", help="re-read an earlier run's run directories (still on disk) "
                     "into its JSON")
@@ -253,12 +259,41 @@ def main() -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     per_epoch = epoch_steps(a.overrides)
     stamp = harness.stamp()
-    runs = [run_one(s, seed, a.overrides, work, per_epoch, a.timeout) for seed in a.seeds for s in a.settings]
-    rows = summarise(runs, a.target)
-    result = {**stamp, "settings": a.settings, "seeds": a.seeds, "overrides": a.overrides,
-              "steps_per_epoch": per_epoch, "rows": rows, "runs": runs}
-    print(table(rows))
+    runs = earlier(Path(a.out), a.overrides) if a.add else []
+    done = {(r["setting"], r["seed"]) for r in runs}
+    for seed in a.seeds:  # settings interleave per seed: a grid stopped early has whole seeds
+        for s in a.settings:
+            if (s, seed) in done:
+                continue
+            runs.append({**run_one(s, seed, a.overrides, work, per_epoch, a.timeout), "version": stamp["version"]})
+            write_grid(a, stamp, per_epoch, runs)  # after every run: a stopped grid loses only the run in flight
+    if not runs:
+        raise SystemExit("no runs: --settings and --seeds name none")
+    print(table(write_grid(a, stamp, per_epoch, runs)["rows"]))
+
+
+def earlier(out: Path, overrides: list[str]) -> list[dict]:
+    """--add: the runs an earlier invocation wrote to `out` (none where it does not exist yet)."""
+    if not out.exists():
+        return []
+    old = json.loads(out.read_text())
+    if old.get("overrides", []) != overrides:
+        raise SystemExit(f"{out}: its runs were made with --set {old.get('overrides')}, not {overrides}: "
+                         "one grid has one set of overrides (another --out starts another)")
+    return old["runs"]
+
+
+def write_grid(a: argparse.Namespace, stamp: dict, per_epoch: float, runs: list[dict]) -> dict:
+    """The grid's JSON so far: every run, and per setting its summary over the seeds done. Settings
+    and seeds list what the runs hold (an earlier invocation's too, under --add)."""
+    settings = list(dict.fromkeys([*(r["setting"] for r in runs), *a.settings]))
+    runs = sorted(runs, key=lambda r: (r["seed"], settings.index(r["setting"])))
+    versions = sorted({r.get("version", stamp["version"]) for r in runs})
+    result = {**stamp, "versions": versions, "settings": [s for s in settings if any(r["setting"] == s for r in runs)],
+              "seeds": sorted({r["seed"] for r in runs}), "overrides": a.overrides, "steps_per_epoch": per_epoch,
+              "rows": summarise(runs, a.target), "runs": runs}
     harness.write(result, a.out)
+    return result
 
 
 if __name__ == "__main__":

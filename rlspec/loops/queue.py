@@ -34,16 +34,16 @@ from dataclasses import dataclass, field
 from rlspec.cluster.calls import Call, wait
 from rlspec.data.loading import Prompt, PromptSampler
 from rlspec.loops.partial import PartialRollouts
-from rlspec.loops.rollouts import step_seed, submit
+from rlspec.loops.rollouts import step_seed, submit, submit_partial
 from rlspec.loops.runlog import StageTimer
 from rlspec.loops.state import Run
-from rlspec.messages import RolloutBatch, Sampling
+from rlspec.messages import RolloutBatch
 
 
 @dataclass
 class Pending:
     step: int
-    prompts: list[Prompt]
+    prompts: list[Prompt]                             # partial rollouts: the completed groups, once collected
     call: Call
     sampler_state: dict                               # the sampler before these prompts were drawn
     refits: list[Call] = field(default_factory=list)  # generator refits submitted just before it
@@ -54,7 +54,6 @@ class RolloutQueue:
     def __init__(self, run: Run, sampler: PromptSampler, first_step: int, partial: PartialRollouts | None = None):
         q = run.cfg.async_grpo
         self.run, self.sampler, self.partial = run, sampler, partial
-        self.data = partial or sampler  # the data position a checkpoint stores
         self.version = first_step - 1  # the generator's weights after the refits submitted so far
         self.lag = q.max_policy_lag
         self.capacity = q.queue_capacity if q.queue_capacity is not None else q.max_policy_lag + 1
@@ -67,11 +66,9 @@ class RolloutQueue:
 
     def _submit(self, step: int, prompts: list[Prompt] | None = None, salt: int = 0) -> Pending:
         cfg = self.run.cfg
-        if self.partial is not None:
-            state, pr = self.partial.state(), self.partial
-            sampling = Sampling.of(cfg.generation, step_seed(cfg.trainer.seed, step, salt))
-            groups = pr.groups(pr.draw(), sampling)
-            call = self.run.actors.generators.generate_groups(groups, sampling, pr.P, pr.max_carry_versions)
+        if self.partial is not None:  # its prompts are known once it is collected
+            state = self.partial.state()
+            call = submit_partial(self.run, self.partial, step_seed(cfg.trainer.seed, step, salt))
             item = Pending(step, [], call, state, self.refits)
             self.refits = []
             return item
@@ -156,7 +153,7 @@ class RolloutQueue:
     def state(self) -> dict:
         """Sampler position before the oldest step not yet trained: a checkpoint stores this, so a
         resumed run draws those prompts again (and samples them with the restored weights)."""
-        return self.pending[0].sampler_state if self.pending else self.data.state()
+        return self.pending[0].sampler_state if self.pending else (self.partial or self.sampler).state()
 
     def drain(self) -> None:
         """Wait for the refits and rollouts in flight (results stay queued for `take`)."""

@@ -64,15 +64,20 @@ def generate(run: Run, prompts: list[Prompt], seed: int, timer: StageTimer, tota
     return ro, rewards(run, prompts, ro, timer, totals)
 
 
-def generate_partial(run: Run, partial: PartialRollouts, seed: int, timer: StageTimer, totals: GenTotals):
+def submit_partial(run: Run, partial: PartialRollouts, seed: int) -> Call:
     """Partial rollouts (rlspec/loops/partial.py): the carried groups and new prompts in one call
-    that returns once P groups are complete; their prompts, rollouts and rewards [P, G]."""
+    that returns once P groups are complete (their prompts: `partial.returned` of its result)."""
     sampling = Sampling.of(run.cfg.generation, seed)
+    groups = partial.groups(partial.draw(), sampling)
+    return run.actors.generators.generate_groups(groups, sampling, partial.P, partial.max_carry_versions)
+
+
+def generate_partial(run: Run, partial: PartialRollouts, seed: int, timer: StageTimer, totals: GenTotals):
+    """A partial call waited on: its completed groups' prompts, rollouts and rewards [P, G]."""
     with timer("data"):
-        groups = partial.groups(partial.draw(), sampling)
+        call = submit_partial(run, partial, seed)
     with timer("generation"):
-        ro = wait(run.actors.generators.generate_groups(groups, sampling, partial.P, partial.max_carry_versions),
-                  run.actors.timeout_s, abort=lambda: run.stop.preempt)
+        ro = wait(call, run.actors.timeout_s, abort=lambda: run.stop.preempt)
     prompts = partial.returned(ro)
     return prompts, ro, rewards(run, prompts, ro, timer, totals)
 

@@ -100,3 +100,33 @@ def test_time_to_target_counts_step_seconds_to_the_first_validation_that_reaches
     assert (row["target_seconds"], row["target_reached"]) == (pytest.approx(8.0), 2)
     assert "step s to held-out >= 0.90 (seeds)" in bdr.table([row]) and "8 ± 3 (2/3)" in bdr.table([row])
     assert "never (0/3)" in bdr.table(bdr.summarise(runs, target=0.99))
+
+
+def test_add_grows_a_grid_run_by_run_and_keeps_what_is_done(tmp_path, monkeypatch):
+    made = []
+
+    def fake_run_one(setting, seed, extra, work, per_epoch, timeout):  # the training run itself is not the subject
+        made.append((setting, seed))
+        gen = [2.0, 2.0, 2.0, 2.0] if setting == "none" else [2.0, 2.0, 1.0, 1.0]
+        return {**bdr.read_run(setting, seed, write_run(work / f"{setting}{seed}", gen), per_epoch=2),
+                "process_seconds": 1.0}
+
+    monkeypatch.setattr(bdr, "run_one", fake_run_one)
+    monkeypatch.setattr(bdr, "epoch_steps", lambda extra: 2)
+    out = tmp_path / "grid.json"
+    argv = ["bench_default_run.py", "--work", str(tmp_path / "w"), "--out", str(out), "--add"]
+    monkeypatch.setattr("sys.argv", [*argv, "--settings", "none", "history", "--seeds", "0"])
+    bdr.main()
+    assert made == [("none", 0), ("history", 0)]
+    monkeypatch.setattr("sys.argv", [*argv, "--settings", "none", "history", "--seeds", "0", "1"])
+    bdr.main()  # seed 0 is on file: only seed 1 runs
+    assert made[2:] == [("none", 1), ("history", 1)]
+    grid = json.loads(out.read_text())
+    assert [(r["setting"], r["seed"]) for r in grid["runs"]] == [("none", 0), ("history", 0), ("none", 1),
+                                                                 ("history", 1)]
+    assert grid["seeds"] == [0, 1] and [r["seeds"] for r in grid["rows"]] == [[0, 1], [0, 1]]
+    assert grid["versions"] == [grid["version"]] and all(r["version"] == grid["version"] for r in grid["runs"])
+    monkeypatch.setattr("sys.argv", [*argv, "--settings", "none", "--seeds", "2", "--set", "trainer.max_steps=4"])
+    with pytest.raises(SystemExit, match="grid.json: its runs were made with --set"):
+        bdr.main()  # another set of overrides is another grid: nothing is mixed or lost
+    assert len(json.loads(out.read_text())["runs"]) == 4 and len(made) == 4
