@@ -137,7 +137,12 @@ def _speculator_class(base):
                 return self.drafts[:n]
             token_ids = rs.all_token_ids.gpu[idx]                       # [B, max_model_len]
             lengths = rs.total_len.gpu[idx]
-            prompt_lens = rs.prompt_len.gpu[idx].long()
+            if self.prompt_len_of:  # partial rollouts: resumed answers drafted under their own prompt
+                plens = own_prompt_lens(rs.prompt_len.np[input_batch.idx_mapping_np[:n]], input_batch.req_ids[:n],
+                                        self.prompt_len_of)
+                prompt_lens = torch.as_tensor(plens, dtype=torch.int64).to(self.device, non_blocking=True)
+            else:
+                prompt_lens = rs.prompt_len.gpu[idx].long()
             active = num_sampled[:n] > 0
             drafts, counts = self.history.propose(token_ids, lengths, prompt_hash(token_ids, prompt_lens),
                                                   prompt_lens, k, active)
@@ -300,8 +305,9 @@ def check(worker) -> None:
 
 
 def begin_call(worker, draft: bool = True, prompt_len_of: dict[str, int] | None = None) -> None:
-    """As history_proposer.begin_call; prompt_len_of reaches the V1 path (on Model Runner V2 a
-    resumed answer is drafted under vLLM's prompt, its answer so far included)."""
+    """As history_proposer.begin_call: prompt_len_of (rlspec's request id -> its own prompt's
+    length) names the resumed answers of partial rollouts, whose prompt in vLLM holds their answer
+    so far; both runners draft them under their own prompt."""
     p = _proposer(worker)
     p.drafting = draft
     p.prompt_len_of = prompt_len_of or {}

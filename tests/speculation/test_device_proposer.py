@@ -107,6 +107,52 @@ def test_the_v2_speculator_drafts_from_the_runners_request_states():
     assert out.tolist() == [[40] * 4, [12] * 4] and spec.stats.as_dict()["drafted_tokens"] == 6
 
 
+def test_the_v2_speculator_drafts_a_resumed_answer_under_its_own_prompt():
+    """Partial rollouts: vLLM holds a resumed answer as a request whose prompt is the original
+    prompt plus the answer so far; given prompt_len_of (rlspec's request id -> its prompt's length),
+    V2's slot drafts it as it drafts the same tokens of a request that never stopped, and reads the
+    other rows' prompt lengths from the runner's request states."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.gpu.spec_decode.ngram import speculator
+
+    from rlspec.speculation.device_proposer import MARK, _speculator_class
+
+    cls = _speculator_class(speculator.NgramGPUSpeculator)
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(model=MARK, num_speculative_tokens=4),
+                          scheduler_config=SimpleNamespace(max_num_seqs=8),
+                          model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 100))
+    plen = np.zeros(8, dtype=np.int32)
+    states = SimpleNamespace(all_token_ids=SimpleNamespace(gpu=torch.zeros(8, 64, dtype=torch.int32)),
+                             total_len=SimpleNamespace(gpu=torch.zeros(8, dtype=torch.int32)),
+                             prompt_len=SimpleNamespace(gpu=torch.from_numpy(plen), np=plen))
+    spec = cls(cfg, torch.device("cpu"), states)
+    # two prompts whose answers continue the same tokens differently: the prompt decides the draft
+    a, b = [5, 6, 7, 8], [1, 2, 3, 4]
+    spec.history.insert([a, b, b], [[10, 11, 12, 13, 14, 15, 16, 17], [10, 11, 12, 30, 31, 32, 33, 34],
+                                    [10, 11, 12, 30, 31, 32, 33, 34]])
+    # slot 2: prompt a, never stopped; slot 5: the same tokens, resumed (vLLM's prompt a + [10, 11])
+    for slot, vllm_prompt_len in ((2, 4), (5, 6)):
+        states.all_token_ids.gpu[slot, :7] = torch.tensor(a + [10, 11, 12])
+        states.total_len.gpu[slot] = 7
+        plen[slot] = vllm_prompt_len
+    batch = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([2, 5]), idx_mapping_np=np.array([2, 5]),
+                            req_ids=["0-0-abcdefgh", "1-0-ijklmnop"])
+    last = torch.full((8, 1), 12, dtype=torch.int64)
+    seen, propose = [], spec.history.propose
+
+    def noting(ids, n, salts, pl, *rest):   # the prompt lengths the store is asked under
+        seen.append(pl.tolist())
+        return propose(ids, n, salts, pl, *rest)
+
+    spec.history.propose = noting
+    spec.prompt_len_of = {"1-0": 4}   # the Generator's begin_call: the resumed answers' own prompt lengths
+    out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None)
+    assert seen[-1] == [4, 4] and out.tolist() == [[13, 14, 15, 16]] * 2
+    spec.prompt_len_of = {}   # without it: vLLM's prompt lengths, as a call with nothing resumed reads them
+    spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None)
+    assert seen[-1] == [4, 6]
+
+
 # -- through real vLLM (V1's ngram_gpu slot), in a Generator actor ---------------------------------------
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
