@@ -15,6 +15,12 @@ How the rule departs from the numba store's (rlspec/speculation/store.py):
   with the draft so far (ties: the highest rank), while its share is at least min_prob.
 - eviction is a ring: the oldest stored tokens are overwritten, their bucket entries dropped by a
   position check; no per-prompt bound.
+
+Two alternatives to the longest match, kept measurable (docs/bench/history_rule_variants_default.json,
+the default run's replay at k=5), both behind the default in every epoch there: select=score, suffix
+decoding's rule (per source and match length, the draft with the most tokens expected accepted,
+min_prob a bound on the product of the shares, at most spec_factor tokens per matched token), and
+pooled (the prompt's own sources and the global one vote together).
 """
 from __future__ import annotations
 
@@ -125,7 +131,8 @@ class DeviceHistory:
 
     def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 64,
                  max_match: int = 16, prompt_keys=(8, 3, 1), global_keys=(8, 4, 1),
-                 min_prob: float = 0.5, max_siblings: int = 16, max_voters: int = 64, vocab_size: int | None = None):
+                 min_prob: float = 0.5, max_siblings: int = 16, max_voters: int = 64, vocab_size: int | None = None,
+                 select: str = "longest", spec_factor: float = 0.0, pooled: bool = False):
         self.device = torch.device(device)
         self.capacity, self.width = int(max_tokens), int(width)
         self.max_match = int(max_match)
@@ -140,6 +147,12 @@ class DeviceHistory:
         self.n_buckets = n
         self.min_prob, self.max_siblings, self.max_voters = float(min_prob), int(max_siblings), int(max_voters)
         self.vocab = int(vocab_size or (1 << 31) - 1)
+        if select not in ("longest", "score"):
+            raise ValueError(f"device history: select must be longest or score, got {select!r}")
+        self.select, self.spec_factor, self.pooled = select, float(spec_factor), bool(pooled)
+        # select=score: the match lengths a draft may be read at (each source's candidates matching
+        # at least that many tokens vote)
+        self.thresholds = tuple(m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if m <= self.max_match)
         self.tok = torch.full((self.capacity,), EMPTY, dtype=torch.int32, device=self.device)
         self.pid = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
         self.table = torch.full((n, self.width), -1, dtype=torch.int64, device=self.device)
@@ -259,11 +272,16 @@ class DeviceHistory:
                                                    (hist[0].rank, live.rank), (hist[0].nxt, live.nxt))]
         valid, length, rank, nxt = cand
         glob = torch.cat([hist[1], torch.zeros_like(live.valid)], 1)             # [B, C] global source
+        if active is not None:
+            valid = valid & active[:, None]
+        if self.pooled:  # the prompt's own sources and the global one vote together
+            glob = torch.zeros_like(glob)
+        if self.select == "score":
+            drafts = self._best_scored(valid & ~glob, valid & glob, length, rank, nxt, k)
+            return drafts, (drafts >= 0).sum(1).int()
         own = valid & ~glob
         own_best = torch.where(own, length, 0).amax(1, keepdim=True)
         valid = own | (valid & glob & (length > own_best))
-        if active is not None:
-            valid = valid & active[:, None]
         best = torch.where(valid, length, 0).amax(1, keepdim=True)
         drafts = self._vote(*self._voters(valid & (length == best), rank, nxt, k), k)
         return drafts, (drafts >= 0).sum(1).int()
@@ -401,13 +419,37 @@ class DeviceHistory:
         valid = _first_of(valid, row * (L + 1) + p)
         return Candidates(valid, length, rank, nxt)
 
-    def _vote(self, alive, rank, nxt, k) -> torch.Tensor:
+    def _best_scored(self, own, glob, length, rank, nxt, k) -> torch.Tensor:
+        """select=score (suffix decoding's rule): for each source (the prompt's own, then the global
+        one) and each match length m in `thresholds`, the draft its candidates matching at least m
+        tokens vote, at most m * spec_factor tokens long where spec_factor > 0; the row takes the
+        draft of highest score, the expected number of its tokens accepted (ties: the own source,
+        then the longer match). All options in one batch: [2 * T * B] rows."""
+        B, C = own.shape
+        th = torch.tensor(self.thresholds, device=own.device)
+        alive = torch.stack([own, glob])[:, None] & (length[None, None] >= th[None, :, None, None])  # [2, T, B, C]
+        R = alive.shape[0] * alive.shape[1]
+        cap = torch.full((2, len(self.thresholds)), k, device=own.device)
+        if self.spec_factor > 0:
+            cap = torch.minimum(cap, (th.double() * self.spec_factor + 1e-6).floor().long()[None])
+        top = torch.where(alive.flip(1).reshape(R * B, C), rank.repeat(R, 1), -1).topk(min(self.max_voters, C), 1)
+        row = torch.arange(B, device=own.device).repeat(R)[:, None]
+        drafts, score = self._vote(top.values >= 0, top.values, nxt[row, top.indices], k,
+                                   cap=cap.flip(1).reshape(R, 1).expand(R, B).reshape(-1))
+        pick = score.view(R, B).argmax(0)                                          # the first of equal scores
+        return drafts.view(R, B, k).gather(0, pick[None, :, None].expand(1, B, k))[0]
+
+    def _vote(self, alive, rank, nxt, k, cap: torch.Tensor | None = None):
         """Token by token: the most frequent next token among the candidates still agreeing (ties:
         the highest rank), kept while its share is at least min_prob and it is a token. alive,
-        rank [B, V], nxt [B, V, k] -> drafts [B, k] int32 (-1: none)."""
+        rank [B, V], nxt [B, V, k] -> drafts [B, k] int32 (-1: none). With cap [B] (select=score):
+        at most cap[b] tokens, kept while the product of the shares so far is at least min_prob,
+        and the drafts' scores [B] (the sum of those products) returned too."""
         B = alive.shape[0]
         drafts = torch.full((B, k), -1, dtype=torch.int32, device=alive.device)
         go = torch.ones(B, dtype=torch.bool, device=alive.device)
+        prob = torch.ones(B, dtype=torch.float64, device=alive.device)
+        score = torch.zeros(B, dtype=torch.float64, device=alive.device)
         for t in range(k):
             x = nxt[:, :, t]
             voters = alive & (x != UNKNOWN)
@@ -415,10 +457,16 @@ class DeviceHistory:
             best = torch.where(voters, count * _COUNT + rank, -1).argmax(1, keepdim=True)
             tok, votes = x.gather(1, best)[:, 0], count.gather(1, best)[:, 0]
             share = votes.double() / voters.sum(1).clamp(min=1).double()
-            go = go & (votes > 0) & (tok >= 0) & (tok < self.vocab) & (share >= self.min_prob)
+            go = go & (votes > 0) & (tok >= 0) & (tok < self.vocab)
+            if cap is None:
+                go = go & (share >= self.min_prob)
+            else:
+                prob = prob * share
+                go = go & (prob >= self.min_prob) & (cap > t)
+                score = score + torch.where(go, prob, 0.0)
             drafts[:, t] = torch.where(go, tok, -1).int()
             alive = voters & (x == tok[:, None])
-        return drafts
+        return drafts if cap is None else (drafts, score)
 
 
 def merge_device_states(states: list[dict]) -> dict:

@@ -46,10 +46,12 @@ def prompt_hash(prompt) -> int:
 
 class Reference:
     def __init__(self, max_tokens, n_buckets, width, max_match, prompt_keys, global_keys, min_prob,
-                 max_siblings, max_voters, vocab=(1 << 31) - 1):
+                 max_siblings, max_voters, vocab=(1 << 31) - 1, select="longest", spec_factor=0.0, thresholds=(),
+                 pooled=False):
         self.A, self.NB, self.W = max_tokens, n_buckets, width
         self.max_match, self.prompt_keys, self.global_keys = max_match, list(prompt_keys), list(global_keys)
         self.min_prob, self.G, self.V, self.vocab = min_prob, max_siblings, max_voters, vocab
+        self.select, self.spec_factor, self.thresholds, self.pooled = select, spec_factor, list(thresholds), pooled
         self.tok, self.pid = {}, {}       # absolute position -> token, prompt hash
         self.buckets: dict[int, deque] = {}
         self.written = 0
@@ -123,6 +125,10 @@ class Reference:
                     continue
                 cands[("l", j, p)] = [length, LIVE + (j == i) * SELF + p * len(rows) + j,
                                       lambda t, row=row, p=p: row[p + t] if p + t < len(row) else UNKNOWN, False]
+        if self.pooled:   # every source votes as the prompt's own
+            cands = {key: [*c[:3], False] for key, c in cands.items()}
+        if self.select == "score":
+            return self._best_scored(list(cands.values()), k)
         own = max((c[0] for c in cands.values() if not c[3]), default=0)
         chosen = [c for c in cands.values() if not c[3] or c[0] > own]
         best = max((c[0] for c in chosen), default=0)
@@ -141,3 +147,35 @@ class Reference:
             out.append(x)
             alive = [c for c, y in voters if y == x]
         return out
+
+    def _best_scored(self, cands, k):
+        """select=score: per source (own first) and match length m (longest first), the draft of
+        the candidates matching at least m tokens, at most m * spec_factor long; the first of the
+        highest score."""
+        best, out = -1.0, []
+        for glob in (False, True):
+            for m in sorted(self.thresholds, reverse=True):
+                alive = sorted((c for c in cands if c[3] == glob and c[0] >= m), key=lambda c: -c[1])[: self.V]
+                cap = k if self.spec_factor <= 0 else min(k, int(m * self.spec_factor + 1e-6))
+                draft, score = self._scored_vote(alive, k, cap)
+                if score > best:
+                    best, out = score, draft
+        return out
+
+    def _scored_vote(self, alive, k, cap):
+        out, prob, score = [], 1.0, 0.0
+        for t in range(min(k, cap)):
+            voters = [(c, c[2](t)) for c in alive if c[2](t) != UNKNOWN]
+            if not voters:
+                break
+            count = {}
+            for _, x in voters:
+                count[x] = count.get(x, 0) + 1
+            _, _, x = max((count[x], c[1], x) for c, x in voters)
+            prob *= count[x] / len(voters)
+            if x < 0 or x >= self.vocab or prob < self.min_prob:
+                break
+            out.append(x)
+            score += prob
+            alive = [c for c, y in voters if y == x]
+        return out, score

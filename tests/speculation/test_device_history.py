@@ -19,7 +19,8 @@ def pair(**kw):
     cfg = {**SMALL, **kw}
     dev = DeviceHistory(**cfg)
     ref = Reference(cfg["max_tokens"], dev.n_buckets, cfg["width"], cfg["max_match"], cfg["prompt_keys"],
-                    cfg["global_keys"], cfg["min_prob"], cfg["max_siblings"], cfg["max_voters"], dev.vocab)
+                    cfg["global_keys"], cfg["min_prob"], cfg["max_siblings"], cfg["max_voters"], dev.vocab,
+                    dev.select, dev.spec_factor, dev.thresholds, dev.pooled)
     return dev, ref
 
 
@@ -59,12 +60,14 @@ def trace(seed, vocab, prompts=3, group=4, calls=6):
     return out
 
 
+@pytest.mark.parametrize("select,pooled", [("longest", False), ("score", False), ("longest", True)])
 @pytest.mark.parametrize("seed", range(6))
-def test_drafts_equal_the_reference_on_random_traces(seed):
+def test_drafts_equal_the_reference_on_random_traces(seed, select, pooled):
     g = random.Random(100 + seed)
     dev, ref = pair(max_tokens=g.choice([120, 300, 2000]), buckets=g.choice([4, 16, 256]),
-                    min_prob=g.choice([0.3, 0.5, 0.8]), max_voters=g.choice([2, 5, 64]),
-                    prompt_keys=g.choice([(4, 2), (4, 2, 1), (3,)]))
+                    min_prob=g.choice([0.3, 0.5, 0.8] if select == "longest" else [0.1, 0.3]),
+                    max_voters=g.choice([2, 5, 64]), prompt_keys=g.choice([(4, 2), (4, 2, 1), (3,)]),
+                    select=select, spec_factor=g.choice([0.0, 1.0, 0.5]), pooled=pooled)
     drafted = 0
     for call in trace(seed, vocab=g.choice([4, 6, 10])):
         rows, plens = [], []
