@@ -285,8 +285,9 @@ def earlier(out: Path, overrides: list[str]) -> list[dict]:
 
 def write_grid(a: argparse.Namespace, stamp: dict, per_epoch: float, runs: list[dict]) -> dict:
     """The grid's JSON so far: every run, and per setting its summary over the seeds done. Settings
-    and seeds list what the runs hold (an earlier invocation's too, under --add)."""
-    settings = list(dict.fromkeys([*(r["setting"] for r in runs), *a.settings]))
+    and seeds list what the runs hold (an earlier invocation's too, under --add), this invocation's
+    settings first."""
+    settings = list(dict.fromkeys([*a.settings, *(r["setting"] for r in runs)]))   # 'none' first
     runs = sorted(runs, key=lambda r: (r["seed"], settings.index(r["setting"])))
     versions = sorted({r.get("version", stamp["version"]) for r in runs})
     result = {**stamp, "versions": versions, "settings": [s for s in settings if any(r["setting"] == s for r in runs)],
