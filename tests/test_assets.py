@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -11,6 +13,7 @@ def _digest(d):
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir()) if f.is_file()}
 
 
+@pytest.mark.slow
 def test_asset_script_is_reproducible_from_its_seed(tmp_path):
     args = [sys.executable, str(ROOT / "scripts" / "make_tiny_assets.py"), "--texts", "400",
             "--policy-steps", "3", "--draft-steps", "3", "--batch", "8"]

@@ -135,6 +135,8 @@ def test_skipped_recompute_trains_like_the_recompute(tmp_path):
     assert skip[2]["importance_weight"]["max"] > 1.001  # the lagged batch is off-policy
 
 
+# slow tier: a whole CLI run; the learner's skip of one non-finite update stays in the default suite
+@pytest.mark.slow
 def test_nonfinite_updates_in_a_row_stop_with_exit_4_and_a_checkpoint(tmp_path):
     """A policy with one NaN weight (finite inputs, NaN log-probs): every update is skipped; one
     more than trainer.max_nonfinite_steps in a row writes a complete checkpoint and exits 4."""

@@ -142,6 +142,7 @@ def test_a_wide_engine_shares_one_placement_group_over_its_nodes():
     assert single.units() == [[0], [1], [2], [3]]
 
 
+@pytest.mark.slow
 def test_a_wide_engine_places_its_tp_workers_on_both_ray_nodes(tmp_path):
     """Two Ray nodes on loopback with 2 (declared) GPUs each, a TP-4 engine colocated with 4
     learner ranks: the engine's bundles span both nodes, a task in each bundle (as vLLM's Ray

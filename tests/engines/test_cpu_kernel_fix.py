@@ -216,6 +216,7 @@ def engines_one_after_another() -> None:
     print(f"{len(outputs)} engines started in one process, greedy outputs equal", flush=True)
 
 
+@pytest.mark.slow
 def test_five_engines_start_one_after_another_in_one_process():
     r = subprocess.run([sys.executable, "-c", "from test_cpu_kernel_fix import engines_one_after_another as f; f()"],
                        cwd=Path(__file__).parent, env=child_env(), capture_output=True, text=True, timeout=600)

@@ -45,6 +45,7 @@ def engines_released_one_after_another(n: int = 3) -> None:
     print(f"{n} engines released one after another, greedy outputs equal", flush=True)
 
 
+@pytest.mark.slow
 def test_engines_closed_one_after_another_survive_the_collect_a_gpu_start_runs():
     code = "from test_engine_release import engines_released_one_after_another as f; f()"
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=child_env(),

@@ -66,6 +66,7 @@ def test_one_step_off_overlaps_and_weights_importance(tmp_path):
     assert cfg["policy_lag_max"] == 1
 
 
+@pytest.mark.slow
 def test_dead_generator_ends_an_async_run_with_its_name(tmp_path):
     run = tmp_path / "run"
     before = ray_processes()

@@ -81,6 +81,8 @@ def test_the_shadow_holds_the_machine_and_the_kit_only_and_the_check_imports_the
     assert got["torch"].startswith(str(root / "env")), got["torch"]
 
 
+# slow tier: the whole GPU check on CPU (minutes); the kit's contents and imports stay in the default suite
+@pytest.mark.slow
 def test_the_gpu_engine_check_passes_in_the_shadow_of_the_lent_machine(shadow, tmp_path):
     """The whole check (scripts/gpu_vllm_check.py) on the CPU engine, run where only the lent
     machine's packages and the kit are importable: every check runs and passes, so the check

@@ -139,6 +139,7 @@ def test_preemption_signal_reaches_driver_and_exit_3_requeues(tmp_path, monkeypa
     assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]
 
 
+@pytest.mark.slow
 def test_join_timeout_fails_clearly_and_stops_ray(tmp_path):
     """A head waiting for 2 nodes when none joins: exit 5 naming the count, no Ray left behind.
     Starts a real Ray head: run under the CPU lock."""

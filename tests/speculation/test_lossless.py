@@ -73,12 +73,9 @@ def _reference(setting: str):
     return _refs[setting]
 
 
-# Cases run with -m slow only (CI time): the default suite keeps every method at T=1 and the two
-# methods that cover both rejection paths (draft probabilities, one-hot drafts) at both settings.
-SLOW = {("eagle3", "t07_p09_k20"), ("history", "t07_p09_k20"), ("suffix", "t07_p09_k20"),
-        ("history_other_policy", "t1"),
-        ("history_other_policy", "t07_p09_k20"),
-        ("history_device_other_policy", "t07_p09_k20")}
+# Cases run with -m slow only (CI time): the default suite runs every method at T=1; top-p / top-k
+# (the second setting) runs in the slow tier.
+SLOW = {(m, "t07_p09_k20") for m in SPECS} | {("history_other_policy", "t1")}
 # history drafted on the device: the batch's siblings at T=1 (default suite), another policy's
 # answers under top-p / top-k (slow); the other pairs would take the same rejection paths again
 ONLY = {"history_device": {"t1"}, "history_device_other_policy": {"t07_p09_k20"}}

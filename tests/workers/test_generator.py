@@ -91,6 +91,7 @@ def _perturbed(path, scale, seed):
     return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in m.named_parameters()}
 
 
+@pytest.mark.slow
 def test_refit_keeps_acceptance_equal_to_a_fresh_engine(drafted, prompts, tiny_policy, tmp_path):
     """After refitting target and draft, acceptance equals a fresh engine started on those weights
     (greedy, same prompts): the draft is neither dropped nor left stale."""
@@ -136,6 +137,8 @@ def test_draft_refit_changes_acceptance(drafted, prompts):
     assert back.accepted_tokens == good.accepted_tokens and back.drafts == good.drafts
 
 
+# slow tier: 'auto' through a whole probe; test_history's auto test stays in the default suite
+@pytest.mark.slow
 def test_auto_draft_length_exact_probing_then_off(plain, prompts):
     """num_speculative_tokens=auto through the real engine: the first call calibrates step costs
     and probes k_max; greedy output equals no speculation whatever k each step used; when the

@@ -330,6 +330,8 @@ def cell_id(cell: dict) -> str:
     return "-".join(f"{k}={v}" for k, v in cell.items())
 
 
+# slow tier: the covering set's 16 cells take 5 minutes; the default suite keeps test_learner's references
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CELLS)), ids=[f"cell{i}" for i in range(len(CELLS))])
 def test_a_cell_trains_the_reference_update(index, tmp_path):
     cell = CELLS[index]
