@@ -116,6 +116,25 @@ def replay(r: dict, path: Path) -> list[str]:
     return out
 
 
+def rule_variants(r: dict, path: Path) -> list[str]:
+    """The device drafter's rule variants on one trace, beside the stores they are measured against."""
+    eps = sorted(next(iter(r["variants"].values()))["tokens_per_verification"], key=int)
+    out = [f"{r['steps']} calls of the default run's rollouts, k={r['k']}, batch up to {r['max_batch']}; each "
+           "variant's DeviceHistory arguments (`--device KEY=VALUE`) beside the default rule.", "",
+           "| device rule | " + " | ".join(f"epoch {e} tok/verif." for e in eps)
+           + " | whole run | draft tokens per verification | us per row per step |", "|---|" + "---|" * (len(eps) + 3)]
+    for name, v in r["variants"].items():
+        drafted = v["drafted_per_verification"]
+        out.append(f"| {' '.join(v['device']) or 'default (longest match)'} | "
+                   + " | ".join(f"{v['tokens_per_verification'][e]:.3f}" for e in eps)
+                   + f" | {v['whole_run_tokens_per_verification']:.3f} | "
+                   + " / ".join(f"{drafted[e]:.2f}" for e in eps) + f" | {v['us_per_row_per_propose']:.0f} |")
+    for name, v in r.get("reference", {}).items():  # the same trace's other stores (their own file)
+        out.append(f"| store `{name}` | " + " | ".join(f"{v['tokens_per_verification'][e]:.3f}" for e in eps)
+                   + " | - | - | - |")
+    return out
+
+
 def scale(r: dict, path: Path) -> list[str]:
     out = [f"k={r['k']}.", "",
            "| store | size | stored tokens | bytes/token (RSS) | bytes/token (arrays) | us per inserted token "
@@ -229,6 +248,7 @@ def learner_memory(paths: list[Path]) -> list[str]:
 RENDER = [  # (file name pattern, renderer(result, path))
     ("default_run*.json", default_run), ("async_*.json", async_2x2), ("draft_*.json", draft),
     ("minibatch*.json", minibatch), ("rollout_*.json", rollout), ("history_store_replay*.json", replay),
+    ("history_rule_variants*.json", rule_variants),
     ("history_store_scale.json", scale), ("vs_peer.json", peer), ("memory.json", memory),
     ("memory_gpu.json", memory_gpu), ("device_history_cost.json", device_cost),
 ]
