@@ -133,20 +133,7 @@ class Reference:
         chosen = [c for c in cands.values() if not c[3] or c[0] > own]
         best = max((c[0] for c in chosen), default=0)
         alive = sorted((c for c in chosen if c[0] == best), key=lambda c: -c[1])[: self.V]
-        out = []
-        for t in range(k):
-            voters = [(c, c[2](t)) for c in alive if c[2](t) != UNKNOWN]
-            if not voters:
-                break
-            count = {}
-            for _, x in voters:
-                count[x] = count.get(x, 0) + 1
-            _, _, x = max((count[x], c[1], x) for c, x in voters)
-            if x < 0 or x >= self.vocab or count[x] / len(voters) < self.min_prob:
-                break
-            out.append(x)
-            alive = [c for c, y in voters if y == x]
-        return out
+        return self._vote(alive, k)[0]
 
     def _best_scored(self, cands, k):
         """select=score: per source (own first) and match length m (longest first), the draft of
@@ -157,14 +144,18 @@ class Reference:
             for m in sorted(self.thresholds, reverse=True):
                 alive = sorted((c for c in cands if c[3] == glob and c[0] >= m), key=lambda c: -c[1])[: self.V]
                 cap = k if self.spec_factor <= 0 else min(k, int(m * self.spec_factor + 1e-6))
-                draft, score = self._scored_vote(alive, k, cap)
+                draft, score = self._vote(alive, k, cap)
                 if score > best:
                     best, out = score, draft
         return out
 
-    def _scored_vote(self, alive, k, cap):
+    def _vote(self, alive, k, cap=None):
+        """(draft, score): token by token the most frequent next token of the candidates still
+        agreeing (ties: the highest rank), while its share is at least min_prob; with cap
+        (select=score), at most cap tokens, while the product of the shares is at least min_prob,
+        the score the sum of those products."""
         out, prob, score = [], 1.0, 0.0
-        for t in range(min(k, cap)):
+        for t in range(k if cap is None else min(k, cap)):
             voters = [(c, c[2](t)) for c in alive if c[2](t) != UNKNOWN]
             if not voters:
                 break
@@ -172,8 +163,9 @@ class Reference:
             for _, x in voters:
                 count[x] = count.get(x, 0) + 1
             _, _, x = max((count[x], c[1], x) for c, x in voters)
-            prob *= count[x] / len(voters)
-            if x < 0 or x >= self.vocab or prob < self.min_prob:
+            share = count[x] / len(voters)
+            prob *= share
+            if x < 0 or x >= self.vocab or (share if cap is None else prob) < self.min_prob:
                 break
             out.append(x)
             score += prob
