@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rlspec.speculation.device_ops import first_of, last_true, leading_run, prompt_siblings
+
 END = -1      # a stored sequence's last token
 UNKNOWN = -2  # past a running row's last token: not yet written
 EMPTY = -3    # an arena slot never written
@@ -371,12 +373,12 @@ class DeviceHistory:
         valid = valid & (glob | same_prompt)
         back = pos[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
         src = torch.where(back >= oldest, self.tok[back.clamp(min=0) % self.capacity].long(), -6)
-        length = _run(src == ctx[:, None, :])
+        length = leading_run(src == ctx[:, None, :])
         valid = valid & (length >= need)
         fwd = pos[:, :, None] + torch.arange(k, device=dev)
         nxt = self.tok[fwd.clamp(min=0) % self.capacity].long()
         nxt = torch.where(fwd < self.written, nxt, UNKNOWN)
-        valid = _first_of(valid, pos)
+        valid = first_of(valid, pos)
         return Candidates(valid, length, pos, nxt), glob & valid
 
     def _live_candidates(self, token_ids, n, salt, plen, ctx, k) -> Candidates:
@@ -387,7 +389,7 @@ class DeviceHistory:
         max_siblings rows: [B, G, L+1], no gather of rows."""
         B, L = token_ids.shape
         dev, G = n.device, min(self.max_siblings, B)
-        sib, sib_ok, slot = _siblings(salt, G)                                   # [B, G], [B, G], [B]
+        sib, sib_ok, slot = prompt_siblings(salt, G)                                   # [B, G], [B, G], [B]
         rows = torch.arange(B, device=dev)
         listed = (slot < G)[:, None] & sib_ok & (sib != rows[:, None])           # [B, G] sibling candidates
         cols = torch.arange(L + 1, device=dev)
@@ -399,9 +401,9 @@ class DeviceHistory:
             as_sibling = win | (before_end & (cols >= plen[:, None].clamp(min=m)))
             as_self = win | (before_end & (cols >= m))
             # in row j, the latest match of the query of row sib[j, g] (a group lists the same rows for all)
-            found = _last(as_sibling[:, None, :].flip(2) == query[:, 0][sib][:, :, None], L)   # [B, G]
+            found = last_true(as_sibling[:, None, :].flip(2) == query[:, 0][sib][:, :, None], L)   # [B, G]
             p_sib = found[sib, slot.clamp(max=G - 1)[:, None]]                  # [B, G]: row i's in sib[i, g]
-            p_self = _last(as_self.flip(1) == query, L)[:, None]                 # [B, 1]
+            p_self = last_true(as_self.flip(1) == query, L)[:, None]                 # [B, 1]
             ok = torch.cat([listed, torch.ones_like(listed[:, :1])], 1) & (n >= m)[:, None]
             cands.append(torch.where(ok, torch.cat([p_sib, p_self], 1), -1))
         p = torch.cat(cands, 1)                                                  # [B, (G + 1) * levels]
@@ -410,13 +412,13 @@ class DeviceHistory:
         is_self = row == rows[:, None]
         back = p[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
         src = token_ids[row[:, :, None], back.clamp(min=0)].long()
-        length = _run(torch.where(back >= 0, src, -6) == ctx[:, None, :])
+        length = leading_run(torch.where(back >= 0, src, -6) == ctx[:, None, :])
         valid = (p >= 0) & (length >= need)
         fwd = p[:, :, None] + torch.arange(k, device=dev)
         nxt = token_ids[row[:, :, None], fwd.clamp(min=0, max=L - 1)].long()
         nxt = torch.where(fwd < n[row][:, :, None], nxt, UNKNOWN)
         rank = _LIVE + is_self * _SELF + p.clamp(min=0) * B + row
-        valid = _first_of(valid, row * (L + 1) + p)
+        valid = first_of(valid, row * (L + 1) + p)
         return Candidates(valid, length, rank, nxt)
 
     def _best_scored(self, own, glob, length, rank, nxt, k) -> torch.Tensor:
@@ -474,37 +476,3 @@ def merge_device_states(states: list[dict]) -> dict:
     another."""
     return {"format": "device", **{key: np.concatenate([np.zeros(0, t)] + [np.asarray(s[key], t) for s in states])
                                    for key, t in (("tokens", np.int32), ("salts", np.int64), ("sizes", np.int64))}}
-
-
-def _last(hit_reversed: torch.Tensor, L: int) -> torch.Tensor:
-    """The last True along a last dim of L+1 given reversed ([..., L+1] bool, -1 where none): an
-    argmax over bytes, which returns the first maximum."""
-    first = hit_reversed.view(torch.uint8).argmax(-1, keepdim=True)
-    return torch.where(hit_reversed.gather(-1, first), L - first, -1)[..., 0]
-
-
-def _run(eq: torch.Tensor) -> torch.Tensor:
-    """Leading run of True along the last dim."""
-    return eq.long().cumprod(-1).sum(-1)
-
-
-def _first_of(valid: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """valid, less every candidate whose key (>= -1) an earlier valid one holds: [B, C]."""
-    C = key.shape[1]
-    k = torch.where(valid, key, -2 - torch.arange(C, device=key.device))   # invalid ones: all distinct
-    sk, order = torch.sort(k, dim=1, stable=True)
-    dup = torch.cat([torch.zeros_like(sk[:, :1], dtype=torch.bool), sk[:, 1:] == sk[:, :-1]], 1)
-    return valid & ~torch.zeros_like(valid).scatter(1, order, dup)
-
-
-def _siblings(salt: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row, the first G rows (in row order) of its prompt: [B, G] rows and which exist, and
-    the row's own place among its prompt's rows [B]."""
-    B = salt.shape[0]
-    order = torch.sort(salt, stable=True)
-    first = torch.searchsorted(order.values, salt)                            # start of the row's group
-    at = first[:, None] + torch.arange(G, device=salt.device)
-    ok = at < B
-    at = at.clamp(max=B - 1)
-    place = torch.empty_like(first).scatter_(0, order.indices, torch.arange(B, device=salt.device))
-    return order.indices[at], ok & (order.values[at] == salt[:, None]), place - first
