@@ -28,8 +28,12 @@ demo: setup
 WORKERS ?= 2
 XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
+# MARK picks the tests by marker: unset, pyproject's default suite; .ci/run sets MARK="not gpu", every
+# tier that runs on CPU in one session (both tiers' files share the two workers, and a module
+# fixture starts once where a file has tests in both tiers).
+MARK ?=
 test: setup
-	$(BIN)/python -m pytest -q $(XDIST)
+	$(BIN)/python -m pytest -q $(XDIST) $(if $(MARK),-m "$(MARK)")
 
 lint: setup
 	$(BIN)/ruff check rlspec tests scripts
