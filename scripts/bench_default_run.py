@@ -183,6 +183,21 @@ def reach(row: dict, spread: bool) -> str:
     return f"{t} ({row['target_reached']}/{len(row['seeds'])})"
 
 
+def machines(runs: list[dict]) -> str:
+    """One line: per seed, the machine its runs found (harness.machine_seconds, lower is faster;
+    runs from before that field show none). Empty when no run has it."""
+    if not any("machine_seconds" in r for r in runs):
+        return ""
+    parts = []
+    for seed in sorted({r["seed"] for r in runs}):
+        got = [r["machine_seconds"] for r in runs if r["seed"] == seed and "machine_seconds" in r]
+        n = sum(r["seed"] == seed for r in runs)
+        shown = f"{min(got):.3f}-{max(got):.3f} s ({len(got)} of {n} runs)" if got else f"not recorded ({n} runs)"
+        parts.append(f"seed {seed}: {shown}")
+    return ("Machine speed before each run (one core's fixed torch work, `harness.machine_seconds`, lower is "
+            "faster; compare settings within a seed where seeds ran on different machines): " + "; ".join(parts) + ".")
+
+
 def table(rows: list[dict]) -> str:
     """Two markdown tables: the runs' totals, and generation per epoch."""
     vals = " | ".join(f"held-out @{s}" for s in rows[0]["val_steps"])
@@ -265,7 +280,9 @@ def main() -> None:
         for s in a.settings:
             if (s, seed) in done:
                 continue
-            runs.append({**run_one(s, seed, a.overrides, work, per_epoch, a.timeout), "version": stamp["version"]})
+            speed = harness.machine_seconds()   # before the run: the machine as the run found it
+            runs.append({**run_one(s, seed, a.overrides, work, per_epoch, a.timeout), "version": stamp["version"],
+                         "machine_seconds": speed})
             write_grid(a, stamp, per_epoch, runs)  # after every run: a stopped grid loses only the run in flight
     if not runs:
         raise SystemExit("no runs: --settings and --seeds name none")

@@ -53,6 +53,28 @@ def command(argv: list[str] | None = None) -> str:
     return shlex.join(["python", str(shown), *argv[1:]])
 
 
+def machine_seconds(repeats: int = 5) -> float:
+    """Seconds one core takes for a fixed piece of torch work (the best of `repeats`): two machines
+    sold under one CPU name, or one machine on a busy day, can differ by more than the settings a
+    grid compares; a run records this beside its timings, so runs from different machines are told
+    apart."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(400):
+                a = torch.tanh(a @ b)
+            best = min(best, time.perf_counter() - t0)
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
 def stamp() -> dict:
     """The fields every benchmark JSON carries: version, date, machine, command."""
     return {"version": rlspec_version(), "date": datetime.date.today().isoformat(), "cpu": cpu_model(),

@@ -58,7 +58,8 @@ def head(path: Path, r: dict) -> list[str]:
 
 # -- one renderer per kind of file: its tables --------------------------------------------------
 def default_run(r: dict, path: Path) -> list[str]:
-    return [bench_default_run.table(r["rows"])]
+    speed = bench_default_run.machines(r["runs"])
+    return [bench_default_run.table(r["rows"]), *(["", speed] if speed else [])]
 
 
 def async_2x2(r: dict, path: Path) -> list[str]:

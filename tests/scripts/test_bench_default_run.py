@@ -126,6 +126,10 @@ def test_add_grows_a_grid_run_by_run_and_keeps_what_is_done(tmp_path, monkeypatc
                                                                  ("history", 1)]
     assert grid["seeds"] == [0, 1] and [r["seeds"] for r in grid["rows"]] == [[0, 1], [0, 1]]
     assert grid["versions"] == [grid["version"]] and all(r["version"] == grid["version"] for r in grid["runs"])
+    assert all(r["machine_seconds"] > 0 for r in grid["runs"])  # each run records the machine it found
+    line = bdr.machines([*grid["runs"], {"setting": "none", "seed": 2}])
+    assert "seed 0: " in line and "(2 of 2 runs)" in line and "seed 2: not recorded (1 runs)" in line
+    assert bdr.machines([{"setting": "none", "seed": 0}]) == ""
     monkeypatch.setattr("sys.argv", [*argv, "--settings", "none", "--seeds", "2", "--set", "trainer.max_steps=4"])
     with pytest.raises(SystemExit, match="grid.json: its runs were made with --set"):
         bdr.main()  # another set of overrides is another grid: nothing is mixed or lost
