@@ -39,6 +39,7 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -560,6 +561,42 @@ def scale(args) -> dict:
     return {"rows": results, "notes": notes, "k": args.k, "seed": args.seed}
 
 
+def variants(args) -> dict:
+    """The device drafter's rule variants on one trace (each `NAME[:KEY=VALUE,...]` a replay of the
+    device store with those DeviceHistory arguments, in a child process: --jobs at a time, one core
+    each), beside --reference stores on the same trace; the history_rule_variants JSON."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def spec(v: str) -> tuple[str, list[str]]:
+        name, _, kvs = v.partition(":")
+        return name, [kv for kv in kvs.split(",") if kv]
+
+    def one(stores: list[str], device: list[str], tmp: Path) -> dict:
+        cmd = [sys.executable, __file__, "replay", "--rollouts", args.rollouts, "--k", str(args.k),
+               "--max-batch", str(args.max_batch), "--stores", *stores, "--device", *device, "--out", str(tmp)]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * 3600)
+        if p.returncode != 0:
+            raise SystemExit(f"replay {' '.join(stores)} {' '.join(device)} failed: {p.stderr[-2000:]}")
+        return json.loads(tmp.read_text())
+
+    specs = [spec(v) for v in args.variant]
+    if len({n for n, _ in specs}) != len(specs):
+        raise SystemExit("--variant: two variants share a name")
+    jobs = [(["device"], dev) for _, dev in specs] + ([(args.reference, [])] if args.reference else [])
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        done = list(pool.map(lambda ij: one(*ij[1], Path(tmp) / f"{ij[0]}.json"), enumerate(jobs)))
+    keep = ("tokens_per_verification", "drafted_per_verification", "whole_run_tokens_per_verification",
+            "us_per_row_per_propose")
+    out = {"rollouts": args.rollouts, "trace_command": done[0]["trace_command"], "steps": done[0]["steps"],
+           "k": args.k, "max_batch": args.max_batch, "variants": {}}
+    for (name, dev), r in zip(specs, done):
+        out["variants"][name] = {"device": dev, **{key: r["stores"]["device"][key] for key in keep}}
+    if args.reference:
+        out["reference"] = {s: {"tokens_per_verification": done[-1]["stores"][s]["tokens_per_verification"]}
+                            for s in args.reference}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -568,10 +605,18 @@ def main() -> None:
     r.add_argument("--max-tokens", type=int, default=50_000_000)
     s = sub.add_parser("scale")
     s.add_argument("--sizes", nargs="+", default=["1e6", "1e7", "5e7"])
+    v = sub.add_parser("variants", help="the device drafter's rule variants on one trace")
+    v.add_argument("--rollouts", required=True)
+    v.add_argument("--variant", nargs="+", required=True, metavar="NAME[:KEY=VALUE,...]",
+                   help="a name and its DeviceHistory arguments (none: the default rule)")
+    v.add_argument("--reference", nargs="*", default=["rlspec", "suffix"], choices=STORES,
+                   help="other stores replayed on the same trace")
+    v.add_argument("--jobs", type=int, default=1, help="replays at a time (each on one core)")
+    v.add_argument("--out", type=Path)
     o = sub.add_parser("one")
     o.add_argument("--store", choices=STORES, required=True)
     o.add_argument("--size", required=True)
-    for x in (r, s, o):
+    for x in (r, s, o, v):
         x.add_argument("--k", type=int, default=5)
         x.add_argument("--seed", type=int, default=0)
     for x in (r, s, o):
@@ -583,20 +628,22 @@ def main() -> None:
     for x in (r, s):
         x.add_argument("--stores", nargs="+", default=list(STORES), choices=STORES)
         x.add_argument("--out", type=Path)
-    r.add_argument("--max-batch", type=int, default=256)
+    for x in (r, v):
+        x.add_argument("--max-batch", type=int, default=256)
     args = ap.parse_args()
     import yaml
 
-    for kv in args.history:  # values as Hydra reads them: 3, 0.5, true, [8,4,1]
+    for kv in getattr(args, "history", []):  # values as Hydra reads them: 3, 0.5, true, [8,4,1]
         key, value = kv.split("=", 1)
         HISTORY_SETTINGS[key] = yaml.safe_load(value)
-    for kv in args.device:
+    for kv in getattr(args, "device", []):
         key, value = kv.split("=", 1)
         DEVICE_SETTINGS[key] = yaml.safe_load(value)
     if args.mode == "one":
         print(json.dumps(scale_one(args)), flush=True)
         return
-    result = {**harness.stamp(), **(replay_real(args) if args.mode == "replay" else scale(args))}
+    modes = {"replay": replay_real, "scale": scale, "variants": variants}
+    result = {**harness.stamp(), **modes[args.mode](args)}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}", flush=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlspec.speculation.device_ops import first_of, last_true, leading_run, prompt_siblings
+from rlspec.speculation.device_ops import first_of, last_n_true, last_true, leading_run, prompt_siblings
 
 END = -1      # a stored sequence's last token
 UNKNOWN = -2  # past a running row's last token: not yet written
@@ -129,12 +129,14 @@ class DeviceHistory:
     (a power of two; default the arena's entries at one per key, over the width); width: entries
     per bucket (numba's max_candidates: the matches one key reads); max_siblings: rows of the
     batch read per prompt (the row itself included); max_voters: candidates of the longest match
-    that vote, the highest ranked (the row itself, its siblings, then the newest stored)."""
+    that vote, the highest ranked (the row itself, its siblings, then the newest stored);
+    live_matches: positions read per row of the batch and key length (the latest; suffix decoding's
+    tree of a request counts every earlier occurrence)."""
 
     def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 64,
                  max_match: int = 16, prompt_keys=(8, 3, 1), global_keys=(8, 4, 1),
                  min_prob: float = 0.5, max_siblings: int = 16, max_voters: int = 64, vocab_size: int | None = None,
-                 select: str = "longest", spec_factor: float = 0.0, pooled: bool = False):
+                 select: str = "longest", spec_factor: float = 0.0, pooled: bool = False, live_matches: int = 1):
         self.device = torch.device(device)
         self.capacity, self.width = int(max_tokens), int(width)
         self.max_match = int(max_match)
@@ -152,6 +154,9 @@ class DeviceHistory:
         if select not in ("longest", "score"):
             raise ValueError(f"device history: select must be longest or score, got {select!r}")
         self.select, self.spec_factor, self.pooled = select, float(spec_factor), bool(pooled)
+        if int(live_matches) < 1:
+            raise ValueError(f"device history: live_matches must be at least 1, got {live_matches}")
+        self.live_matches = int(live_matches)
         # select=score: the match lengths a draft may be read at (each source's candidates matching
         # at least that many tokens vote)
         self.thresholds = tuple(m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if m <= self.max_match)
@@ -382,13 +387,13 @@ class DeviceHistory:
         return Candidates(valid, length, pos, nxt), glob & valid
 
     def _live_candidates(self, token_ids, n, salt, plen, ctx, k) -> Candidates:
-        """Per prompt key length m, the latest position p whose m tokens before it have the row's
-        last m tokens' fingerprint: in the row itself (any position), and in each of its siblings
-        (an answer position) where the row is among the first max_siblings rows of its prompt
-        (row order). Each row's windows are compared once with the queries of its prompt's first
+        """Per prompt key length m, the latest position p (the latest live_matches) whose m tokens
+        before it have the row's last m tokens' fingerprint: in the row itself (any position), and
+        in each of its siblings (an answer position) where the row is among the first max_siblings
+        rows of its prompt (row order). Each row's windows are compared once with the queries of its prompt's first
         max_siblings rows: [B, G, L+1], no gather of rows."""
         B, L = token_ids.shape
-        dev, G = n.device, min(self.max_siblings, B)
+        dev, G, N = n.device, min(self.max_siblings, B), self.live_matches
         sib, sib_ok, slot = prompt_siblings(salt, G)                                   # [B, G], [B, G], [B]
         rows = torch.arange(B, device=dev)
         listed = (slot < G)[:, None] & sib_ok & (sib != rows[:, None])           # [B, G] sibling candidates
@@ -400,15 +405,16 @@ class DeviceHistory:
             query = win.gather(1, n[:, None].clamp(max=L)) | 1                   # [B, 1]
             as_sibling = win | (before_end & (cols >= plen[:, None].clamp(min=m)))
             as_self = win | (before_end & (cols >= m))
-            # in row j, the latest match of the query of row sib[j, g] (a group lists the same rows for all)
-            found = last_true(as_sibling[:, None, :].flip(2) == query[:, 0][sib][:, :, None], L)   # [B, G]
-            p_sib = found[sib, slot.clamp(max=G - 1)[:, None]]                  # [B, G]: row i's in sib[i, g]
-            p_self = last_true(as_self.flip(1) == query, L)[:, None]                 # [B, 1]
+            # in row j, the latest N matches of the query of row sib[j, g] (a group lists the same rows for all)
+            hit = as_sibling[:, None, :] == query[:, 0][sib][:, :, None]          # [B, G, L+1]
+            found = last_true(hit.flip(2), L)[..., None] if N == 1 else last_n_true(hit, N)   # [B, G, N]
+            p_sib = found[sib, slot.clamp(max=G - 1)[:, None]]                  # [B, G, N]: row i's in sib[i, g]
+            p_self = last_true(as_self.flip(1) == query, L)[:, None] if N == 1 else last_n_true(as_self == query, N)
             ok = torch.cat([listed, torch.ones_like(listed[:, :1])], 1) & (n >= m)[:, None]
-            cands.append(torch.where(ok, torch.cat([p_sib, p_self], 1), -1))
-        p = torch.cat(cands, 1)                                                  # [B, (G + 1) * levels]
-        row = torch.cat([sib, rows[:, None]], 1).repeat(1, len(levels))
-        need = torch.cat([torch.full((G + 1,), m, device=dev) for m in levels])[None]   # no host copy
+            cands.append(torch.where(ok[:, :, None], torch.cat([p_sib, p_self[:, None, :]], 1), -1).flatten(1))
+        p = torch.cat(cands, 1)                                                  # [B, (G + 1) * N * levels]
+        row = torch.cat([sib, rows[:, None]], 1).repeat_interleave(N, 1).repeat(1, len(levels))
+        need = torch.cat([torch.full(((G + 1) * N,), m, device=dev) for m in levels])[None]   # no host copy
         is_self = row == rows[:, None]
         back = p[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
         src = token_ids[row[:, :, None], back.clamp(min=0)].long()

@@ -12,6 +12,13 @@ def last_true(hit_reversed: torch.Tensor, L: int) -> torch.Tensor:
     return torch.where(hit_reversed.gather(-1, first), L - first, -1)[..., 0]
 
 
+def last_n_true(hit: torch.Tensor, n: int) -> torch.Tensor:
+    """The last n Trues along the last dim ([..., L+1] bool -> [..., n] indices, newest first, -1
+    past the ones there are)."""
+    cols = torch.arange(hit.shape[-1], device=hit.device)
+    return torch.where(hit, cols, -1).topk(min(n, hit.shape[-1]), -1).values
+
+
 def leading_run(eq: torch.Tensor) -> torch.Tensor:
     """Leading run of True along the last dim."""
     return eq.long().cumprod(-1).sum(-1)

@@ -47,11 +47,12 @@ def prompt_hash(prompt) -> int:
 class Reference:
     def __init__(self, max_tokens, n_buckets, width, max_match, prompt_keys, global_keys, min_prob,
                  max_siblings, max_voters, vocab=(1 << 31) - 1, select="longest", spec_factor=0.0, thresholds=(),
-                 pooled=False):
+                 pooled=False, live_matches=1):
         self.A, self.NB, self.W = max_tokens, n_buckets, width
         self.max_match, self.prompt_keys, self.global_keys = max_match, list(prompt_keys), list(global_keys)
         self.min_prob, self.G, self.V, self.vocab = min_prob, max_siblings, max_voters, vocab
         self.select, self.spec_factor, self.thresholds, self.pooled = select, spec_factor, list(thresholds), pooled
+        self.live_matches = live_matches
         self.tok, self.pid = {}, {}       # absolute position -> token, prompt hash
         self.buckets: dict[int, deque] = {}
         self.written = 0
@@ -117,14 +118,12 @@ class Reference:
                 row = rows[j]
                 lo = m if j == i else max(plens[j], m)
                 hits = [p for p in range(lo, len(row)) if fingerprint(row[p - m: p]) == fingerprint(ctx[n - m:])]
-                if not hits:
-                    continue
-                p = hits[-1]
-                length = self._match(ctx, lambda q, row=row, p=p: row[p - 1 - q] if p - 1 - q >= 0 else None)
-                if length < m or ("l", j, p) in cands:
-                    continue
-                cands[("l", j, p)] = [length, LIVE + (j == i) * SELF + p * len(rows) + j,
-                                      lambda t, row=row, p=p: row[p + t] if p + t < len(row) else UNKNOWN, False]
+                for p in hits[-self.live_matches:]:
+                    length = self._match(ctx, lambda q, row=row, p=p: row[p - 1 - q] if p - 1 - q >= 0 else None)
+                    if length < m or ("l", j, p) in cands:
+                        continue
+                    cands[("l", j, p)] = [length, LIVE + (j == i) * SELF + p * len(rows) + j,
+                                          lambda t, row=row, p=p: row[p + t] if p + t < len(row) else UNKNOWN, False]
         if self.pooled:   # every source votes as the prompt's own
             cands = {key: [*c[:3], False] for key, c in cands.items()}
         if self.select == "score":

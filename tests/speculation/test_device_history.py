@@ -20,7 +20,7 @@ def pair(**kw):
     dev = DeviceHistory(**cfg)
     ref = Reference(cfg["max_tokens"], dev.n_buckets, cfg["width"], cfg["max_match"], cfg["prompt_keys"],
                     cfg["global_keys"], cfg["min_prob"], cfg["max_siblings"], cfg["max_voters"], dev.vocab,
-                    dev.select, dev.spec_factor, dev.thresholds, dev.pooled)
+                    dev.select, dev.spec_factor, dev.thresholds, dev.pooled, dev.live_matches)
     return dev, ref
 
 
@@ -60,14 +60,15 @@ def trace(seed, vocab, prompts=3, group=4, calls=6):
     return out
 
 
-@pytest.mark.parametrize("select,pooled", [("longest", False), ("score", False), ("longest", True)])
+@pytest.mark.parametrize("select,pooled,live", [("longest", False, 1), ("score", False, 1), ("longest", True, 1),
+                                               ("longest", False, 3)])
 @pytest.mark.parametrize("seed", range(6))
-def test_drafts_equal_the_reference_on_random_traces(seed, select, pooled):
+def test_drafts_equal_the_reference_on_random_traces(seed, select, pooled, live):
     g = random.Random(100 + seed)
     dev, ref = pair(max_tokens=g.choice([120, 300, 2000]), buckets=g.choice([4, 16, 256]),
                     min_prob=g.choice([0.3, 0.5, 0.8] if select == "longest" else [0.1, 0.3]),
                     max_voters=g.choice([2, 5, 64]), prompt_keys=g.choice([(4, 2), (4, 2, 1), (3,)]),
-                    select=select, spec_factor=g.choice([0.0, 1.0, 0.5]), pooled=pooled)
+                    select=select, spec_factor=g.choice([0.0, 1.0, 0.5]), pooled=pooled, live_matches=live)
     drafted = 0
     for call in trace(seed, vocab=g.choice([4, 6, 10])):
         rows, plens = [], []
