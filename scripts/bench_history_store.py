@@ -50,7 +50,7 @@ import harness
 ROOT = harness.ROOT
 
 VOCAB, PROMPTS, GROUP = 151_936, 17_000, 16
-STORES = ("rlspec", "dict", "suffix", "device")
+STORES = ("rlspec", "dict", "suffix", "suffix_finished", "device")
 
 
 def rss() -> int:
@@ -226,10 +226,12 @@ class Suffix:
                 sampled = ids[i, n - new[i]: n]
             self.cache.add_active_response(key, sampled.tolist())
             self.tokens[key] = self.tokens.get(key, 0) + len(sampled)
-            pattern = ids[i, max(0, n - self.depth): n].copy()
-            out.append(self.cache.speculate(key, pattern, max_spec_tokens=k, max_spec_factor=self.factor,
-                                            min_token_prob=self.min_prob).token_ids)
+            out.append(self.speculate(key, ids[i, max(0, n - self.depth): n].copy(), k))
         return out
+
+    def speculate(self, key, pattern, k: int) -> list[int]:
+        return self.cache.speculate(key, pattern, max_spec_tokens=k, max_spec_factor=self.factor,
+                                    min_token_prob=self.min_prob).token_ids
 
     def finish(self, key, prompt, response) -> None:
         if key in self.active:
@@ -261,9 +263,46 @@ class Suffix:
 _ids = iter(range(1 << 62))
 
 
+class SuffixFinished(Suffix):
+    """`suffix` whose global tree gets a response only when it finishes, as rlspec's stores do
+    (vLLM's adds a running response's tokens to it as they are sampled, where every other request
+    reads them): two caches, one holding the running requests' own trees (its global tree off), one
+    the finished responses (read through an idle request of empty prompt); a row takes the draft
+    of higher score, its own tree's on a tie, as SuffixDecodingCache.speculate does."""
+
+    def __init__(self, k: int, max_tokens: int, mean_response: int = 700):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        super().__init__(k, max_tokens, mean_response)
+        self.done = self.cache   # finished responses only
+        self.cache = SuffixDecodingCache(max_tree_depth=self.depth, max_cached_requests=0)
+        self.done.start_request("probe", [])
+
+    def speculate(self, key, pattern, k: int) -> list[int]:
+        mine, other = (c.speculate(r, pattern, max_spec_tokens=k, max_spec_factor=self.factor,
+                                   min_token_prob=self.min_prob) for c, r in ((self.cache, key), (self.done, "probe")))
+        return mine.token_ids if mine.score >= other.score else other.token_ids
+
+    def finish(self, key, prompt, response) -> None:
+        super().finish(key, prompt, response)
+        self.record([prompt], [response])   # into the finished responses' cache
+
+    def record(self, prompts, responses) -> None:
+        saved, self.cache = self.cache, self.done
+        try:
+            super().record(prompts, responses)
+        finally:
+            self.cache = saved
+
+    def stored(self) -> int:
+        return sum(self.tokens.get(k, 0) for k in self.done.cached_requests)
+
+
 def make_store(name: str, k: int, max_tokens: int, mean_response: int = 700):
     if name == "suffix":
         return Suffix(k, max_tokens, mean_response)
+    if name == "suffix_finished":
+        return SuffixFinished(k, max_tokens, mean_response)
     return {"rlspec": Rlspec, "dict": Dict, "device": Device}[name](k, max_tokens)
 
 

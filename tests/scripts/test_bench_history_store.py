@@ -52,3 +52,22 @@ def test_two_variants_of_one_name_are_refused(tmp_path):
     p = run("variants", "--rollouts", trace, "--variant", "a", "a:width=8", "--reference")
     assert p.returncode != 0 and "two variants share a name" in p.stderr
 
+
+
+def test_suffix_finished_reads_another_request_only_once_it_has_finished():
+    """vLLM's suffix decoding reads a running answer's tokens for every request; suffix_finished, as
+    rlspec's stores, only a finished one's."""
+    import bench_history_store as b
+    import numpy as np
+
+    a, other = [1, 2, 5, 6, 7, 8, 5, 6, 7], [3, 4, 5, 6]
+    ids = np.zeros((2, 12), np.int32)
+    ids[0, : len(a)], ids[1, : len(other)] = a, other
+    nums, new, plens = np.array([len(a), len(other)]), np.array([len(a) - 2, 2]), np.array([2, 2])
+    stock, finished = b.make_store("suffix", 3, 10_000, 10), b.make_store("suffix_finished", 3, 10_000, 10)
+    assert stock.step(ids, nums, new, ["a", "b"], plens, 3)[1][:1] == [7]   # a's running answer drafts for b
+    got = finished.step(ids, nums, new, ["a", "b"], plens, 3)
+    assert got[1] == [] and got[0][:1] == [8]   # b reads nothing; a reads its own tree (7 -> 8)
+    finished.finish("a", a[:2], a[2:])
+    nums, new = np.array([len(other)]), np.array([0])
+    assert finished.step(ids[1:], nums, new, ["b"], plens[1:], 3)[0][:1] == [7]   # a has finished: b reads it
