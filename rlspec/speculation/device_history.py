@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlspec.speculation.device_ops import first_of, last_n_true, last_true, leading_run, prompt_siblings
+from rlspec.speculation.device_ops import first_of, last_n_true, leading_run, prompt_siblings
 
 END = -1      # a stored sequence's last token
 UNKNOWN = -2  # past a running row's last token: not yet written
@@ -409,9 +409,9 @@ class DeviceHistory:
             as_self = win | (before_end & (cols >= m))
             # in row j, the latest N matches of the query of row sib[j, g] (a group lists the same rows for all)
             hit = as_sibling[:, None, :] == query[:, 0][sib][:, :, None]          # [B, G, L+1]
-            found = last_true(hit.flip(2), L)[..., None] if N == 1 else last_n_true(hit, N)   # [B, G, N]
+            found = last_n_true(hit, N)                                          # [B, G, N]
             p_sib = found[sib, slot.clamp(max=G - 1)[:, None]]                  # [B, G, N]: row i's in sib[i, g]
-            p_self = last_true(as_self.flip(1) == query, L)[:, None] if N == 1 else last_n_true(as_self == query, N)
+            p_self = last_n_true(as_self == query, N)                            # [B, N]
             ok = torch.cat([listed, torch.ones_like(listed[:, :1])], 1) & (n >= m)[:, None]
             cands.append(torch.where(ok[:, :, None], torch.cat([p_sib, p_self[:, None, :]], 1), -1).flatten(1))
         p = torch.cat(cands, 1)                                                  # [B, (G + 1) * N * levels]

@@ -14,7 +14,9 @@ def last_true(hit_reversed: torch.Tensor, L: int) -> torch.Tensor:
 
 def last_n_true(hit: torch.Tensor, n: int) -> torch.Tensor:
     """The last n Trues along the last dim ([..., L+1] bool -> [..., n] indices, newest first, -1
-    past the ones there are)."""
+    past the ones there are); n=1 through last_true's argmax."""
+    if n == 1:
+        return last_true(hit.flip(-1), hit.shape[-1] - 1)[..., None]
     cols = torch.arange(hit.shape[-1], device=hit.device)
     return torch.where(hit, cols, -1).topk(min(n, hit.shape[-1]), -1).values
 
