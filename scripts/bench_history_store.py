@@ -665,7 +665,8 @@ def main() -> None:
         x.add_argument("--device", nargs="*", default=[], metavar="KEY=VALUE",
                        help="DeviceHistory arguments of the device store")
     for x in (r, s):
-        x.add_argument("--stores", nargs="+", default=list(STORES), choices=STORES)
+        # suffix_finished only where asked for: it explains suffix's figures, it is not a store of its own
+        x.add_argument("--stores", nargs="+", default=[s for s in STORES if s != "suffix_finished"], choices=STORES)
         x.add_argument("--out", type=Path)
     for x in (r, v):
         x.add_argument("--max-batch", type=int, default=256)
