@@ -17,6 +17,9 @@ exactly when they agree, so acceptance is exact for the recorded responses.
 
     # real rollouts (logging.save_rollouts=true writes rollouts.jsonl), every epoch replayed
     python scripts/bench_history_store.py replay --rollouts RUN/rollouts.jsonl --out docs/bench/X.json
+    # every store's drafts at the states of each driver's replay (the rule apart from its trajectory)
+    python scripts/bench_history_store.py crosscheck --rollouts RUN/rollouts.jsonl --drive device suffix_finished \
+        --stores device suffix_finished rlspec --out docs/bench/history_crosscheck_default.json
     # the paper's shape, synthetic: the store filled to each size, then timed and replayed
     python scripts/bench_history_store.py scale --sizes 1e6 1e7 5e7 --out docs/bench/history_store_scale.json
 
@@ -636,6 +639,74 @@ def variants(args) -> dict:
     return out
 
 
+class Probe:
+    """A replay driven by one store's drafts while every store drafts for the same states: at each
+    of the driver's verifications, the tokens each store's draft would have had accepted."""
+
+    def __init__(self, stores: dict, drive: str):
+        self.stores, self.drive = stores, drive
+        self.responses: list = []
+        self.epoch = 0
+        self.accepted: dict = {name: {} for name in stores}   # store -> epoch -> [accepted, verifications]
+
+    def begin_call(self, prompts) -> None:
+        for s in self.stores.values():
+            s.begin_call(prompts)
+
+    def step(self, ids, nums, new, keys, plens, k) -> list[list[int]]:
+        drafts = {name: s.step(ids, nums, new, keys, plens, k) for name, s in self.stores.items()}
+        for i, key in enumerate(keys):
+            resp = self.responses[int(key.rsplit("-", 1)[1])]
+            done = int(nums[i]) - plens[i]
+            if done >= len(resp):
+                continue
+            for name, d in drafts.items():
+                acc = 0   # as replay_call counts a draft's accepted tokens
+                while acc < len(d[i]) and acc < len(resp) - done - 1 and d[i][acc] == resp[done + acc]:
+                    acc += 1
+                a = self.accepted[name].setdefault(self.epoch, [0, 0])
+                a[0] += acc
+                a[1] += 1
+        return drafts[self.drive]
+
+    def finish(self, key, prompt, response) -> None:
+        for s in self.stores.values():
+            s.finish(key, prompt, response)
+
+    def end_call(self, prompts, responses) -> None:
+        for s in self.stores.values():
+            s.end_call(prompts, responses)
+
+
+def crosscheck(args) -> dict:
+    """Each --drive store replays the trace, and at every one of its verifications every store of
+    --stores drafts for the same state: tokens per verification (accepted + 1) of each store at each
+    driver's states, by epoch. A rule's replay figure mixes how well it drafts with which states its
+    own drafts lead the rows to; here the states are held fixed."""
+    steps = load_rollouts(Path(args.rollouts))
+    mean = int(np.mean([len(r) for s in steps for _, rs in s for r in rs]))
+    out = {"rollouts": args.rollouts, "steps": len(steps), "k": args.k, "max_batch": args.max_batch,
+           "stores": args.stores, "drives": {}}
+    for drive in args.drive:
+        probe = Probe({name: make_store(name, args.k, args.max_tokens, mean)
+                       for name in dict.fromkeys([drive, *args.stores])}, drive)
+        visits: dict[tuple, int] = {}
+        for groups in steps:
+            epochs = []
+            for p, _ in groups:
+                visits[tuple(p)] = visits.get(tuple(p), 0) + 1
+                epochs.append(visits[tuple(p)])
+            probe.epoch = max(set(epochs), key=epochs.count)
+            probe.responses = [r for _, rs in groups for r in rs]
+            replay_call(probe, [p for p, rs in groups for _ in rs], probe.responses, args.k, args.max_batch)
+        out["drives"][drive] = {name: {e: 1 + a / v for e, (a, v) in sorted(by.items())}
+                                for name, by in probe.accepted.items()}
+        print(f"driven by {drive}: " + "; ".join(
+            f"{name} " + " ".join(f"{x:.3f}" for x in by.values()) for name, by in out["drives"][drive].items()),
+            flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -652,23 +723,29 @@ def main() -> None:
                    help="other stores replayed on the same trace")
     v.add_argument("--jobs", type=int, default=1, help="replays at a time (each on one core)")
     v.add_argument("--out", type=Path)
+    c = sub.add_parser("crosscheck", help="every store's drafts at the states of each driver's replay")
+    c.add_argument("--rollouts", required=True)
+    c.add_argument("--drive", nargs="+", required=True, choices=STORES)
+    c.add_argument("--stores", nargs="+", required=True, choices=STORES)
+    c.add_argument("--max-tokens", type=int, default=50_000_000)
+    c.add_argument("--out", type=Path)
     o = sub.add_parser("one")
     o.add_argument("--store", choices=STORES, required=True)
     o.add_argument("--size", required=True)
-    for x in (r, s, o, v):
+    for x in (r, s, o, v, c):
         x.add_argument("--k", type=int, default=5)
         x.add_argument("--seed", type=int, default=0)
     for x in (r, s, o):
         x.add_argument("--history", nargs="*", default=[], metavar="KEY=VALUE",
                        help="speculation.history settings of the rlspec store")
-    for x in (r, s, o):
+    for x in (r, s, o, c):
         x.add_argument("--device", nargs="*", default=[], metavar="KEY=VALUE",
                        help="DeviceHistory arguments of the device store")
     for x in (r, s):
         # suffix_finished only where asked for: it explains suffix's figures, it is not a store of its own
         x.add_argument("--stores", nargs="+", default=[s for s in STORES if s != "suffix_finished"], choices=STORES)
         x.add_argument("--out", type=Path)
-    for x in (r, v):
+    for x in (r, v, c):
         x.add_argument("--max-batch", type=int, default=256)
     args = ap.parse_args()
     import yaml
@@ -682,7 +759,7 @@ def main() -> None:
     if args.mode == "one":
         print(json.dumps(scale_one(args)), flush=True)
         return
-    modes = {"replay": replay_real, "scale": scale, "variants": variants}
+    modes = {"replay": replay_real, "scale": scale, "variants": variants, "crosscheck": crosscheck}
     result = {**harness.stamp(), **modes[args.mode](args)}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

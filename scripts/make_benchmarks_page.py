@@ -126,13 +126,27 @@ def rule_variants(r: dict, path: Path) -> list[str]:
            + " | whole run | draft tokens per verification | us per row per step |", "|---|" + "---|" * (len(eps) + 3)]
     for name, v in r["variants"].items():
         drafted = v["drafted_per_verification"]
-        out.append(f"| {' '.join(v['device']) or 'default (longest match)'} | "
+        out.append(f"| {' '.join(v['device']) or 'default'} | "
                    + " | ".join(f"{v['tokens_per_verification'][e]:.3f}" for e in eps)
                    + f" | {v['whole_run_tokens_per_verification']:.3f} | "
                    + " / ".join(f"{drafted[e]:.2f}" for e in eps) + f" | {v['us_per_row_per_propose']:.0f} |")
     for name, v in r.get("reference", {}).items():  # the same trace's other stores (their own file)
         out.append(f"| store `{name}` | " + " | ".join(f"{v['tokens_per_verification'][e]:.3f}" for e in eps)
                    + " | - | - | - |")
+    return out
+
+
+def crosscheck(r: dict, path: Path) -> list[str]:
+    """Every store's tokens per verification at the states of each driver's replay."""
+    eps = sorted(next(iter(next(iter(r["drives"].values())).values())), key=int)
+    names = list(dict.fromkeys(n for by in r["drives"].values() for n in by))
+    out = [f"{r['steps']} calls, k={r['k']}, batch up to {r['max_batch']}; a row per driver, its own figure "
+           "in bold; cells: tokens per verification by epoch (" + " / ".join(eps) + ").", "",
+           "| states of | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---|" * len(names)]
+    for drive, by in r["drives"].items():
+        cells = [" / ".join(f"{by[n][e]:.3f}" for e in eps) if n in by else "-" for n in names]
+        out.append(f"| `{drive}`'s replay | " + " | ".join(f"**{c}**" if n == drive else c
+                                                         for n, c in zip(names, cells)) + " |")
     return out
 
 
@@ -249,7 +263,7 @@ def learner_memory(paths: list[Path]) -> list[str]:
 RENDER = [  # (file name pattern, renderer(result, path))
     ("default_run*.json", default_run), ("async_*.json", async_2x2), ("draft_*.json", draft),
     ("minibatch*.json", minibatch), ("rollout_*.json", rollout), ("history_store_replay*.json", replay),
-    ("history_rule_variants*.json", rule_variants),
+    ("history_rule_variants*.json", rule_variants), ("history_crosscheck*.json", crosscheck),
     ("history_store_scale.json", scale), ("vs_peer.json", peer), ("memory.json", memory),
     ("memory_gpu.json", memory_gpu), ("device_history_cost.json", device_cost),
 ]

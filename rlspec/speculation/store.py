@@ -30,6 +30,8 @@ Drafting, per request (the draft rule; `ReferenceDrafter` in the tests is a plai
 2. token by token, up to k: the candidates' most common next token x (ties: the newest
    candidate's); stop when x is END or fewer than min_prob of the candidates follow it; the
    candidates that do follow x move one token on.
+3. where global matches joined and their draft stopped at its first token, the prompt's own
+   candidates (step 1 over them alone) draft instead, as the device drafter falls back.
 Drafts are deterministic (one-hot q): vLLM's rejection sampling keeps the target's distribution
 whatever the store holds; a draft also stops before any id outside the model's vocabulary (a
 store loaded from another model). Evicted sequences are overwritten with DEAD, which no context
@@ -205,8 +207,10 @@ def _vote(cand_tok, m):
 
 @nb.njit(cache=True)
 def _scratch(max_candidates):
-    """Candidate arrays for _draft: positions, match lengths, sources, live flags, next tokens."""
-    c = 3 * max_candidates
+    """Candidate arrays for _draft: positions, match lengths, sources, live flags, next tokens (room
+    for the prompt's own sources' 2 x max_candidates, the global source's max_candidates, and a copy
+    of the own ones to fall back to)."""
+    c = 5 * max_candidates
     return (np.empty(c, np.int64), np.empty(c, np.int64), np.empty(c, np.int64), np.empty(c, np.bool_),
             np.empty(c, np.int64))
 
@@ -251,6 +255,7 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
     own = 0
     for i in range(m):
         own = max(own, c_len[i])
+    m_own = m
     walked = 0
     for lv in range(gkeys.shape[0]):
         # other prompts' running answers, then any prompt's history: their matches join where they
@@ -288,7 +293,17 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
         # shorter key's chain holds no other
         if found > 0 or gm <= own + 1:
             break
-    return _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, vocab, out, out_src)
+    if m == m_own or m_own == 0:
+        return _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, vocab, out, out_src)
+    # the global matches decide where they draft; where their vote stops at once, the own ones do
+    b = c_pos.shape[0] - 2 * max_candidates
+    c_pos[b:b + m_own], c_len[b:b + m_own] = c_pos[:m_own], c_len[:m_own]
+    c_src[b:b + m_own], c_live[b:b + m_own] = c_src[:m_own], c_live[:m_own]
+    count = _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, vocab, out, out_src)
+    if count > 0:
+        return count
+    return _extend(c_pos[b:], c_len[b:], c_src[b:], c_live[b:], nxt[b:], m_own, tok, ltok, lnext, k, min_prob, vocab,
+                   out, out_src)
 
 
 @nb.njit(nogil=True, cache=True)

@@ -1,5 +1,6 @@
-"""scripts/bench_history_store.py's variants mode: each device-rule variant replayed on one trace, as
-its own replay would measure it, beside the reference stores."""
+"""scripts/bench_history_store.py's variants mode (each device-rule variant replayed on one trace, as
+its own replay would measure it, beside the reference stores) and crosscheck mode (every store's
+drafts at one driver's states)."""
 import json
 import random
 import subprocess
@@ -45,6 +46,25 @@ def test_variants_equal_their_own_replays_beside_the_reference_stores(tmp_path):
         assert v["drafted_per_verification"] == want["drafted_per_verification"]
     # epoch 2 repeats epoch 1's answers: the stored answers draft, and drafts are accepted
     assert got["variants"]["base"]["tokens_per_verification"]["2"] > 1.5
+
+
+def test_crosscheck_holds_the_states_of_each_driver(tmp_path):
+    trace = str(write_trace(tmp_path / "rollouts.jsonl"))
+    out = tmp_path / "cross.json"
+    p = run("crosscheck", "--rollouts", trace, "--k", "3", "--drive", "device", "dict", "--stores", "device", "dict",
+            "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(out.read_text())["drives"]
+    for drive in ("device", "dict"):
+        alone = tmp_path / f"{drive}.json"
+        q = run("replay", "--rollouts", trace, "--k", "3", "--stores", drive, "--out", str(alone))
+        assert q.returncode == 0, q.stderr[-2000:]
+        # the driver's own figure is its replay's, to rounding (a sum of accepted tokens over verifications)
+        want = json.loads(alone.read_text())["stores"][drive]["tokens_per_verification"]
+        assert got[drive][drive].keys() == want.keys()
+        assert all(abs(got[drive][drive][e] - want[e]) < 1e-9 for e in want)
+    # at the same states the two rules draft differently: a probe's figure is its own, not the driver's
+    assert got["device"]["dict"] != got["device"]["device"] and got["dict"]["device"] != got["dict"]["dict"]
 
 
 def test_two_variants_of_one_name_are_refused(tmp_path):

@@ -128,11 +128,13 @@ class Reference:
             cands = {key: [*c[:3], False] for key, c in cands.items()}
         if self.select == "score":
             return self._best_scored(list(cands.values()), k)
-        own = max((c[0] for c in cands.values() if not c[3]), default=0)
-        chosen = [c for c in cands.values() if not c[3] or c[0] > own]
-        best = max((c[0] for c in chosen), default=0)
-        alive = sorted((c for c in chosen if c[0] == best), key=lambda c: -c[1])[: self.V]
-        return self._vote(alive, k)[0]
+        drafts = {}
+        for glob in (False, True):
+            best = max((c[0] for c in cands.values() if c[3] == glob), default=0)
+            alive = sorted((c for c in cands.values() if c[3] == glob and c[0] == best), key=lambda c: -c[1])
+            drafts[glob] = (best, self._vote(alive[: self.V], k)[0])
+        (own, mine), (far, theirs) = drafts[False], drafts[True]
+        return theirs if far > own and theirs else mine
 
     def _best_scored(self, cands, k):
         """select=score: per source (own first) and match length m (longest first), the draft of

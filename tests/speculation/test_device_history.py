@@ -173,6 +173,19 @@ def test_the_prompts_history_drafts_and_another_prompts_only_through_the_global_
     assert device_drafts(dev, [[1, 2, 3, 13, 14]], [3], 5) == [[15]]
 
 
+def test_a_longer_global_match_drafts_unless_its_vote_stops_at_once():
+    dev = DeviceHistory(**{**SMALL, "width": 8})
+    # two other prompts' answers: 40 41 42 then 50 or 51; this prompt's row has 41 42 ... 60 in its own prompt
+    dev.insert([[7, 7], [8, 8]], [[40, 41, 42, 50], [40, 41, 42, 51]])
+    row = [41, 42, 60, 61, 9, 40, 41, 42]
+    # global: 3 tokens matched (40 41 42), split 1 to 1 on the next (share 0.5 >= min_prob 0.5): it drafts
+    assert device_drafts(dev, [row], [5], 2) == [[51]]
+    dev = DeviceHistory(**{**SMALL, "width": 8, "min_prob": 0.6})
+    dev.insert([[7, 7], [8, 8]], [[40, 41, 42, 50], [40, 41, 42, 51]])
+    # the global vote stops at once (0.5 < 0.6): the row's own prompt (41 42 -> 60 61) drafts instead
+    assert device_drafts(dev, [row], [5], 2) == [[60, 61]]
+
+
 def test_counts_decide_and_min_prob_stops():
     dev = DeviceHistory(**{**SMALL, "width": 8})
     p = [1, 2, 3]

@@ -99,6 +99,16 @@ def test_the_longest_matching_suffix_decides_and_a_split_history_drafts_nothing(
     assert ask(h, [PROMPT + [9, 5, 6]], [[6]], 3) == [[]]   # 1 of 2 < 0.6
 
 
+def test_a_longer_global_match_whose_vote_stops_falls_back_to_the_prompts_own():
+    # the prompt's history continues 5 6 with 7 7; two other prompts' answers continue 4 5 6 with 8 or 9
+    for min_prob, want in ((0.5, [[9]]), (0.6, [[7, 7]])):
+        h = index(min_prob=min_prob, global_keys=[3])
+        h.record([PROMPT, [60, 61], [62, 63]], [[5, 6, 7, 7], [4, 5, 6, 8], [4, 5, 6, 9]], wait=True)
+        h.begin_call()
+        # 1 of 2 global votes: drafts at min_prob 0.5 (the newest's token), stops at once at 0.6
+        assert ask(h, [PROMPT + [4, 5, 6]], [[6]], 2) == want
+
+
 def test_a_draft_stops_where_the_responses_ended():
     h = index()
     h.record([PROMPT], [[20, 21, 22]], wait=True)
@@ -426,6 +436,7 @@ class Reference:
                 if p == prompt and seq[j - mm: j] == key]
         cands += [(self._length(seq, j, ctx), H, seq, j) for _, seq, j in hist][: c.max_candidates]
         cands = [x for x in cands if x[0] >= mm]
+        mine = list(cands)
         own = max((x[0] for x in cands), default=0)
         for gm in c.global_keys if c.global_source else []:
             if own >= c.max_match or len(ctx) < gm:
@@ -443,7 +454,9 @@ class Reference:
             if found:
                 cands += found
                 break
-        return self._extend(cands, k)
+        out = self._extend(cands, k)
+        # global matches whose vote stops at once: the prompt's own draft instead
+        return out if out or len(cands) == len(mine) else self._extend(mine, k)
 
     def _extend(self, cands, k):
         if not cands:
