@@ -395,7 +395,7 @@ def load_rollouts(path: Path) -> list[list[tuple[list[int], list[list[int]]]]]:
 
 
 def replay_real(args) -> dict:
-    steps = load_rollouts(Path(args.rollouts))
+    steps = load_rollouts(Path(args.rollouts))[: args.steps]
     overrides = Path(args.rollouts).parent / ".hydra" / "overrides.yaml"   # the run that wrote the trace
     trace = ("python -m rlspec.train " + " ".join(x[2:].strip() for x in overrides.read_text().splitlines()
                                                  if x.startswith("- ") and "experiment=" not in x)
@@ -615,6 +615,7 @@ def variants(args) -> dict:
 
     def one(stores: list[str], device: list[str], tmp: Path) -> dict:
         cmd = [sys.executable, __file__, "replay", "--rollouts", args.rollouts, "--k", str(args.k),
+               *(["--steps", str(args.steps)] if args.steps else []),
                "--max-batch", str(args.max_batch), "--stores", *stores, "--device", *device, "--out", str(tmp)]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * 3600)
         if p.returncode != 0:
@@ -683,7 +684,7 @@ def crosscheck(args) -> dict:
     --stores drafts for the same state: tokens per verification (accepted + 1) of each store at each
     driver's states, by epoch. A rule's replay figure mixes how well it drafts with which states its
     own drafts lead the rows to; here the states are held fixed."""
-    steps = load_rollouts(Path(args.rollouts))
+    steps = load_rollouts(Path(args.rollouts))[: args.steps]
     mean = int(np.mean([len(r) for s in steps for _, rs in s for r in rs]))
     out = {"rollouts": args.rollouts, "steps": len(steps), "k": args.k, "max_batch": args.max_batch,
            "stores": args.stores, "drives": {}}
@@ -747,6 +748,7 @@ def main() -> None:
         x.add_argument("--out", type=Path)
     for x in (r, v, c):
         x.add_argument("--max-batch", type=int, default=256)
+        x.add_argument("--steps", type=int, default=None, help="the trace's first calls only (default: all)")
     args = ap.parse_args()
     import yaml
 
