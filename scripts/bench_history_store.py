@@ -6,7 +6,9 @@ hashed n-gram continuation counts (scripts/history_dict_store.py, `dict`), and a
 SuffixDecodingCache driven as vLLM's `suffix` method drives it (`suffix`: a suffix tree over each
 request's prompt and its answer so far, and a global one over earlier responses of any prompt),
 and the device-resident drafter (rlspec/speculation/device_history.py, `device`, on CPU tensors;
---device KEY=VALUE sets its arguments).
+--device KEY=VALUE sets its arguments); only where --stores names them, `suffix_finished` (suffix
+whose global tree reads finished answers only) and `device_suffix` (a prototype: the device rule's
+own sources with a suffix tree over finished answers as its global source).
 
 The replay emulates an engine: a call's requests run in a persistent batch of up to --max-batch
 rows (finished rows filled from the back, as vLLM does); at every step each running row asks the
@@ -53,7 +55,7 @@ import harness
 ROOT = harness.ROOT
 
 VOCAB, PROMPTS, GROUP = 151_936, 17_000, 16
-STORES = ("rlspec", "dict", "suffix", "suffix_finished", "device")
+STORES = ("rlspec", "dict", "suffix", "suffix_finished", "device", "device_suffix")
 
 
 def rss() -> int:
@@ -301,11 +303,62 @@ class SuffixFinished(Suffix):
         return sum(self.tokens.get(k, 0) for k in self.done.cached_requests)
 
 
+class DeviceSuffix(Device):
+    """A prototype: the device rule's own sources (the prompt's store, the row, its siblings) with
+    a suffix tree over every finished answer as the global source in place of the buckets (its
+    draft up to k tokens, min_token_prob 0.1), taken where its match, capped at max_match, is longer
+    than the own sources' longest and it drafts, as the device rule takes its global draft."""
+
+    def __init__(self, k: int, max_tokens: int, mean_response: int = 700):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        from rlspec.speculation.device_history import DeviceHistory
+
+        super().__init__(k, max_tokens)
+        self.h = DeviceHistory(**{"max_tokens": min(max_tokens, DEVICE_ARENA), **DEVICE_SETTINGS, "global_keys": ()})
+        self.tree = SuffixDecodingCache(max_tree_depth=Suffix.depth,
+                                        max_cached_requests=max(1, max_tokens // mean_response))
+        self.tree.start_request("probe", [])
+
+    def step(self, ids, nums, new, keys, plens, k) -> list[list[int]]:
+        import torch
+
+        from rlspec.speculation.device_history import prompt_hash
+
+        self._flush()
+        h = self.h
+        t, pl, n = torch.from_numpy(ids), torch.as_tensor(np.asarray(plens, np.int64)), torch.as_tensor(nums)
+        salt = prompt_hash(t, pl)
+        ctx = h._context(t, n)
+        stored, live = h._stored_candidates(t, n, salt, ctx, k)[0], h._live_candidates(t, n, salt, pl, ctx, k)
+        own = torch.where(torch.cat([stored.valid, live.valid], 1), torch.cat([stored.length, live.length], 1), 0)
+        own_best = own.amax(1).tolist()
+        drafts, valid = h.propose(t, n, salt, pl, k, torch.from_numpy(np.asarray(new) > 0))
+        out = []
+        for i, (d, c) in enumerate(zip(drafts.tolist(), valid.tolist())):
+            g = self.tree.speculate("probe", ids[i, max(0, int(n[i]) - Suffix.depth): int(n[i])].copy(),
+                                    max_spec_tokens=k, max_spec_factor=float(k), min_token_prob=Suffix.min_prob)
+            far = g.token_ids and new[i] > 0 and (min(g.match_len, h.max_match) > own_best[i] or c == 0)
+            out.append(list(g.token_ids) if far else d[:c])
+        return out
+
+    def record(self, prompts, responses) -> None:
+        super().record(prompts, responses)
+        for p, r in zip(prompts, responses):
+            if len(r):
+                key = f"fill-{next(_ids)}"
+                self.tree.start_request(key, np.asarray(p, np.int32))
+                self.tree.add_active_response(key, list(r))
+                self.tree.stop_request(key)
+
+
 def make_store(name: str, k: int, max_tokens: int, mean_response: int = 700):
     if name == "suffix":
         return Suffix(k, max_tokens, mean_response)
     if name == "suffix_finished":
         return SuffixFinished(k, max_tokens, mean_response)
+    if name == "device_suffix":
+        return DeviceSuffix(k, max_tokens, mean_response)
     return {"rlspec": Rlspec, "dict": Dict, "device": Device}[name](k, max_tokens)
 
 
@@ -743,8 +796,10 @@ def main() -> None:
         x.add_argument("--device", nargs="*", default=[], metavar="KEY=VALUE",
                        help="DeviceHistory arguments of the device store")
     for x in (r, s):
-        # suffix_finished only where asked for: it explains suffix's figures, it is not a store of its own
-        x.add_argument("--stores", nargs="+", default=[s for s in STORES if s != "suffix_finished"], choices=STORES)
+        # suffix_finished and device_suffix only where asked for: the one explains suffix's figures,
+        # the other is a prototype of the device rule's next global source
+        x.add_argument("--stores", nargs="+", choices=STORES,
+                       default=[s for s in STORES if s not in ("suffix_finished", "device_suffix")])
         x.add_argument("--out", type=Path)
     for x in (r, v, c):
         x.add_argument("--max-batch", type=int, default=256)

@@ -91,3 +91,22 @@ def test_suffix_finished_reads_another_request_only_once_it_has_finished():
     finished.finish("a", a[:2], a[2:])
     nums, new = np.array([len(other)]), np.array([0])
     assert finished.step(ids[1:], nums, new, ["b"], plens[1:], 3)[0][:1] == [7]   # a has finished: b reads it
+
+
+def test_device_suffix_takes_the_trees_draft_only_where_its_match_is_longer():
+    """The prototype global source: a suffix tree over finished answers, drafting where its match
+    is longer than the prompt's own sources' longest; the device rule's own draft otherwise."""
+    import bench_history_store as b
+    import numpy as np
+
+    store = b.make_store("device_suffix", 2, 10_000, 10)
+    store.record([[7, 7]], [[40, 41, 42, 43, 44]])   # another prompt's finished answer
+    rows = [[1, 2, 3, 9, 40, 41, 42],                 # nothing of its own matches 40 41 42
+            [40, 41, 42, 50, 51, 40, 41, 42]]         # its prompt continues 40 41 42 with 50 51
+    plens = np.array([3, 5])
+    ids = np.zeros((2, 10), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    nums = np.array([len(r) for r in rows])
+    got = store.step(ids, nums, np.array([1, 1]), ["a", "b"], plens, 2)
+    assert got == [[43, 44], [50, 51]]
