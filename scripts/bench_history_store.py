@@ -151,13 +151,13 @@ class Device:
     """rlspec/speculation/device_history.py's drafter on CPU torch tensors: the batch's rows as
     the engine's token buffer, each row's prompt identity hashed from its row."""
 
-    def __init__(self, k: int, max_tokens: int):
+    def __init__(self, k: int, max_tokens: int, **settings):
         import torch
 
         from rlspec.speculation.device_history import DeviceHistory
 
         torch.set_num_threads(1)   # as the host store drafts: one core
-        self.h = DeviceHistory(**{"max_tokens": min(max_tokens, DEVICE_ARENA), **DEVICE_SETTINGS})
+        self.h = DeviceHistory(**{"max_tokens": min(max_tokens, DEVICE_ARENA), **DEVICE_SETTINGS, **settings})
         self.prompts: set = set()
         self.done: list = []   # answers finished since the last step
 
@@ -312,10 +312,7 @@ class DeviceSuffix(Device):
     def __init__(self, k: int, max_tokens: int, mean_response: int = 700):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-        from rlspec.speculation.device_history import DeviceHistory
-
-        super().__init__(k, max_tokens)
-        self.h = DeviceHistory(**{"max_tokens": min(max_tokens, DEVICE_ARENA), **DEVICE_SETTINGS, "global_keys": ()})
+        super().__init__(k, max_tokens, global_source="buckets", global_keys=())
         self.tree = SuffixDecodingCache(max_tree_depth=Suffix.depth,
                                         max_cached_requests=max(1, max_tokens // mean_response))
         self.tree.start_request("probe", [])
@@ -326,19 +323,15 @@ class DeviceSuffix(Device):
         from rlspec.speculation.device_history import prompt_hash
 
         self._flush()
-        h = self.h
         t, pl, n = torch.from_numpy(ids), torch.as_tensor(np.asarray(plens, np.int64)), torch.as_tensor(nums)
-        salt = prompt_hash(t, pl)
-        ctx = h._context(t, n)
-        stored, live = h._stored_candidates(t, n, salt, ctx, k)[0], h._live_candidates(t, n, salt, pl, ctx, k)
-        own = torch.where(torch.cat([stored.valid, live.valid], 1), torch.cat([stored.length, live.length], 1), 0)
-        own_best = own.amax(1).tolist()
-        drafts, valid = h.propose(t, n, salt, pl, k, torch.from_numpy(np.asarray(new) > 0))
+        active = torch.from_numpy(np.asarray(new) > 0)
+        own, own_best, _, _ = self.h.source_drafts(t, n, prompt_hash(t, pl), pl, k, active)
         out = []
-        for i, (d, c) in enumerate(zip(drafts.tolist(), valid.tolist())):
+        for i, (d, best) in enumerate(zip(own.tolist(), own_best.tolist())):
             g = self.tree.speculate("probe", ids[i, max(0, int(n[i]) - Suffix.depth): int(n[i])].copy(),
                                     max_spec_tokens=k, max_spec_factor=float(k), min_token_prob=Suffix.min_prob)
-            far = g.token_ids and new[i] > 0 and (min(g.match_len, h.max_match) > own_best[i] or c == 0)
+            c = sum(x >= 0 for x in d)
+            far = g.token_ids and new[i] > 0 and (min(g.match_len, self.h.max_match) > best or c == 0)
             out.append(list(g.token_ids) if far else d[:c])
         return out
 
@@ -363,6 +356,24 @@ def make_store(name: str, k: int, max_tokens: int, mean_response: int = 700):
 
 
 # -- the engine emulation -------------------------------------------------------------------------------
+def accepted(draft, response, done: int) -> int:
+    """The draft's tokens a verification accepts for a response with `done` tokens written (its
+    last token is never drafted: the verification samples it)."""
+    n = 0
+    while n < len(draft) and n < len(response) - done - 1 and draft[n] == response[done + n]:
+        n += 1
+    return n
+
+
+def call_epoch(visits: dict, groups) -> int:
+    """Counts each group's prompt as visited once more; the call's epoch, its groups' commonest visit."""
+    epochs = []
+    for p, _ in groups:
+        visits[tuple(p)] = visits.get(tuple(p), 0) + 1
+        epochs.append(visits[tuple(p)])
+    return max(set(epochs), key=epochs.count)
+
+
 def replay_call(store, prompts: list[list[int]], responses: list[list[int]], k: int, max_batch: int,
                 timing: list | None = None, written: list[int] | None = None, record: bool = True,
                 drafted: list[int] | None = None) -> tuple[int, int]:
@@ -411,10 +422,7 @@ def replay_call(store, prompts: list[list[int]], responses: list[list[int]], k: 
             if left <= 0:
                 finished.append(i)
                 continue
-            acc = 0
-            while acc < len(d) and acc < left - 1 and d[acc] == resp[done[r] + acc]:
-                acc += 1
-            step = min(acc + 1, left)
+            step = min(accepted(d, resp, done[r]) + 1, left)
             ids[i, nums[i]: nums[i] + step] = resp[done[r]: done[r] + step]
             nums[i] += step
             new[i] = step
@@ -464,16 +472,12 @@ def replay_real(args) -> dict:
         timing: list = []
         base = rss()
         for groups in steps:
-            epochs = []
-            for p, rs in groups:
-                visits[tuple(p)] = visits.get(tuple(p), 0) + 1
-                epochs.append(visits[tuple(p)])
+            ep = call_epoch(visits, groups)
             prompts = [p for p, rs in groups for _ in rs]
             responses = [r for _, rs in groups for r in rs]
             hits = [store.has_history(p) for p, _ in groups]
             d = [0]
             v, e = replay_call(store, prompts, responses, args.k, args.max_batch, timing, drafted=d)
-            ep = max(set(epochs), key=epochs.count)
             acc = by_epoch.setdefault(ep, [0, 0, 0, 0, 0])
             acc[0] += v
             acc[1] += e
@@ -715,11 +719,8 @@ class Probe:
             if done >= len(resp):
                 continue
             for name, d in drafts.items():
-                acc = 0   # as replay_call counts a draft's accepted tokens
-                while acc < len(d[i]) and acc < len(resp) - done - 1 and d[i][acc] == resp[done + acc]:
-                    acc += 1
                 a = self.accepted[name].setdefault(self.epoch, [0, 0])
-                a[0] += acc
+                a[0] += accepted(d[i], resp, done)
                 a[1] += 1
         return drafts[self.drive]
 
@@ -746,11 +747,7 @@ def crosscheck(args) -> dict:
                        for name in dict.fromkeys([drive, *args.stores])}, drive)
         visits: dict[tuple, int] = {}
         for groups in steps:
-            epochs = []
-            for p, _ in groups:
-                visits[tuple(p)] = visits.get(tuple(p), 0) + 1
-                epochs.append(visits[tuple(p)])
-            probe.epoch = max(set(epochs), key=epochs.count)
+            probe.epoch = call_epoch(visits, groups)
             probe.responses = [r for _, rs in groups for r in rs]
             replay_call(probe, [p for p, rs in groups for _ in rs], probe.responses, args.k, args.max_batch)
         out["drives"][drive] = {name: {e: 1 + a / v for e, (a, v) in sorted(by.items())}

@@ -250,7 +250,7 @@ class HistoryConfig:
     # proposer: Model Runner V1, async scheduling off); `device`, the store in tensors on the
     # engine's device (rlspec/speculation/device_history.py, in vLLM's ngram_gpu slot: no copy of
     # the rows to the host, async scheduling kept on a GPU). The device store is a ring of
-    # device_max_tokens tokens (about 60 bytes each at the default key lengths); it takes the
+    # device_max_tokens tokens (about 110 bytes each: the ring, its buckets and the count table); it takes the
     # key settings above but not the per-prompt bounds, and not num_speculative_tokens=auto yet.
     drafter: str = "host"
     device_max_tokens: int = 1 << 22

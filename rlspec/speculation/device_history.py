@@ -31,6 +31,7 @@ fallback (measured with the same script's `variants` mode).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,13 +139,34 @@ class DeviceHistory:
     batch read per prompt (the row itself included); max_voters: candidates of the longest match
     that vote, the highest ranked (the row itself, its siblings, then the newest stored);
     live_matches: positions read per row of the batch and key length (the latest; suffix decoding's
-    tree of a request counts every earlier occurrence)."""
+    tree of a request counts every earlier occurrence).
+
+    global_source: the global draft's source: `buckets` (the unsalted keys of global_keys, voted
+    as the prompt's own) or `counts`, a count table as suffix decoding's global tree counts: per
+    context of each length in count_keys (default 1..max_match) within the stored answers, its
+    next tokens with their counts, in hashed buckets of count_width (key, token, count) entries
+    (count_buckets of them, default four entries per arena token; a full bucket keeps its highest
+    counts). It follows the ring: an overwritten answer's pairs are counted out. Its draft walks
+    the commonest next token while the product of the shares is at least count_min_prob, from the
+    longest context with counts (count_select=longest) or from the one whose draft scores highest
+    (score, suffix decoding's choice: the sum of those products). A key is the context's 64-bit
+    hash, not its tokens: a collision (about 2^-64 a pair) may draft a wrong token, which the
+    verification rejects."""
 
     def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 64,
                  max_match: int = 16, prompt_keys=(8, 3, 1), global_keys=(8, 4, 1),
                  min_prob: float = 0.5, max_siblings: int = 16, max_voters: int = 64, vocab_size: int | None = None,
-                 select: str = "longest", spec_factor: float = 0.0, pooled: bool = False, live_matches: int = 1):
+                 select: str = "longest", spec_factor: float = 0.0, pooled: bool = False, live_matches: int = 1,
+                 global_source: str = "counts", count_keys=None, count_width: int = 16,
+                 count_buckets: int | None = None, count_min_prob: float = 0.1, count_select: str = "score"):
         self.device = torch.device(device)
+        if global_source not in ("buckets", "counts"):
+            raise ValueError(f"device history: global_source must be buckets or counts, got {global_source!r}")
+        self.global_source = global_source
+        if global_source == "counts":
+            if select != "longest" or pooled:
+                raise ValueError("device history: global_source=counts drafts with select=longest, unpooled")
+            global_keys = ()   # the count table is the global source
         self.capacity, self.width = int(max_tokens), int(width)
         self.max_match = int(max_match)
         self.prompt_keys = tuple(int(m) for m in prompt_keys)
@@ -173,10 +195,31 @@ class DeviceHistory:
         self.fill = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.written = torch.zeros((), dtype=torch.int64, device=self.device)  # tokens ever written
         self._written = 0  # the same on the host: inserts are planned there
+        self._seqs: deque = deque()  # (start, size, head) of the ring's whole sequences
+        self.count_keys = tuple(sorted({int(c) for c in (count_keys or range(1, self.max_match + 1))
+                                        if 1 <= int(c) <= self.max_match}))
+        if global_source == "counts" and not self.count_keys:
+            raise ValueError("device history: count_keys must hold a length in 1..max_match")
+        self.count_width, self.count_min_prob = int(count_width), float(count_min_prob)
+        if count_select not in ("longest", "score"):
+            raise ValueError(f"device history: count_select must be longest or score, got {count_select!r}")
+        self.count_select = count_select
+        nc = 1 if global_source != "counts" else count_buckets or max(
+            16, 1 << int(np.ceil(np.log2(max(1, 4 * self.capacity // self.count_width)))))
+        if nc & (nc - 1):
+            raise ValueError(f"device history: count_buckets must be a power of two, got {nc}")
+        self.n_count_buckets = nc
+        self.ckey = torch.zeros((nc, self.count_width), dtype=torch.int64, device=self.device)
+        self.ctok = torch.zeros((nc, self.count_width), dtype=torch.int32, device=self.device)
+        self.ccnt = torch.zeros((nc, self.count_width), dtype=torch.int32, device=self.device)
+        levels = torch.tensor(self.count_keys or (1,), device=self.device)
+        self._levels, self._level_salt = levels, torch.tensor([_signed(c * _C1) for c in self.count_keys or (1,)],
+                                                              device=self.device)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tok, self.pid, self.table, self.fill))
+        return sum(t.numel() * t.element_size() for t in (self.tok, self.pid, self.table, self.fill, self.ckey,
+                                                          self.ctok, self.ccnt))
 
     def stored(self) -> int:
         return min(self._written, self.capacity)
@@ -195,10 +238,12 @@ class DeviceHistory:
         for i, (p, _) in enumerate(pairs):
             pad[i, : len(p)] = torch.from_numpy(p)
         self._insert(prompt_hash(pad, plen),
-                     [np.concatenate([p[max(0, len(p) - self.max_match):], r, [END]]) for p, r in pairs])
+                     [np.concatenate([p[max(0, len(p) - self.max_match):], r, [END]]) for p, r in pairs],
+                     [min(len(p), self.max_match) for p, _ in pairs])
 
-    def _insert(self, salts: torch.Tensor, bodies: list[np.ndarray]) -> None:
-        """Sequences ([prompt tail | response | END], their prompts' salts) into the ring."""
+    def _insert(self, salts: torch.Tensor, bodies: list[np.ndarray], heads: list[int]) -> None:
+        """Sequences ([prompt tail | response | END], their prompts' salts, their tails' lengths)
+        into the ring."""
         dev = self.device
         sizes = torch.tensor([len(b) for b in bodies], device=dev)
         body = torch.from_numpy(np.concatenate(bodies)).to(dev)
@@ -209,6 +254,7 @@ class DeviceHistory:
         pos = self._written + torch.arange(total, device=dev)
         new_written = self._written + total
         keep = pos >= new_written - self.capacity   # a batch over the ring writes its last tokens only
+        self._count_insert(body, sizes, torch.tensor(heads, device=dev), start, new_written)
         self.tok[pos[keep] % self.capacity] = body[keep].int()
         self.pid[pos[keep] % self.capacity] = salt[keep]
         keys, ok = [], []
@@ -223,21 +269,79 @@ class DeviceHistory:
         self._written = new_written
         self.written.fill_(new_written)
 
+    def _count_insert(self, body, sizes, heads, start, new_written: int) -> None:
+        """The ring's whole sequences (start, size, head) on the host, and the count table
+        (global_source=counts) with them: sequences whose start the write overwrites leave (read
+        before the write), the new ones that fit whole join. Call before the ring is written."""
+        oldest = new_written - self.capacity
+        gone = []
+        while self._seqs and self._seqs[0][0] < oldest:
+            gone.append(self._seqs.popleft())
+        first = self._written + start
+        whole = first >= oldest
+        self._seqs.extend(zip(first[whole].tolist(), sizes[whole].tolist(), heads[whole].tolist()))
+        if self.global_source != "counts":
+            return
+        if gone:
+            at = torch.cat([torch.arange(a, a + n, device=self.device) for a, n, _ in gone]) % self.capacity
+            self._count_add(*self._count_pairs(self.tok[at].long(), *(torch.tensor(x, device=self.device) for x in
+                                                                      list(zip(*gone))[1:])), -1)
+        if bool(whole.any()):
+            keep = torch.repeat_interleave(whole, sizes)
+            self._count_add(*self._count_pairs(body[keep], sizes[whole], heads[whole]), 1)
+
+    def _count_pairs(self, body: torch.Tensor, sizes: torch.Tensor, heads: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequences' (context key, next token) pairs: per count key length c, every position with c
+        tokens of its response before it (its END included as a next token; as suffix decoding's
+        global tree, contexts lie within answers)."""
+        total = body.numel()
+        j = torch.arange(total, device=body.device) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+        j = j - torch.repeat_interleave(heads, sizes)                            # index within the response
+        keys, toks = [], []
+        for c in self.count_keys:
+            ok = j >= c
+            keys.append(window_keys(body[None], c)[0][:total][ok])
+            toks.append(body[ok])
+        return torch.cat(keys), torch.cat(toks)
+
+    def _count_add(self, key: torch.Tensor, tok: torch.Tensor, delta: int) -> None:
+        """Pairs counted in (delta 1) or out (-1): the touched buckets' entries and the pairs are
+        summed per (key, token), and each bucket keeps its count_width of highest count (ties: the
+        lower key, then token, as signed int64)."""
+        if key.numel() == 0:
+            return
+        NC, W = self.n_count_buckets, self.count_width
+        touched = torch.unique(key & (NC - 1))
+        held = self.ccnt[touched] > 0                                            # [T, W]
+        keys = torch.cat([self.ckey[touched][held], key])
+        toks = torch.cat([self.ctok[touched][held].long(), tok.long()])
+        cnts = torch.cat([self.ccnt[touched][held].long(), torch.full_like(key, delta)])
+        pairs, inv = torch.unique(torch.stack([keys, toks], 1), dim=0, return_inverse=True)
+        cnt = torch.zeros(len(pairs), dtype=torch.int64, device=key.device).index_add_(0, inv, cnts)
+        pairs, cnt = pairs[cnt > 0], cnt[cnt > 0]
+        order = torch.sort(-cnt, stable=True).indices                            # pairs are sorted already
+        order = order[torch.sort(pairs[order, 0] & (NC - 1), stable=True).indices]
+        pairs, cnt = pairs[order], cnt[order]
+        b = pairs[:, 0] & (NC - 1)
+        rank = torch.arange(len(b), device=b.device) - torch.searchsorted(b, b)
+        keep = rank < W
+        self.ckey[touched], self.ctok[touched], self.ccnt[touched] = 0, 0, 0
+        self.ckey[b[keep], rank[keep]] = pairs[keep, 0]
+        self.ctok[b[keep], rank[keep]] = pairs[keep, 1].int()
+        self.ccnt[b[keep], rank[keep]] = cnt[keep].int()
+
     def state_dict(self) -> dict:
         """The ring's whole sequences, oldest first, on the host: their tokens ([prompt tail |
-        response | END], concatenated: int32) and their prompts' salts (int64)."""
-        n = self.stored()
-        at = (torch.arange(self._written - n, self._written, device=self.device) % self.capacity)
-        tok, pid = self.tok[at].cpu().numpy(), self.pid[at].cpu().numpy()
-        if self._written > self.capacity:  # the oldest sequence may have lost its start
-            ends = np.flatnonzero(tok == END)
-            first = int(ends[0]) + 1 if len(ends) else n
-            tok, pid = tok[first:], pid[first:]
-        ends = np.flatnonzero(tok == END)
-        tok, pid = tok[: int(ends[-1]) + 1 if len(ends) else 0], pid[: int(ends[-1]) + 1 if len(ends) else 0]
-        starts = np.concatenate([[0], ends[:-1] + 1]) if len(ends) else np.zeros(0, np.int64)
-        return {"format": "device", "tokens": tok.astype(np.int32), "salts": pid[starts].astype(np.int64),
-                "sizes": (ends - starts + 1).astype(np.int64)}
+        response | END], concatenated: int32), their prompts' salts (int64) and tails' lengths."""
+        seqs = list(self._seqs)
+        at = torch.cat([torch.zeros(0, dtype=torch.int64, device=self.device)] + [
+            torch.arange(a, a + n, device=self.device) for a, n, _ in seqs]) % self.capacity
+        starts = at[torch.tensor(np.cumsum([0] + [n for _, n, _ in seqs[:-1]]), device=self.device)] if seqs else at
+        return {"format": "device", "tokens": self.tok[at].cpu().numpy().astype(np.int32),
+                "salts": self.pid[starts].cpu().numpy().astype(np.int64),
+                "sizes": np.array([n for _, n, _ in seqs], np.int64),
+                "heads": np.array([h for _, _, h in seqs], np.int64)}
 
     def load_state_dict(self, state: dict) -> None:
         """A saved ring (state_dict; several engines' states, merge_device_states), inserted afresh
@@ -245,7 +349,8 @@ class DeviceHistory:
         tokens = np.asarray(state["tokens"], np.int32)
         sizes = np.asarray(state["sizes"], np.int64)
         salts = np.asarray(state["salts"], np.int64)
-        if len(sizes) != len(salts) or int(sizes.sum()) != len(tokens) or \
+        heads = np.asarray(state.get("heads", np.zeros(len(sizes))), np.int64)  # none: tails counted
+        if len(sizes) != len(salts) or len(heads) != len(sizes) or int(sizes.sum()) != len(tokens) or \
                 (len(sizes) and not np.all(tokens[np.cumsum(sizes) - 1] == END)):
             raise ValueError("device history state: sequences and tokens do not agree")
         self.tok = torch.full_like(self.tok, EMPTY)
@@ -253,9 +358,11 @@ class DeviceHistory:
             torch.zeros_like(self.fill)
         self._written = 0
         self.written.fill_(0)
+        self._seqs.clear()
+        self.ckey, self.ctok, self.ccnt = (torch.zeros_like(t) for t in (self.ckey, self.ctok, self.ccnt))
         if len(sizes):
             bodies = np.split(tokens.astype(np.int64), np.cumsum(sizes)[:-1])
-            self._insert(torch.from_numpy(salts).to(self.device), bodies)
+            self._insert(torch.from_numpy(salts).to(self.device), bodies, heads.tolist())
 
     def _add_entries(self, bucket: torch.Tensor, pos: torch.Tensor) -> None:
         """Append positions to their buckets in the given order; a bucket keeps its newest `width`."""
@@ -279,31 +386,111 @@ class DeviceHistory:
         of them its prompt, prompt_ids[i] its prompt_hash), active [B] (rows to draft for; default
         all) -> drafts [B, k] int32 (-1: none), and their leading valid counts [B] int32."""
         n = lengths.long()
-        ctx = self._context(token_ids, n)                                        # [B, M]
-        hist = self._stored_candidates(token_ids, n, prompt_ids.long(), ctx, k)
-        live = self._live_candidates(token_ids, n, prompt_ids.long(), prompt_lens.long(), ctx, k)
-        cand = [torch.cat([a, b], 1) for a, b in ((hist[0].valid, live.valid), (hist[0].length, live.length),
-                                                   (hist[0].rank, live.rank), (hist[0].nxt, live.nxt))]
-        valid, length, rank, nxt = cand
-        glob = torch.cat([hist[1], torch.zeros_like(live.valid)], 1)             # [B, C] global source
-        if active is not None:
-            valid = valid & active[:, None]
-        if self.pooled:  # the prompt's own sources and the global one vote together
-            glob = torch.zeros_like(glob)
-        if self.select == "score":
-            drafts = self._best_scored(valid & ~glob, valid & glob, length, rank, nxt, k)
+        if self.select == "score" or self.pooled:
+            valid, length, rank, nxt, glob = self._candidates(token_ids, n, prompt_ids, prompt_lens, k, active)
+            if self.pooled:  # the prompt's own sources and the global one vote together
+                glob = torch.zeros_like(glob)
+            if self.select == "score":
+                drafts = self._best_scored(valid & ~glob, valid & glob, length, rank, nxt, k)
+                return drafts, (drafts >= 0).sum(1).int()
+            drafts = self._vote(*self._voters(valid & (length == torch.where(valid, length, 0).amax(1, keepdim=True)),
+                                              rank, nxt, k), k)
             return drafts, (drafts >= 0).sum(1).int()
-        # each source's longest match votes (both in one batch of 2B rows); the global draft is
-        # taken where its match is the longer and it drafts a token, the own sources' otherwise
+        own, own_best, far, far_best = self.source_drafts(token_ids, lengths, prompt_ids, prompt_lens, k, active)
+        use_far = (far_best > own_best) & (far[:, 0] >= 0)
+        drafts = torch.where(use_far[:, None], far, own)
+        return drafts, (drafts >= 0).sum(1).int()
+
+    def source_drafts(self, token_ids, lengths, prompt_ids, prompt_lens, k: int, active=None):
+        """Each source's draft and match length (select=longest): the prompt's own sources (its
+        store, the row, its siblings; their longest match votes) and the global one (the global
+        buckets' longest match votes, or the count table's walk) -> own [B, k], own_best [B], far
+        [B, k], far_best [B] (drafts int32, -1: none)."""
+        n = lengths.long()
+        valid, length, rank, nxt, glob = self._candidates(token_ids, n, prompt_ids, prompt_lens, k, active)
         own, far = valid & ~glob, valid & glob
         own_best = torch.where(own, length, 0).amax(1, keepdim=True)
         far_best = torch.where(far, length, 0).amax(1, keepdim=True)
+        B = own.shape[0]
+        if self.global_source == "counts":
+            drafts = self._vote(*self._voters(own & (length == own_best), rank, nxt, k), k)
+            far_draft, far_len = self._count_draft(self._context(token_ids, n), n, k)
+            if active is not None:
+                far_draft = torch.where(active[:, None], far_draft, -1)
+            return drafts, own_best[:, 0], far_draft, far_len
+        # both sources vote in one batch of 2B rows
         alive = torch.cat([own & (length == own_best), far & (length == far_best)])
         both = self._vote(*self._voters(alive, rank.repeat(2, 1), nxt.repeat(2, 1, 1), k), k)
-        B = own.shape[0]
-        use_far = (far_best[:, 0] > own_best[:, 0]) & (both[B:, 0] >= 0)
-        drafts = torch.where(use_far[:, None], both[B:], both[:B])
-        return drafts, (drafts >= 0).sum(1).int()
+        return both[:B], own_best[:, 0], both[B:], far_best[:, 0]
+
+    def _candidates(self, token_ids, n, prompt_ids, prompt_lens, k, active):
+        """Every candidate of the buckets and the batch: valid, length, rank [B, C], nxt [B, C, k],
+        and which are global [B, C]."""
+        ctx = self._context(token_ids, n)                                        # [B, M]
+        hist = self._stored_candidates(token_ids, n, prompt_ids.long(), ctx, k)
+        live = self._live_candidates(token_ids, n, prompt_ids.long(), prompt_lens.long(), ctx, k)
+        valid, length, rank, nxt = (torch.cat([a, b], 1) for a, b in (
+            (hist[0].valid, live.valid), (hist[0].length, live.length), (hist[0].rank, live.rank),
+            (hist[0].nxt, live.nxt)))
+        glob = torch.cat([hist[1], torch.zeros_like(live.valid)], 1)
+        if active is not None:
+            valid = valid & active[:, None]
+        return valid, length, rank, nxt, glob & valid
+
+    def _count_draft(self, ctx: torch.Tensor, n: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The count table's draft. From a match length m (a count key the row's context has counts
+        for), token by token the most frequent next token of the context of the longest count key
+        at most m + t long (ties: the lower token), while the product of the shares is at least
+        count_min_prob and it is a token. count_select=longest walks from the longest such m; score
+        (suffix decoding's choice) walks from every one and keeps the draft of highest score, the
+        sum of those products (ties: the longer m). ctx [B, M] newest first -> drafts [B, k] int32,
+        m [B]."""
+        B, dev = ctx.shape[0], ctx.device
+        levels, top, Lv = self._levels, max(self.count_keys), len(self.count_keys)
+        pw = _powers(top, dev)
+
+        def keys(seq):  # [R, top] newest first -> the keys of every count length [R, Lv]
+            return mix(torch.cumsum((seq[:, :top] + 3) * pw, 1)[:, levels - 1] ^ self._level_salt)
+
+        def look(key):  # [R] -> per slot: counts (0 where another key) and tokens [R, W]
+            b = key & (self.n_count_buckets - 1)
+            return torch.where(self.ckey[b] == key[:, None], self.ccnt[b].long(), 0), self.ctok[b].long()
+
+        seq = ctx[:, :top]
+        k0 = keys(seq)
+        total = torch.stack([look(k0[:, i])[0].sum(1) for i in range(Lv)], 1)    # [B, Lv]
+        has = (total > 0) & (n[:, None] >= levels)
+        if self.count_select == "longest":
+            li = torch.where(has, torch.arange(Lv, device=dev), -1).amax(1)
+            m = torch.where(li >= 0, levels[li.clamp(min=0)], 0)
+            drafts, _ = self._count_walk(seq, k0, m, li >= 0, k, keys, look)
+            return drafts, m
+        # every match length at once: rows level-major [Lv * B]
+        m = levels.repeat_interleave(B)
+        drafts, score = self._count_walk(seq.repeat(Lv, 1), k0.repeat(Lv, 1), m, has.T.reshape(-1), k, keys, look)
+        score = torch.where(has.T.reshape(-1), score, -1.0).view(Lv, B)
+        pick = Lv - 1 - score.flip(0).argmax(0)                                  # ties: the longer
+        best = drafts.view(Lv, B, k).gather(0, pick[None, :, None].expand(1, B, k))[0]
+        return best, torch.where(has.any(1), levels[pick], 0)
+
+    def _count_walk(self, seq, k0, m, go, k, keys, look) -> tuple[torch.Tensor, torch.Tensor]:
+        """The walks from match lengths m [R] (rows where go): drafts [R, k] int32, scores [R]."""
+        R, dev = seq.shape[0], seq.device
+        drafts = torch.full((R, k), -1, dtype=torch.int32, device=dev)
+        prob = torch.ones(R, dtype=torch.float64, device=dev)
+        score = torch.zeros(R, dtype=torch.float64, device=dev)
+        for t in range(k):
+            at = torch.searchsorted(self._levels, m + t, right=True) - 1
+            key = (k0 if t == 0 else keys(seq)).gather(1, at.clamp(min=0)[:, None])[:, 0]
+            cnt, tok = look(key)
+            best = torch.where(cnt > 0, cnt * _COUNT - tok, -(1 << 62)).argmax(1, keepdim=True)
+            x, votes = tok.gather(1, best)[:, 0], cnt.gather(1, best)[:, 0]
+            prob = prob * votes.double() / cnt.sum(1).clamp(min=1).double()
+            go = go & (votes > 0) & (x >= 0) & (x < self.vocab) & (prob >= self.count_min_prob)
+            score = score + torch.where(go, prob, 0.0)
+            drafts[:, t] = torch.where(go, x, -1).int()
+            seq = torch.cat([x[:, None], seq[:, :-1]], 1)
+        return drafts, score
 
     def shadow(self, prompts, responses, max_rows: int, k: int) -> dict:
         """A call that drafted nothing ('auto' ran it without): what k-token drafts would have
@@ -493,4 +680,6 @@ def merge_device_states(states: list[dict]) -> dict:
     """Several engines' saved rings (DeviceHistory.state_dict) as one: their sequences one after
     another."""
     return {"format": "device", **{key: np.concatenate([np.zeros(0, t)] + [np.asarray(s[key], t) for s in states])
-                                   for key, t in (("tokens", np.int32), ("salts", np.int64), ("sizes", np.int64))}}
+                                   for key, t in (("tokens", np.int32), ("salts", np.int64), ("sizes", np.int64))},
+            "heads": np.concatenate([np.zeros(0, np.int64)] + [np.asarray(s.get("heads", np.zeros(len(s["sizes"]))),
+                                                                          np.int64) for s in states])}

@@ -170,7 +170,8 @@ def settings() -> dict:
     if not cfg:
         return {}
     return {"max_tokens": cfg["device_max_tokens"], "max_match": cfg["max_match"], "min_prob": cfg["min_prob"],
-            "global_keys": tuple(cfg["global_keys"]) if cfg["global_source"] else ()}
+            # the global source is the count table (global_keys are the host store's); off: none
+            **({} if cfg["global_source"] else {"global_source": "buckets", "global_keys": ()})}
 
 
 class _Stats:

@@ -36,6 +36,10 @@ def fingerprint(tokens) -> int:
     return (h << 1) & MASK
 
 
+def signed(h: int) -> int:
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
 def prompt_hash(prompt) -> int:
     s = 0
     for j, t in enumerate(prompt):
@@ -47,12 +51,21 @@ def prompt_hash(prompt) -> int:
 class Reference:
     def __init__(self, max_tokens, n_buckets, width, max_match, prompt_keys, global_keys, min_prob,
                  max_siblings, max_voters, vocab=(1 << 31) - 1, select="longest", spec_factor=0.0, thresholds=(),
-                 pooled=False, live_matches=1):
+                 pooled=False, live_matches=1, global_source="buckets", count_keys=(), count_width=16,
+                 count_buckets=1, count_min_prob=0.1, count_select="score"):
         self.A, self.NB, self.W = max_tokens, n_buckets, width
         self.max_match, self.prompt_keys, self.global_keys = max_match, list(prompt_keys), list(global_keys)
         self.min_prob, self.G, self.V, self.vocab = min_prob, max_siblings, max_voters, vocab
         self.select, self.spec_factor, self.thresholds, self.pooled = select, spec_factor, list(thresholds), pooled
         self.live_matches = live_matches
+        self.counts = global_source == "counts"
+        if self.counts:
+            self.global_keys = []
+        self.count_keys, self.CW, self.NC, self.count_min_prob = list(count_keys), count_width, count_buckets, \
+            count_min_prob
+        self.count_select = count_select
+        self.table: dict[int, list] = {}   # count bucket -> [(key, token, count)], highest count first
+        self.seqs: deque = deque()         # (start, body) of the sequences counted
         self.tok, self.pid = {}, {}       # absolute position -> token, prompt hash
         self.buckets: dict[int, deque] = {}
         self.written = 0
@@ -61,11 +74,24 @@ class Reference:
         seqs = []
         for p, r in zip(prompts, responses):
             if len(r):
-                seqs.append((prompt_hash(p), list(p)[max(0, len(p) - self.max_match):] + list(r) + [END]))
-        total = sum(len(b) for _, b in seqs)
+                seqs.append((prompt_hash(p), list(p)[max(0, len(p) - self.max_match):] + list(r) + [END],
+                             min(len(p), self.max_match)))
+        total = sum(len(b) for _, b, _ in seqs)
         end = self.written + total
         pos = self.written
-        for salt, body in seqs:
+        if self.counts:
+            gone = []
+            while self.seqs and self.seqs[0][0] < end - self.A:
+                gone.append(self.seqs.popleft()[1])
+            self._count(gone, -1)
+            at, whole = self.written, []
+            for _, body, head in seqs:
+                if at >= end - self.A:
+                    self.seqs.append((at, (body, head)))
+                    whole.append((body, head))
+                at += len(body)
+            self._count(whole, 1)
+        for salt, body, _ in seqs:
             for j in range(len(body)):
                 if pos >= end - self.A:
                     self.tok[pos], self.pid[pos] = body[j], salt
@@ -77,6 +103,55 @@ class Reference:
                             self.buckets.setdefault(key & (self.NB - 1), deque(maxlen=self.W)).append(pos)
                 pos += 1
         self.written = end
+
+    def _count(self, bodies, delta):
+        """Sequences' (context, next token) pairs counted in or out of the count table at once
+        (a bucket keeps its count_width of highest count after the whole batch)."""
+        add = {}
+        for body, head in bodies:   # contexts within the answer
+            for c in self.count_keys:
+                for j in range(head + c, len(body)):
+                    key = fold(body[j - c: j])
+                    add[key, body[j]] = add.get((key, body[j]), 0) + delta
+        for b in {key & (self.NC - 1) for key, _ in add}:
+            merged = {(key, x): n for key, x, n in self.table.get(b, [])}
+            for (key, x), n in add.items():
+                if key & (self.NC - 1) == b:
+                    merged[key, x] = merged.get((key, x), 0) + n
+            kept = sorted(((key, x, n) for (key, x), n in merged.items() if n > 0),
+                          key=lambda e: (-e[2], signed(e[0]), e[1]))
+            self.table[b] = kept[: self.CW]
+
+    def _count_walk(self, ctx, k):
+        """(draft, match length) of the count table for a row whose tokens are ctx: the walk from
+        the longest count key with counts (count_select=longest), or of highest score from any of
+        them, ties to the longer (score)."""
+        def hits(seq, c):
+            key = fold(seq[len(seq) - c:])
+            return {x: n for kk, x, n in self.table.get(key & (self.NC - 1), []) if kk == key}
+
+        def walk(m):
+            out, prob, score, seq = [], 1.0, 0.0, list(ctx)
+            for t in range(k):
+                got = hits(seq, max(c for c in self.count_keys if c <= m + t))
+                if not got:
+                    break
+                n, x = max((n, -x) for x, n in got.items())
+                prob *= n / sum(got.values())
+                if -x < 0 or -x >= self.vocab or prob < self.count_min_prob:
+                    break
+                out.append(-x)
+                score += prob
+                seq.append(-x)
+            return out, score
+
+        starts = [c for c in self.count_keys if c <= len(ctx) and hits(ctx, c)]
+        if not starts:
+            return [], 0
+        if self.count_select == "longest":
+            return walk(starts[-1])[0], starts[-1]
+        best = max((walk(m)[1], m) for m in starts)[1]
+        return walk(best)[0], best
 
     def _stored(self, at):
         return self.tok[at] if at >= self.written - self.A and at in self.tok else None
@@ -133,6 +208,8 @@ class Reference:
             best = max((c[0] for c in cands.values() if c[3] == glob), default=0)
             alive = sorted((c for c in cands.values() if c[3] == glob and c[0] == best), key=lambda c: -c[1])
             drafts[glob] = (best, self._vote(alive[: self.V], k)[0])
+        if self.counts:
+            drafts[True] = self._count_walk(ctx, k)[::-1]
         (own, mine), (far, theirs) = drafts[False], drafts[True]
         return theirs if far > own and theirs else mine
 

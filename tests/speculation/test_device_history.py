@@ -12,7 +12,7 @@ from tests.speculation.device_history_reference import Reference
 from tests.speculation.device_history_reference import prompt_hash as ref_prompt_hash
 
 SMALL = dict(max_tokens=300, buckets=16, width=4, max_match=6, prompt_keys=(4, 2), global_keys=(3, 1),
-             min_prob=0.5, max_siblings=3, max_voters=64)
+             min_prob=0.5, max_siblings=3, max_voters=64, global_source="buckets")
 
 
 def pair(**kw):
@@ -20,7 +20,8 @@ def pair(**kw):
     dev = DeviceHistory(**cfg)
     ref = Reference(cfg["max_tokens"], dev.n_buckets, cfg["width"], cfg["max_match"], cfg["prompt_keys"],
                     cfg["global_keys"], cfg["min_prob"], cfg["max_siblings"], cfg["max_voters"], dev.vocab,
-                    dev.select, dev.spec_factor, dev.thresholds, dev.pooled, dev.live_matches)
+                    dev.select, dev.spec_factor, dev.thresholds, dev.pooled, dev.live_matches, dev.global_source,
+                    dev.count_keys, dev.count_width, dev.n_count_buckets, dev.count_min_prob, dev.count_select)
     return dev, ref
 
 
@@ -60,15 +61,20 @@ def trace(seed, vocab, prompts=3, group=4, calls=6):
     return out
 
 
-@pytest.mark.parametrize("select,pooled,live", [("longest", False, 1), ("score", False, 1), ("longest", True, 1),
-                                               ("longest", False, 3)])
+@pytest.mark.parametrize("select,pooled,live,source", [
+    ("longest", False, 1, "buckets"), ("score", False, 1, "buckets"), ("longest", True, 1, "buckets"),
+    ("longest", False, 3, "buckets"), ("longest", False, 1, "counts"), ("score", False, 1, "counts")])
 @pytest.mark.parametrize("seed", range(6))
-def test_drafts_equal_the_reference_on_random_traces(seed, select, pooled, live):
+def test_drafts_equal_the_reference_on_random_traces(seed, select, pooled, live, source):
     g = random.Random(100 + seed)
     dev, ref = pair(max_tokens=g.choice([120, 300, 2000]), buckets=g.choice([4, 16, 256]),
                     min_prob=g.choice([0.3, 0.5, 0.8] if select == "longest" else [0.1, 0.3]),
                     max_voters=g.choice([2, 5, 64]), prompt_keys=g.choice([(4, 2), (4, 2, 1), (3,)]),
-                    select=select, spec_factor=g.choice([0.0, 1.0, 0.5]), pooled=pooled, live_matches=live)
+                    select="longest" if source == "counts" else select, spec_factor=g.choice([0.0, 1.0, 0.5]),
+                    pooled=pooled, live_matches=live, global_source=source, count_select=select,
+                    count_keys=g.choice([(1, 2, 4), (1, 3, 6), (2, 5), None]),
+                    count_width=g.choice([2, 4, 16]), count_buckets=g.choice([1, 8, 64]),
+                    count_min_prob=g.choice([0.05, 0.2, 0.5]))
     drafted = 0
     for call in trace(seed, vocab=g.choice([4, 6, 10])):
         rows, plens = [], []
@@ -223,6 +229,56 @@ def test_a_hash_collision_never_drafts():
     assert device_drafts(dev, [[1, 2, 3, 11, 12]], [3], 3) == [[13, 14, 15]]
 
 
+COUNTS = {**SMALL, "global_source": "counts", "count_keys": None, "max_tokens": 2000}
+
+
+def test_the_count_source_drafts_the_commonest_continuation_within_other_prompts_answers():
+    dev = DeviceHistory(**COUNTS)
+    dev.insert([[7], [8], [9]], [[40, 41, 42, 43], [40, 41, 42, 43], [40, 41, 50]])
+    # a new prompt: 40 41 went on 42 43 in 2 of 3 answers (the product of the shares 2/3 each step;
+    # the answers' END stops it)
+    assert device_drafts(dev, [[5, 5, 40, 41]], [2], 3) == [[42, 43]]
+    dev = DeviceHistory(**{**COUNTS, "count_min_prob": 0.7})
+    dev.insert([[7], [8], [9]], [[40, 41, 42, 43], [40, 41, 42, 43], [40, 41, 50]])
+    assert device_drafts(dev, [[5, 5, 40, 41]], [2], 3) == [[]]
+    # a context reaching into a prompt is not counted: 40 41 -> 42 only across a prompt's end
+    dev = DeviceHistory(**COUNTS)
+    dev.insert([[40, 41]], [[42, 43]])
+    assert device_drafts(dev, [[5, 40, 41]], [1], 2) == [[]]
+    assert device_drafts(dev, [[5, 42]], [1], 2) == [[43]]
+
+
+def test_score_walks_from_the_context_whose_draft_is_surest():
+    dev = DeviceHistory(**{**COUNTS, "prompt_keys": (1,)})
+    # after 41: 42 in 3 answers, 50 in 2; after 30 41 (the row's last two): 50 then 51 52 in 2 answers
+    dev.insert([[7]] * 5, [[41, 42], [41, 42], [41, 42], [30, 41, 50, 51, 52], [30, 41, 50, 51, 52]])
+    row = [[5, 30, 41]]
+    assert device_drafts(dev, row, [1], 3) == [[50, 51, 52]]
+    longest = DeviceHistory(**{**COUNTS, "prompt_keys": (1,), "count_select": "longest"})
+    longest.insert([[7]] * 5, [[41, 42], [41, 42], [41, 42], [30, 41, 50, 51, 52], [30, 41, 50, 51, 52]])
+    assert device_drafts(longest, row, [1], 3) == [[50, 51, 52]]
+    # from 41 alone (3 of 5 say 42, then END): score 0.6 against 3 from 30 41
+    assert device_drafts(dev, [[5, 9, 41]], [1], 3) == [[42]]
+
+
+def test_the_count_table_follows_the_ring_and_its_saved_state():
+    """Past the ring's size, the count table is the one built afresh from the ring's whole answers
+    (a saved and restored store's), entry for entry."""
+    cfg = {**COUNTS, "max_tokens": 200, "count_buckets": 64, "count_width": 64}
+
+    def table(h):
+        held = h.ccnt > 0
+        return sorted(zip(h.ckey[held].tolist(), h.ctok[held].tolist(), h.ccnt[held].tolist()))
+
+    dev = DeviceHistory(**cfg)
+    for call in trace(3, vocab=6, calls=12):
+        dev.insert(*zip(*call))
+        fresh = DeviceHistory(**cfg)
+        fresh.load_state_dict(dev.state_dict())
+        assert table(dev) == table(fresh) and int((dev.ccnt > 0).sum(1).max()) < 64   # no bucket overflowed
+    assert dev._written > 3 * dev.capacity and table(dev)
+
+
 def test_the_ring_evicts_the_oldest():
     dev = DeviceHistory(**{**SMALL, "max_tokens": 24, "global_keys": ()})
     dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14, 15]])                 # 3 + 6 + 1 = 10 tokens
@@ -232,10 +288,11 @@ def test_the_ring_evicts_the_oldest():
     assert device_drafts(dev, [[1, 2, 3, 20, 21]], [3], 2) == [[22, 23]]
 
 
-def test_propose_is_one_graph_of_fixed_shapes():
+@pytest.mark.parametrize("source", ["buckets", "counts"])
+def test_propose_is_one_graph_of_fixed_shapes(source):
     """torch.compile(fullgraph=True) fails on .item(), .tolist(), data-dependent shapes and
     Python branches on tensor values."""
-    dev = DeviceHistory(**SMALL)
+    dev = DeviceHistory(**{**SMALL, "global_source": source})
     dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14, 15]])
     args = batch([[1, 2, 3, 10, 11], [1, 2, 3, 10], [7, 7]], [3, 3, 2])
     want = dev.propose(*args, 4)
@@ -245,11 +302,12 @@ def test_propose_is_one_graph_of_fixed_shapes():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_propose_on_the_meta_device_keeps_to_it():
+@pytest.mark.parametrize("source", ["buckets", "counts"])
+def test_propose_on_the_meta_device_keeps_to_it(source):
     """On `meta` tensors (no values: .item() or .tolist() raise) any CPU tensor mixed into an op
     raises; the drafts come out on the store's device. (Fake cuda tensors of this CPU build of
     torch refuse indexing, so meta stands in for the engine's device.)"""
-    dev = DeviceHistory(device="meta", **SMALL)
+    dev = DeviceHistory(device="meta", **{**SMALL, "global_source": source})
     B, L = 4, 32
     ids = torch.zeros(B, L, dtype=torch.int32, device="meta")
     n = torch.full((B,), 10, dtype=torch.int64, device="meta")
