@@ -9,6 +9,9 @@ How the rule departs from the numba store's (rlspec/speculation/store.py):
   from the batch itself: per sibling row (the row itself included: prompt lookup) and key length,
   the latest position whose window has the row's suffix's fingerprint. A finished answer drafts
   for its siblings once inserted (the replay inserts it when it finishes).
+- the global source is a count table over the stored answers (global_source=counts, the
+  default; see DeviceHistory), where store.py walks chains of any prompt's positions; the hashed
+  buckets of global_keys (global_source=buckets) are kept measurable.
 - every candidate's match is checked token by token (a hash collision never drafts); then, as in
   store.py, the candidates of the longest match decide by their counts (at most max_voters of
   them, highest rank first): at each position the most frequent next token among those agreeing
@@ -37,86 +40,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlspec.speculation.device_ops import first_of, last_n_true, leading_run, prompt_siblings
+from rlspec.speculation.device_counts import CountTable, default_buckets
+from rlspec.speculation.device_ops import (first_of, fold, last_n_true, leading_run, prompt_hash,
+                                         prompt_siblings, salted, window_keys, window_prints)
 
 END = -1      # a stored sequence's last token
 UNKNOWN = -2  # past a running row's last token: not yet written
 EMPTY = -3    # an arena slot never written
-_P = 0x100000001B3
-_C1 = 0x9E3779B97F4A7C15
-_M1 = 0xFF51AFD7ED558CCD - (1 << 64)
-_M2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
 _LIVE = 1 << 42   # ranks: a running row's position outranks any stored one; the row itself the others
 _SELF = 1 << 41
 _COUNT = 1 << 48  # a vote's score: count first, rank second
-
-
-def _signed(x: int) -> int:
-    x &= (1 << 64) - 1
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _shr(h: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (h >> s) & ((1 << (64 - s)) - 1)
-
-
-def mix(h: torch.Tensor) -> torch.Tensor:
-    """A 64-bit finaliser (murmur3's) in wrapping int64 arithmetic."""
-    h = h ^ _shr(h, 33)
-    h = h * _M1
-    h = h ^ _shr(h, 33)
-    h = h * _M2
-    return h ^ _shr(h, 33)
-
-
-def fold(windows: torch.Tensor, m: int) -> torch.Tensor:
-    """Key hash of windows [..., m] of token ids (a key of each length hashes apart)."""
-    h = torch.zeros(windows.shape[:-1], dtype=torch.int64, device=windows.device)
-    for j in range(m):
-        h = h * _P + (windows[..., j].long() + 3)
-    return mix(h ^ _signed(m * _C1))
-
-
-def window_prints(tokens: torch.Tensor, m: int) -> torch.Tensor:
-    """A fingerprint (unmixed polynomial) of tokens[:, p-m:p] for every p in 0..L ([B, L] ->
-    [B, L+1]; garbage where p < m)."""
-    pad = torch.nn.functional.pad(tokens.long(), (m, 1))
-    span = tokens.shape[1] + 1
-    h = torch.zeros(tokens.shape[0], span, dtype=torch.int64, device=tokens.device)
-    for j in range(m):
-        h = h * _P + (pad[:, j: j + span] + 3)
-    return h
-
-
-def window_keys(tokens: torch.Tensor, m: int) -> torch.Tensor:
-    """fold of tokens[:, p-m:p] for every p in 0..L ([B, L] -> [B, L+1]; garbage where p < m)."""
-    return mix(window_prints(tokens, m) ^ _signed(m * _C1))
-
-
-def salted(key: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
-    return mix(key ^ salt)
-
-
-def prompt_hash(token_ids: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
-    """A prompt's identity from its row: [B, L] tokens, [B] prompt lengths -> [B] int64 (never 0)."""
-    L = token_ids.shape[1]
-    cols = torch.arange(L, device=token_ids.device)
-    pw = _powers(L, token_ids.device)
-    terms = torch.where(cols < prompt_lens[:, None], (token_ids.long() + 3) * pw, 0)
-    h = mix(terms.sum(-1) ^ mix(prompt_lens.long() + 1))
-    return torch.where(h == 0, 1, h)
-
-
-def _powers(n: int, device) -> torch.Tensor:
-    """P^j mod 2^64 for j < n, as int64 (by squaring, on the device)."""
-    j = torch.arange(n, device=device)
-    out = torch.ones(n, dtype=torch.int64, device=device)
-    base = _P
-    for bit in range(max(1, n - 1).bit_length()):
-        out = torch.where((j >> bit) & 1 == 1, out * _signed(base), out)
-        base = base * base
-    return out
 
 
 @dataclass
@@ -141,17 +74,12 @@ class DeviceHistory:
     live_matches: positions read per row of the batch and key length (the latest; suffix decoding's
     tree of a request counts every earlier occurrence).
 
-    global_source: the global draft's source: `buckets` (the unsalted keys of global_keys, voted
-    as the prompt's own) or `counts`, a count table as suffix decoding's global tree counts: per
-    context of each length in count_keys (default 1..max_match) within the stored answers, its
-    next tokens with their counts, in hashed buckets of count_width (key, token, count) entries
-    (count_buckets of them, default four entries per arena token; a full bucket keeps its highest
-    counts). It follows the ring: an overwritten answer's pairs are counted out. Its draft walks
-    the commonest next token while the product of the shares is at least count_min_prob, from the
-    longest context with counts (count_select=longest) or from the one whose draft scores highest
-    (score, suffix decoding's choice: the sum of those products). A key is the context's 64-bit
-    hash, not its tokens: a collision (about 2^-64 a pair) may draft a wrong token, which the
-    verification rejects."""
+    global_source: the global draft's source: `counts`, a count table over the stored answers
+    (rlspec/speculation/device_counts.py: contexts of count_keys tokens, default 1..max_match, in
+    count_buckets buckets of count_width entries, default four entries per ring token; a draft
+    while the product of the shares is at least count_min_prob, walked as count_select says), which
+    follows the ring: an overwritten answer is counted out; or `buckets`, the unsalted keys of
+    global_keys, whose longest match votes as the prompt's own sources' does."""
 
     def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 64,
                  max_match: int = 16, prompt_keys=(8, 3, 1), global_keys=(8, 4, 1),
@@ -196,30 +124,17 @@ class DeviceHistory:
         self.written = torch.zeros((), dtype=torch.int64, device=self.device)  # tokens ever written
         self._written = 0  # the same on the host: inserts are planned there
         self._seqs: deque = deque()  # (start, size, head) of the ring's whole sequences
-        self.count_keys = tuple(sorted({int(c) for c in (count_keys or range(1, self.max_match + 1))
-                                        if 1 <= int(c) <= self.max_match}))
-        if global_source == "counts" and not self.count_keys:
-            raise ValueError("device history: count_keys must hold a length in 1..max_match")
-        self.count_width, self.count_min_prob = int(count_width), float(count_min_prob)
-        if count_select not in ("longest", "score"):
-            raise ValueError(f"device history: count_select must be longest or score, got {count_select!r}")
-        self.count_select = count_select
-        nc = 1 if global_source != "counts" else count_buckets or max(
-            16, 1 << int(np.ceil(np.log2(max(1, 4 * self.capacity // self.count_width)))))
-        if nc & (nc - 1):
-            raise ValueError(f"device history: count_buckets must be a power of two, got {nc}")
-        self.n_count_buckets = nc
-        self.ckey = torch.zeros((nc, self.count_width), dtype=torch.int64, device=self.device)
-        self.ctok = torch.zeros((nc, self.count_width), dtype=torch.int32, device=self.device)
-        self.ccnt = torch.zeros((nc, self.count_width), dtype=torch.int32, device=self.device)
-        levels = torch.tensor(self.count_keys or (1,), device=self.device)
-        self._levels, self._level_salt = levels, torch.tensor([_signed(c * _C1) for c in self.count_keys or (1,)],
-                                                              device=self.device)
+        self.counts = None
+        if global_source == "counts":
+            keys = sorted({int(c) for c in count_keys or range(1, self.max_match + 1) if 1 <= int(c) <= self.max_match})
+            self.counts = CountTable(self.device, keys, count_width,
+                                     count_buckets or default_buckets(self.capacity, count_width), count_min_prob,
+                                     count_select, self.vocab)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tok, self.pid, self.table, self.fill, self.ckey,
-                                                          self.ctok, self.ccnt))
+        return sum(t.numel() * t.element_size() for t in (self.tok, self.pid, self.table, self.fill)) + \
+            (self.counts.nbytes if self.counts else 0)
 
     def stored(self) -> int:
         return min(self._written, self.capacity)
@@ -280,56 +195,14 @@ class DeviceHistory:
         first = self._written + start
         whole = first >= oldest
         self._seqs.extend(zip(first[whole].tolist(), sizes[whole].tolist(), heads[whole].tolist()))
-        if self.global_source != "counts":
+        if self.counts is None:
             return
         if gone:
             at = torch.cat([torch.arange(a, a + n, device=self.device) for a, n, _ in gone]) % self.capacity
-            self._count_add(*self._count_pairs(self.tok[at].long(), *(torch.tensor(x, device=self.device) for x in
-                                                                      list(zip(*gone))[1:])), -1)
+            self.counts.add(self.tok[at].long(), *(torch.tensor(x, device=self.device) for x in list(zip(*gone))[1:]),
+                            -1)
         if bool(whole.any()):
-            keep = torch.repeat_interleave(whole, sizes)
-            self._count_add(*self._count_pairs(body[keep], sizes[whole], heads[whole]), 1)
-
-    def _count_pairs(self, body: torch.Tensor, sizes: torch.Tensor, heads: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequences' (context key, next token) pairs: per count key length c, every position with c
-        tokens of its response before it (its END included as a next token; as suffix decoding's
-        global tree, contexts lie within answers)."""
-        total = body.numel()
-        j = torch.arange(total, device=body.device) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
-        j = j - torch.repeat_interleave(heads, sizes)                            # index within the response
-        keys, toks = [], []
-        for c in self.count_keys:
-            ok = j >= c
-            keys.append(window_keys(body[None], c)[0][:total][ok])
-            toks.append(body[ok])
-        return torch.cat(keys), torch.cat(toks)
-
-    def _count_add(self, key: torch.Tensor, tok: torch.Tensor, delta: int) -> None:
-        """Pairs counted in (delta 1) or out (-1): the touched buckets' entries and the pairs are
-        summed per (key, token), and each bucket keeps its count_width of highest count (ties: the
-        lower key, then token, as signed int64)."""
-        if key.numel() == 0:
-            return
-        NC, W = self.n_count_buckets, self.count_width
-        touched = torch.unique(key & (NC - 1))
-        held = self.ccnt[touched] > 0                                            # [T, W]
-        keys = torch.cat([self.ckey[touched][held], key])
-        toks = torch.cat([self.ctok[touched][held].long(), tok.long()])
-        cnts = torch.cat([self.ccnt[touched][held].long(), torch.full_like(key, delta)])
-        pairs, inv = torch.unique(torch.stack([keys, toks], 1), dim=0, return_inverse=True)
-        cnt = torch.zeros(len(pairs), dtype=torch.int64, device=key.device).index_add_(0, inv, cnts)
-        pairs, cnt = pairs[cnt > 0], cnt[cnt > 0]
-        order = torch.sort(-cnt, stable=True).indices                            # pairs are sorted already
-        order = order[torch.sort(pairs[order, 0] & (NC - 1), stable=True).indices]
-        pairs, cnt = pairs[order], cnt[order]
-        b = pairs[:, 0] & (NC - 1)
-        rank = torch.arange(len(b), device=b.device) - torch.searchsorted(b, b)
-        keep = rank < W
-        self.ckey[touched], self.ctok[touched], self.ccnt[touched] = 0, 0, 0
-        self.ckey[b[keep], rank[keep]] = pairs[keep, 0]
-        self.ctok[b[keep], rank[keep]] = pairs[keep, 1].int()
-        self.ccnt[b[keep], rank[keep]] = cnt[keep].int()
+            self.counts.add(body[torch.repeat_interleave(whole, sizes)], sizes[whole], heads[whole], 1)
 
     def state_dict(self) -> dict:
         """The ring's whole sequences, oldest first, on the host: their tokens ([prompt tail |
@@ -359,7 +232,8 @@ class DeviceHistory:
         self._written = 0
         self.written.fill_(0)
         self._seqs.clear()
-        self.ckey, self.ctok, self.ccnt = (torch.zeros_like(t) for t in (self.ckey, self.ctok, self.ccnt))
+        if self.counts is not None:
+            self.counts.clear()
         if len(sizes):
             bodies = np.split(tokens.astype(np.int64), np.cumsum(sizes)[:-1])
             self._insert(torch.from_numpy(salts).to(self.device), bodies, heads.tolist())
@@ -412,9 +286,9 @@ class DeviceHistory:
         own_best = torch.where(own, length, 0).amax(1, keepdim=True)
         far_best = torch.where(far, length, 0).amax(1, keepdim=True)
         B = own.shape[0]
-        if self.global_source == "counts":
+        if self.counts is not None:
             drafts = self._vote(*self._voters(own & (length == own_best), rank, nxt, k), k)
-            far_draft, far_len = self._count_draft(self._context(token_ids, n), n, k)
+            far_draft, far_len = self.counts.draft(self._context(token_ids, n), n, k)
             if active is not None:
                 far_draft = torch.where(active[:, None], far_draft, -1)
             return drafts, own_best[:, 0], far_draft, far_len
@@ -436,61 +310,6 @@ class DeviceHistory:
         if active is not None:
             valid = valid & active[:, None]
         return valid, length, rank, nxt, glob & valid
-
-    def _count_draft(self, ctx: torch.Tensor, n: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The count table's draft. From a match length m (a count key the row's context has counts
-        for), token by token the most frequent next token of the context of the longest count key
-        at most m + t long (ties: the lower token), while the product of the shares is at least
-        count_min_prob and it is a token. count_select=longest walks from the longest such m; score
-        (suffix decoding's choice) walks from every one and keeps the draft of highest score, the
-        sum of those products (ties: the longer m). ctx [B, M] newest first -> drafts [B, k] int32,
-        m [B]."""
-        B, dev = ctx.shape[0], ctx.device
-        levels, top, Lv = self._levels, max(self.count_keys), len(self.count_keys)
-        pw = _powers(top, dev)
-
-        def keys(seq):  # [R, top] newest first -> the keys of every count length [R, Lv]
-            return mix(torch.cumsum((seq[:, :top] + 3) * pw, 1)[:, levels - 1] ^ self._level_salt)
-
-        def look(key):  # [R] -> per slot: counts (0 where another key) and tokens [R, W]
-            b = key & (self.n_count_buckets - 1)
-            return torch.where(self.ckey[b] == key[:, None], self.ccnt[b].long(), 0), self.ctok[b].long()
-
-        seq = ctx[:, :top]
-        k0 = keys(seq)
-        total = torch.stack([look(k0[:, i])[0].sum(1) for i in range(Lv)], 1)    # [B, Lv]
-        has = (total > 0) & (n[:, None] >= levels)
-        if self.count_select == "longest":
-            li = torch.where(has, torch.arange(Lv, device=dev), -1).amax(1)
-            m = torch.where(li >= 0, levels[li.clamp(min=0)], 0)
-            drafts, _ = self._count_walk(seq, k0, m, li >= 0, k, keys, look)
-            return drafts, m
-        # every match length at once: rows level-major [Lv * B]
-        m = levels.repeat_interleave(B)
-        drafts, score = self._count_walk(seq.repeat(Lv, 1), k0.repeat(Lv, 1), m, has.T.reshape(-1), k, keys, look)
-        score = torch.where(has.T.reshape(-1), score, -1.0).view(Lv, B)
-        pick = Lv - 1 - score.flip(0).argmax(0)                                  # ties: the longer
-        best = drafts.view(Lv, B, k).gather(0, pick[None, :, None].expand(1, B, k))[0]
-        return best, torch.where(has.any(1), levels[pick], 0)
-
-    def _count_walk(self, seq, k0, m, go, k, keys, look) -> tuple[torch.Tensor, torch.Tensor]:
-        """The walks from match lengths m [R] (rows where go): drafts [R, k] int32, scores [R]."""
-        R, dev = seq.shape[0], seq.device
-        drafts = torch.full((R, k), -1, dtype=torch.int32, device=dev)
-        prob = torch.ones(R, dtype=torch.float64, device=dev)
-        score = torch.zeros(R, dtype=torch.float64, device=dev)
-        for t in range(k):
-            at = torch.searchsorted(self._levels, m + t, right=True) - 1
-            key = (k0 if t == 0 else keys(seq)).gather(1, at.clamp(min=0)[:, None])[:, 0]
-            cnt, tok = look(key)
-            best = torch.where(cnt > 0, cnt * _COUNT - tok, -(1 << 62)).argmax(1, keepdim=True)
-            x, votes = tok.gather(1, best)[:, 0], cnt.gather(1, best)[:, 0]
-            prob = prob * votes.double() / cnt.sum(1).clamp(min=1).double()
-            go = go & (votes > 0) & (x >= 0) & (x < self.vocab) & (prob >= self.count_min_prob)
-            score = score + torch.where(go, prob, 0.0)
-            drafts[:, t] = torch.where(go, x, -1).int()
-            seq = torch.cat([x[:, None], seq[:, :-1]], 1)
-        return drafts, score
 
     def shadow(self, prompts, responses, max_rows: int, k: int) -> dict:
         """A call that drafted nothing ('auto' ran it without): what k-token drafts would have

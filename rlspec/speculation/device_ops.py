@@ -1,8 +1,81 @@
-"""Fixed-shape tensor helpers of the device history drafter (rlspec/speculation/device_history.py):
-no host sync, no loop over rows."""
+"""Fixed-shape tensor helpers of the device history drafter (rlspec/speculation/device_history.py)
+and its keys' hashes (64-bit, in wrapping int64 arithmetic): no host sync, no loop over rows."""
 from __future__ import annotations
 
 import torch
+
+_P = 0x100000001B3
+_C1 = 0x9E3779B97F4A7C15
+_M1 = 0xFF51AFD7ED558CCD - (1 << 64)
+_M2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
+
+
+def _signed(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(h: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (h >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix(h: torch.Tensor) -> torch.Tensor:
+    """A 64-bit finaliser (murmur3's) in wrapping int64 arithmetic."""
+    h = h ^ _shr(h, 33)
+    h = h * _M1
+    h = h ^ _shr(h, 33)
+    h = h * _M2
+    return h ^ _shr(h, 33)
+
+
+def fold(windows: torch.Tensor, m: int) -> torch.Tensor:
+    """Key hash of windows [..., m] of token ids (a key of each length hashes apart)."""
+    h = torch.zeros(windows.shape[:-1], dtype=torch.int64, device=windows.device)
+    for j in range(m):
+        h = h * _P + (windows[..., j].long() + 3)
+    return mix(h ^ _signed(m * _C1))
+
+
+def window_prints(tokens: torch.Tensor, m: int) -> torch.Tensor:
+    """A fingerprint (unmixed polynomial) of tokens[:, p-m:p] for every p in 0..L ([B, L] ->
+    [B, L+1]; garbage where p < m)."""
+    pad = torch.nn.functional.pad(tokens.long(), (m, 1))
+    span = tokens.shape[1] + 1
+    h = torch.zeros(tokens.shape[0], span, dtype=torch.int64, device=tokens.device)
+    for j in range(m):
+        h = h * _P + (pad[:, j: j + span] + 3)
+    return h
+
+
+def window_keys(tokens: torch.Tensor, m: int) -> torch.Tensor:
+    """fold of tokens[:, p-m:p] for every p in 0..L ([B, L] -> [B, L+1]; garbage where p < m)."""
+    return mix(window_prints(tokens, m) ^ _signed(m * _C1))
+
+
+def salted(key: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
+    return mix(key ^ salt)
+
+
+def prompt_hash(token_ids: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
+    """A prompt's identity from its row: [B, L] tokens, [B] prompt lengths -> [B] int64 (never 0)."""
+    L = token_ids.shape[1]
+    cols = torch.arange(L, device=token_ids.device)
+    pw = _powers(L, token_ids.device)
+    terms = torch.where(cols < prompt_lens[:, None], (token_ids.long() + 3) * pw, 0)
+    h = mix(terms.sum(-1) ^ mix(prompt_lens.long() + 1))
+    return torch.where(h == 0, 1, h)
+
+
+def _powers(n: int, device) -> torch.Tensor:
+    """P^j mod 2^64 for j < n, as int64 (by squaring, on the device)."""
+    j = torch.arange(n, device=device)
+    out = torch.ones(n, dtype=torch.int64, device=device)
+    base = _P
+    for bit in range(max(1, n - 1).bit_length()):
+        out = torch.where((j >> bit) & 1 == 1, out * _signed(base), out)
+        base = base * base
+    return out
 
 
 def last_true(hit_reversed: torch.Tensor, L: int) -> torch.Tensor:

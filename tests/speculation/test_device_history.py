@@ -21,7 +21,7 @@ def pair(**kw):
     ref = Reference(cfg["max_tokens"], dev.n_buckets, cfg["width"], cfg["max_match"], cfg["prompt_keys"],
                     cfg["global_keys"], cfg["min_prob"], cfg["max_siblings"], cfg["max_voters"], dev.vocab,
                     dev.select, dev.spec_factor, dev.thresholds, dev.pooled, dev.live_matches, dev.global_source,
-                    dev.count_keys, dev.count_width, dev.n_count_buckets, dev.count_min_prob, dev.count_select)
+                    *((c.keys, c.width, c.buckets, c.min_prob, c.select) if (c := dev.counts) else ()))
     return dev, ref
 
 
@@ -267,15 +267,15 @@ def test_the_count_table_follows_the_ring_and_its_saved_state():
     cfg = {**COUNTS, "max_tokens": 200, "count_buckets": 64, "count_width": 64}
 
     def table(h):
-        held = h.ccnt > 0
-        return sorted(zip(h.ckey[held].tolist(), h.ctok[held].tolist(), h.ccnt[held].tolist()))
+        held = h.counts.cnt > 0
+        return sorted(zip(h.counts.key[held].tolist(), h.counts.tok[held].tolist(), h.counts.cnt[held].tolist()))
 
     dev = DeviceHistory(**cfg)
     for call in trace(3, vocab=6, calls=12):
         dev.insert(*zip(*call))
         fresh = DeviceHistory(**cfg)
         fresh.load_state_dict(dev.state_dict())
-        assert table(dev) == table(fresh) and int((dev.ccnt > 0).sum(1).max()) < 64   # no bucket overflowed
+        assert table(dev) == table(fresh) and int((dev.counts.cnt > 0).sum(1).max()) < 64   # no bucket overflowed
     assert dev._written > 3 * dev.capacity and table(dev)
 
 
