@@ -111,35 +111,33 @@ class CountTable:
         int32 (-1: none), m [B] (0: no context has counts)."""
         B, dev = ctx.shape[0], ctx.device
         levels, top, Lv = self.levels, max(self.keys), len(self.keys)
-        seq = ctx[:, :top]
-        k0 = self._keys(seq)
-        total = torch.stack([self._look(k0[:, i])[0].sum(1) for i in range(Lv)], 1)   # [B, Lv]
+        seq, pw = ctx[:, :top], _powers(top, dev)
+        k0 = self._keys(seq, pw)
+        total = self._look(k0)[0].sum(-1)                                        # [B, Lv]
         has = (total > 0) & (n[:, None] >= levels)
         if self.select == "longest":
             li = torch.where(has, torch.arange(Lv, device=dev), -1).amax(1)
             m = torch.where(li >= 0, levels[li.clamp(min=0)], 0)
-            return self._walk(seq, k0, m, li >= 0, k)[0], m
+            return self._walk(seq, k0, m, li >= 0, k, pw)[0], m
         # every match length at once: rows level-major [Lv * B]
         m = levels.repeat_interleave(B)
-        drafts, score = self._walk(seq.repeat(Lv, 1), k0.repeat(Lv, 1), m, has.T.reshape(-1), k)
+        drafts, score = self._walk(seq.repeat(Lv, 1), k0.repeat(Lv, 1), m, has.T.reshape(-1), k, pw)
         score = torch.where(has.T.reshape(-1), score, -1.0).view(Lv, B)
         pick = Lv - 1 - score.flip(0).argmax(0)                                  # ties: the longer
         best = drafts.view(Lv, B, k).gather(0, pick[None, :, None].expand(1, B, k))[0]
         return best, torch.where(has.any(1), levels[pick], 0)
 
-    def _keys(self, seq: torch.Tensor) -> torch.Tensor:
+    def _keys(self, seq: torch.Tensor, pw: torch.Tensor) -> torch.Tensor:
         """[R, top] tokens newest first -> the keys of every count length [R, Lv] (window_keys' hash:
-        the newest token at power 0)."""
-        top = max(self.keys)
-        poly = torch.cumsum((seq[:, :top] + 3) * _powers(top, seq.device), 1)
-        return mix(poly[:, self.levels - 1] ^ self.level_salt)
+        the newest token at power 0; pw the powers of _P)."""
+        return mix(torch.cumsum((seq + 3) * pw, 1)[:, self.levels - 1] ^ self.level_salt)
 
     def _look(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[R] keys -> per bucket slot: counts (0 where another key) and tokens [R, W]."""
+        """Keys [...] -> per bucket slot: counts (0 where another key) and tokens [..., W]."""
         b = key & (self.buckets - 1)
-        return torch.where(self.key[b] == key[:, None], self.cnt[b].long(), 0), self.tok[b].long()
+        return torch.where(self.key[b] == key[..., None], self.cnt[b].long(), 0), self.tok[b].long()
 
-    def _walk(self, seq, k0, m, go, k) -> tuple[torch.Tensor, torch.Tensor]:
+    def _walk(self, seq, k0, m, go, k, pw) -> tuple[torch.Tensor, torch.Tensor]:
         """Walks from match lengths m [R] (rows where go): drafts [R, k] int32, scores [R]."""
         R, dev = seq.shape[0], seq.device
         drafts = torch.full((R, k), -1, dtype=torch.int32, device=dev)
@@ -147,7 +145,7 @@ class CountTable:
         score = torch.zeros(R, dtype=torch.float64, device=dev)
         for t in range(k):
             at = torch.searchsorted(self.levels, m + t, right=True) - 1
-            key = (k0 if t == 0 else self._keys(seq)).gather(1, at.clamp(min=0)[:, None])[:, 0]
+            key = (k0 if t == 0 else self._keys(seq, pw)).gather(1, at.clamp(min=0)[:, None])[:, 0]
             cnt, tok = self._look(key)
             best = torch.where(cnt > 0, cnt * _COUNT - tok, -(1 << 62)).argmax(1, keepdim=True)
             x, votes = tok.gather(1, best)[:, 0], cnt.gather(1, best)[:, 0]
