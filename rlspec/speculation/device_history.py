@@ -169,7 +169,7 @@ class DeviceHistory:
         pos = self._written + torch.arange(total, device=dev)
         new_written = self._written + total
         keep = pos >= new_written - self.capacity   # a batch over the ring writes its last tokens only
-        self._count_insert(body, sizes, torch.tensor(heads, device=dev), start, new_written)
+        self._track_sequences(body, sizes, torch.tensor(heads, device=dev), start, new_written)
         self.tok[pos[keep] % self.capacity] = body[keep].int()
         self.pid[pos[keep] % self.capacity] = salt[keep]
         keys, ok = [], []
@@ -184,7 +184,7 @@ class DeviceHistory:
         self._written = new_written
         self.written.fill_(new_written)
 
-    def _count_insert(self, body, sizes, heads, start, new_written: int) -> None:
+    def _track_sequences(self, body, sizes, heads, start, new_written: int) -> None:
         """The ring's whole sequences (start, size, head) on the host, and the count table
         (global_source=counts) with them: sequences whose start the write overwrites leave (read
         before the write), the new ones that fit whole join. Call before the ring is written."""
