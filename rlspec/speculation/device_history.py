@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rlspec.speculation import GLOBAL, HISTORY, PROMPT, SIBLINGS
 from rlspec.speculation.device_counts import CountTable, default_buckets
 from rlspec.speculation.device_ops import (first_of, fold, last_n_true, leading_run, prompt_hash,
                                          prompt_siblings, salted, window_keys, window_prints)
@@ -254,13 +255,17 @@ class DeviceHistory:
 
     # -- propose (every engine step) ------------------------------------------------------------------
     def propose(self, token_ids: torch.Tensor, lengths: torch.Tensor, prompt_ids: torch.Tensor,
-                prompt_lens: torch.Tensor, k: int, active: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                prompt_lens: torch.Tensor, k: int, active: torch.Tensor | None = None, sources: bool = False
+                ) -> tuple[torch.Tensor, ...]:
         """Drafts for every row: token_ids [B, L] (row i's first lengths[i] tokens, prompt_lens[i]
         of them its prompt, prompt_ids[i] its prompt_hash), active [B] (rows to draft for; default
-        all) -> drafts [B, k] int32 (-1: none), and their leading valid counts [B] int32."""
+        all) -> drafts [B, k] int32 (-1: none), and their leading valid counts [B] int32; with
+        sources (select=longest, unpooled), each drafted token's source [B, k] too (speculation.SOURCES'
+        index, -1 past the draft)."""
         n = lengths.long()
         if self.select == "score" or self.pooled:
+            if sources:
+                raise ValueError("device history: drafts' sources are told only under select=longest, unpooled")
             valid, length, rank, nxt, glob = self._candidates(token_ids, n, prompt_ids, prompt_lens, k, active)
             if self.pooled:  # the prompt's own sources and the global one vote together
                 glob = torch.zeros_like(glob)
@@ -270,16 +275,21 @@ class DeviceHistory:
             drafts = self._vote(*self._voters(valid & (length == torch.where(valid, length, 0).amax(1, keepdim=True)),
                                               rank, nxt, k), k)
             return drafts, (drafts >= 0).sum(1).int()
-        own, own_best, far, far_best = self.source_drafts(token_ids, lengths, prompt_ids, prompt_lens, k, active)
+        own, own_best, far, far_best, own_src = self.source_drafts(token_ids, lengths, prompt_ids, prompt_lens, k,
+                                                                   active, sources=True)
         use_far = (far_best > own_best) & (far[:, 0] >= 0)
         drafts = torch.where(use_far[:, None], far, own)
-        return drafts, (drafts >= 0).sum(1).int()
+        if not sources:
+            return drafts, (drafts >= 0).sum(1).int()
+        src = torch.where(drafts < 0, -1, torch.where(use_far[:, None], GLOBAL, own_src))
+        return drafts, (drafts >= 0).sum(1).int(), src
 
-    def source_drafts(self, token_ids, lengths, prompt_ids, prompt_lens, k: int, active=None):
+    def source_drafts(self, token_ids, lengths, prompt_ids, prompt_lens, k: int, active=None, sources=False):
         """Each source's draft and match length (select=longest): the prompt's own sources (its
         store, the row, its siblings; their longest match votes) and the global one (the global
         buckets' longest match votes, or the count table's walk) -> own [B, k], own_best [B], far
-        [B, k], far_best [B] (drafts int32, -1: none)."""
+        [B, k], far_best [B] (drafts int32, -1: none); with sources, also each own token's source
+        [B, k] (its highest-ranked voter's: HISTORY, SIBLINGS or PROMPT, the row itself)."""
         n = lengths.long()
         valid, length, rank, nxt, glob = self._candidates(token_ids, n, prompt_ids, prompt_lens, k, active)
         own, far = valid & ~glob, valid & glob
@@ -287,15 +297,19 @@ class DeviceHistory:
         far_best = torch.where(far, length, 0).amax(1, keepdim=True)
         B = own.shape[0]
         if self.counts is not None:
-            drafts = self._vote(*self._voters(own & (length == own_best), rank, nxt, k), k)
+            drafts, won = self._vote(*self._voters(own & (length == own_best), rank, nxt, k), k, ranks=True)
             far_draft, far_len = self.counts.draft(self._context(token_ids, n), n, k)
             if active is not None:
                 far_draft = torch.where(active[:, None], far_draft, -1)
-            return drafts, own_best[:, 0], far_draft, far_len
-        # both sources vote in one batch of 2B rows
-        alive = torch.cat([own & (length == own_best), far & (length == far_best)])
-        both = self._vote(*self._voters(alive, rank.repeat(2, 1), nxt.repeat(2, 1, 1), k), k)
-        return both[:B], own_best[:, 0], both[B:], far_best[:, 0]
+            out = drafts, own_best[:, 0], far_draft, far_len
+        else:  # both sources vote in one batch of 2B rows
+            alive = torch.cat([own & (length == own_best), far & (length == far_best)])
+            both, won = self._vote(*self._voters(alive, rank.repeat(2, 1), nxt.repeat(2, 1, 1), k), k, ranks=True)
+            out, won = (both[:B], own_best[:, 0], both[B:], far_best[:, 0]), won[:B]
+        if not sources:
+            return out
+        live = won >= _LIVE
+        return *out, torch.where(live, torch.where(won - _LIVE >= _SELF, PROMPT, SIBLINGS), HISTORY)
 
     def _candidates(self, token_ids, n, prompt_ids, prompt_lens, k, active):
         """Every candidate of the buckets and the batch: valid, length, rank [B, C], nxt [B, C, k],
@@ -465,14 +479,16 @@ class DeviceHistory:
         pick = score.view(R, B).argmax(0)                                          # the first of equal scores
         return drafts.view(R, B, k).gather(0, pick[None, :, None].expand(1, B, k))[0]
 
-    def _vote(self, alive, rank, nxt, k, cap: torch.Tensor | None = None):
+    def _vote(self, alive, rank, nxt, k, cap: torch.Tensor | None = None, ranks: bool = False):
         """Token by token: the most frequent next token among the candidates still agreeing (ties:
         the highest rank), kept while its share is at least min_prob and it is a token. alive,
         rank [B, V], nxt [B, V, k] -> drafts [B, k] int32 (-1: none). With cap [B] (select=score):
         at most cap[b] tokens, kept while the product of the shares so far is at least min_prob,
-        and the drafts' scores [B] (the sum of those products) returned too."""
+        and the drafts' scores [B] (the sum of those products) returned too. With ranks: each
+        token's highest-ranked voter's rank [B, k] returned too (its source)."""
         B = alive.shape[0]
         drafts = torch.full((B, k), -1, dtype=torch.int32, device=alive.device)
+        won = torch.full((B, k), -1, dtype=torch.int64, device=alive.device)
         go = torch.ones(B, dtype=torch.bool, device=alive.device)
         prob = torch.ones(B, dtype=torch.float64, device=alive.device)
         score = torch.zeros(B, dtype=torch.float64, device=alive.device)
@@ -491,7 +507,10 @@ class DeviceHistory:
                 go = go & (prob >= self.min_prob) & (cap > t)
                 score = score + torch.where(go, prob, 0.0)
             drafts[:, t] = torch.where(go, tok, -1).int()
+            won[:, t] = rank.gather(1, best)[:, 0]
             alive = voters & (x == tok[:, None])
+        if ranks:
+            return drafts, won
         return drafts if cap is None else (drafts, score)
 
 

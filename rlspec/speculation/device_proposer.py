@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from rlspec.speculation import SOURCES
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
 from rlspec.speculation.history_proposer import own_prompt_lens
 
@@ -72,7 +73,8 @@ def _proposer_class(base):
             prompt_lens = torch.as_tensor(plens, dtype=torch.int64).to(self.device, non_blocking=True)
             salts = prompt_hash(token_ids_gpu, prompt_lens)
             active = valid_sampled_tokens_count > 0
-            drafts, counts = self.history.propose(token_ids_gpu, lengths, salts, prompt_lens, k, active)
+            drafts, counts, src = self.history.propose(token_ids_gpu, lengths, salts, prompt_lens, k, active,
+                                                       sources=True)
             if self.full:  # 'auto' times steps: the lookup as always, every draft filled to k
                 last = token_ids_gpu.gather(1, (lengths.long() - 1).clamp(min=0)[:, None])
                 drafts = torch.where(active[:, None] & (drafts < 0), last.to(drafts.dtype), drafts)
@@ -83,7 +85,7 @@ def _proposer_class(base):
             drafts = torch.where(keep, drafts, -1)
             counts = torch.minimum(counts, room.int())
             if not self.full:
-                self.stats.add(active, counts)
+                self.stats.add(active, counts, src)
             if k < self.k:  # the runner's buffers are k_max wide
                 drafts = torch.nn.functional.pad(drafts, (0, self.k - k), value=-1)
             return drafts, counts
@@ -144,10 +146,10 @@ def _speculator_class(base):
             else:
                 prompt_lens = rs.prompt_len.gpu[idx].long()
             active = num_sampled[:n] > 0
-            drafts, counts = self.history.propose(token_ids, lengths, prompt_hash(token_ids, prompt_lens),
-                                                  prompt_lens, k, active)
+            drafts, counts, src = self.history.propose(token_ids, lengths, prompt_hash(token_ids, prompt_lens),
+                                                       prompt_lens, k, active, sources=True)
             if not self.full:
-                self.stats.add(active, counts)
+                self.stats.add(active, counts, src)
             drafts = torch.nn.functional.pad(drafts, (0, self.k - k), value=-1)
             self.drafts[:n] = torch.where(drafts >= 0, drafts.long(), fill[:, None])
             return self.drafts[:n]
@@ -176,8 +178,10 @@ def settings() -> dict:
 
 class _Stats:
     """A call's counts, kept on the device until finish_call reads them (no sync per step): rows
-    asked, rows drafted for, tokens drafted, and per position i the rows whose draft reached it
-    (drafts_ge_{i+1}: what 'auto' plans from, as from the host drafter's HistoryStats)."""
+    asked, rows drafted for, tokens drafted (and by source: drafted_<source>, each token's source
+    its highest-ranked voter's, or the count table's), and per position i the rows whose draft
+    reached it (drafts_ge_{i+1}: what 'auto' plans from, as from the host drafter's HistoryStats).
+    Accepted tokens by source are not counted (the host drafter's accepted_<source>)."""
 
     def __init__(self, k: int = 0, device="cpu"):
         self.steps = 0
@@ -185,20 +189,24 @@ class _Stats:
         self.matched: torch.Tensor | int = 0
         self.drafted: torch.Tensor | int = 0
         self.pos = torch.zeros(k, dtype=torch.int64, device=device)
+        self.by_source = torch.zeros(len(SOURCES), dtype=torch.int64, device=device)
         self.shadow: dict = {}
 
-    def add(self, active: torch.Tensor, counts: torch.Tensor) -> None:
+    def add(self, active: torch.Tensor, counts: torch.Tensor, src: torch.Tensor) -> None:
         self.steps += 1
         self.rows = self.rows + active.sum()
         self.matched = self.matched + (counts > 0).sum()
         self.drafted = self.drafted + counts.sum()
         at = torch.arange(self.pos.shape[0], device=counts.device)
         self.pos += (counts.long()[:, None] > at[None]).sum(0)
+        drafted = (counts.long()[:, None] > torch.arange(src.shape[1], device=src.device)[None]) & (src >= 0)
+        self.by_source.scatter_add_(0, src.clamp(min=0).flatten(), drafted.flatten().long())
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "rows": int(self.rows), "matched": int(self.matched),
                 "drafted_tokens": int(self.drafted),
                 **{f"drafts_ge_{i + 1}": int(v) for i, v in enumerate(self.pos.tolist())},
+                **{f"drafted_{s}": int(v) for s, v in zip(SOURCES, self.by_source.tolist())},
                 "shadow_responses": 0, "shadow_rows": 0, **self.shadow}
 
 

@@ -43,7 +43,7 @@ from rlspec.speculation import store as S
 from rlspec.speculation.arena import HistoryArena, LiveArena
 from rlspec.speculation.history_state import STATE_VERSION, loadable
 from rlspec.speculation.history_stats import HistoryStats, replay_in_shadow
-from rlspec.speculation.store import SOURCES
+from rlspec.speculation import SOURCES
 
 WALK = 4  # chain links a lookup follows per candidate it may take (hash collisions and evicted text)
 SLACK = 0.95  # over max_tokens, the store is cut to this share of it

@@ -10,7 +10,7 @@ import numpy as np
 
 from rlspec.speculation import store as S
 from rlspec.speculation.arena import LiveArena
-from rlspec.speculation.store import SOURCES
+from rlspec.speculation import SOURCES
 
 if TYPE_CHECKING:
     from rlspec.speculation.history import HistoryIndex

@@ -49,6 +49,8 @@ import tempfile
 
 import numpy as np
 
+from rlspec.speculation import GLOBAL, HISTORY, PROMPT, SIBLINGS
+
 try:
     import numba as nb
 except ImportError as e:
@@ -57,8 +59,6 @@ except ImportError as e:
 
 END = -1   # a sequence's last token: the responses stopped here
 DEAD = -2  # an evicted sequence's tokens until compaction
-SOURCES = ("history", "siblings", "prompt", "global")
-HISTORY, SIBLINGS, PROMPT, GLOBAL = range(4)
 
 
 def _cache_probe():

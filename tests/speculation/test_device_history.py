@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from rlspec.speculation import GLOBAL, HISTORY, PROMPT, SIBLINGS
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
 from tests.speculation.device_history_reference import Reference
 from tests.speculation.device_history_reference import prompt_hash as ref_prompt_hash
@@ -259,6 +260,24 @@ def test_score_walks_from_the_context_whose_draft_is_surest():
     assert device_drafts(longest, row, [1], 3) == [[50, 51, 52]]
     # from 41 alone (3 of 5 say 42, then END): score 0.6 against 3 from 30 41
     assert device_drafts(dev, [[5, 9, 41]], [1], 3) == [[42]]
+
+
+@pytest.mark.parametrize("source", ["counts", "buckets"])
+def test_each_drafted_token_is_told_by_its_source(source):
+    dev = DeviceHistory(**{**SMALL, "max_tokens": 2000, "global_source": source})
+    dev.insert([[1, 2, 3], [7]], [[10, 11, 12, 13], [40, 41, 42, 43]])
+    rows = [[1, 2, 3, 10, 11],                  # the prompt's history: 12 13
+            [5, 6, 20, 21, 22, 23, 20, 21],     # the row itself (prompt lookup): 22 23
+            [8, 8, 30, 31, 32, 33], [8, 8, 30, 31],   # the second from its sibling: 32 33
+            [9, 40, 41]]                        # another prompt's answer: 42 43
+    args = batch(rows, [3, 2, 2, 2, 1])
+    drafts, counts, src = dev.propose(*args, 2, sources=True)
+    assert torch.equal(drafts, dev.propose(*args, 2)[0]) and torch.equal(src >= 0, drafts >= 0)
+    want = {0: ([12, 13], HISTORY), 1: ([22, 23], PROMPT), 3: ([32, 33], SIBLINGS), 4: ([42, 43], GLOBAL)}
+    for i, (tokens, s) in want.items():
+        assert drafts[i].tolist() == tokens and src[i].tolist() == [s, s], (i, drafts[i], src[i])
+    with pytest.raises(ValueError, match="sources"):
+        DeviceHistory(**{**SMALL, "select": "score"}).propose(*args, 2, sources=True)
 
 
 def test_the_count_table_follows_the_ring_and_its_saved_state():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlspec.speculation import SOURCES
 from rlspec.speculation.device_history import END, DeviceHistory, merge_device_states, prompt_hash
 
 SMALL = dict(max_tokens=1 << 12, width=8, max_match=8, prompt_keys=(4, 2, 1), global_keys=(4, 1))
@@ -95,7 +96,8 @@ def test_the_v2_speculator_drafts_from_the_runners_request_states():
     last[3, 0], last[6, 0] = 12, 40
     out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None)
     assert out.tolist() == [[40] * 4, [13, 14, 15, 16]]
-    assert spec.stats.as_dict()["drafted_tokens"] == 4
+    st = spec.stats.as_dict()
+    assert st["drafted_tokens"] == 4 and (st["drafted_history"], st["drafted_global"]) == (4, 0)
     # 'auto': the step's k (V2 passes it; it keeps that many drafts a row); k=0 looks nothing up
     out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None,
                        num_speculative_tokens=2)
@@ -140,9 +142,9 @@ def test_the_v2_speculator_drafts_a_resumed_answer_under_its_own_prompt():
     last = torch.full((8, 1), 12, dtype=torch.int64)
     seen, propose = [], spec.history.propose
 
-    def noting(ids, n, salts, pl, *rest):   # the prompt lengths the store is asked under
+    def noting(ids, n, salts, pl, *rest, **kw):   # the prompt lengths the store is asked under
         seen.append(pl.tolist())
-        return propose(ids, n, salts, pl, *rest)
+        return propose(ids, n, salts, pl, *rest, **kw)
 
     spec.history.propose = noting
     spec.prompt_len_of = {"1-0": 4}   # the Generator's begin_call: the resumed answers' own prompt lengths
@@ -195,6 +197,7 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     h = second.history
     assert h["matched"] - len(prompts) <= second.spec.drafts <= h["matched"], (second.spec, h)
     assert second.spec.accepted_tokens <= h["drafted_tokens"], (second.spec, h)
+    assert sum(h[f"drafted_{s}"] for s in SOURCES) == h["drafted_tokens"] and h["drafted_history"] > 0, h
     state = ray.get(dev.history_state.remote(), timeout=60)
     ray.kill(dev)
     resumed = start_generator(["speculation=history", "speculation.history.drafter=device"])
