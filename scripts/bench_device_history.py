@@ -71,11 +71,11 @@ def time_device(args, stored, rows, plens, cuts) -> float:
         ids[i, : len(r)] = torch.from_numpy(r.astype(np.int32))
     pl = torch.tensor(plens)
     pid = prompt_hash(ids, pl)
-    h.propose(ids, n, pid, pl, args.k)   # warm up
+    h.propose(ids, n, pid, pl, args.k, sources=True)   # warm up (sources: as the engine asks)
     t = []
     for s in range(args.steps):
         t0 = time.perf_counter()
-        h.propose(ids, n + s, pid, pl, args.k)
+        h.propose(ids, n + s, pid, pl, args.k, sources=True)
         t.append(time.perf_counter() - t0)
     return 1e6 * float(np.median(t)) / len(rows), 1e6 * insert_s / sum(len(r) for _, r in stored)
 
@@ -147,7 +147,7 @@ def traffic(batch: int, width: int, k: int, arena: int) -> dict:
     pl = torch.full((batch,), PROMPT, dtype=torch.int64, device="meta")
     pid = torch.ones(batch, dtype=torch.int64, device="meta")
     with Count() as c:
-        h.propose(ids, n, pid, pl, k)
+        h.propose(ids, n, pid, pl, k, sources=True)
     return {"ops": c.ops, "bytes": c.bytes}
 
 

@@ -275,13 +275,13 @@ class DeviceHistory:
             drafts = self._vote(*self._voters(valid & (length == torch.where(valid, length, 0).amax(1, keepdim=True)),
                                               rank, nxt, k), k)
             return drafts, (drafts >= 0).sum(1).int()
-        own, own_best, far, far_best, own_src = self.source_drafts(token_ids, lengths, prompt_ids, prompt_lens, k,
-                                                                   active, sources=True)
+        got = self.source_drafts(token_ids, lengths, prompt_ids, prompt_lens, k, active, sources=sources)
+        own, own_best, far, far_best = got[:4]
         use_far = (far_best > own_best) & (far[:, 0] >= 0)
         drafts = torch.where(use_far[:, None], far, own)
         if not sources:
             return drafts, (drafts >= 0).sum(1).int()
-        src = torch.where(drafts < 0, -1, torch.where(use_far[:, None], GLOBAL, own_src))
+        src = torch.where(drafts < 0, -1, torch.where(use_far[:, None], GLOBAL, got[4]))
         return drafts, (drafts >= 0).sum(1).int(), src
 
     def source_drafts(self, token_ids, lengths, prompt_ids, prompt_lens, k: int, active=None, sources=False):
@@ -297,17 +297,20 @@ class DeviceHistory:
         far_best = torch.where(far, length, 0).amax(1, keepdim=True)
         B = own.shape[0]
         if self.counts is not None:
-            drafts, won = self._vote(*self._voters(own & (length == own_best), rank, nxt, k), k, ranks=True)
+            voted = self._vote(*self._voters(own & (length == own_best), rank, nxt, k), k, ranks=sources)
+            drafts, won = voted if sources else (voted, None)
             far_draft, far_len = self.counts.draft(self._context(token_ids, n), n, k)
             if active is not None:
                 far_draft = torch.where(active[:, None], far_draft, -1)
             out = drafts, own_best[:, 0], far_draft, far_len
         else:  # both sources vote in one batch of 2B rows
             alive = torch.cat([own & (length == own_best), far & (length == far_best)])
-            both, won = self._vote(*self._voters(alive, rank.repeat(2, 1), nxt.repeat(2, 1, 1), k), k, ranks=True)
-            out, won = (both[:B], own_best[:, 0], both[B:], far_best[:, 0]), won[:B]
+            voted = self._vote(*self._voters(alive, rank.repeat(2, 1), nxt.repeat(2, 1, 1), k), k, ranks=sources)
+            both, won = voted if sources else (voted, None)
+            out = both[:B], own_best[:, 0], both[B:], far_best[:, 0]
         if not sources:
             return out
+        won = won[:B]
         live = won >= _LIVE
         return *out, torch.where(live, torch.where(won - _LIVE >= _SELF, PROMPT, SIBLINGS), HISTORY)
 
@@ -488,7 +491,7 @@ class DeviceHistory:
         token's highest-ranked voter's rank [B, k] returned too (its source)."""
         B = alive.shape[0]
         drafts = torch.full((B, k), -1, dtype=torch.int32, device=alive.device)
-        won = torch.full((B, k), -1, dtype=torch.int64, device=alive.device)
+        won = torch.full((B, k), -1, dtype=torch.int64, device=alive.device) if ranks else None
         go = torch.ones(B, dtype=torch.bool, device=alive.device)
         prob = torch.ones(B, dtype=torch.float64, device=alive.device)
         score = torch.zeros(B, dtype=torch.float64, device=alive.device)
@@ -507,7 +510,8 @@ class DeviceHistory:
                 go = go & (prob >= self.min_prob) & (cap > t)
                 score = score + torch.where(go, prob, 0.0)
             drafts[:, t] = torch.where(go, tok, -1).int()
-            won[:, t] = rank.gather(1, best)[:, 0]
+            if ranks:
+                won[:, t] = rank.gather(1, best)[:, 0]
             alive = voters & (x == tok[:, None])
         if ranks:
             return drafts, won
