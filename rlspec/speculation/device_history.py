@@ -266,7 +266,8 @@ class DeviceHistory:
         if self.select == "score" or self.pooled:
             if sources:
                 raise ValueError("device history: drafts' sources are told only under select=longest, unpooled")
-            valid, length, rank, nxt, glob = self._candidates(token_ids, n, prompt_ids, prompt_lens, k, active)
+            valid, length, rank, nxt, glob = self._candidates(token_ids, n, self._context(token_ids, n), prompt_ids,
+                                                              prompt_lens, k, active)
             if self.pooled:  # the prompt's own sources and the global one vote together
                 glob = torch.zeros_like(glob)
             if self.select == "score":
@@ -291,7 +292,8 @@ class DeviceHistory:
         [B, k], far_best [B] (drafts int32, -1: none); with sources, also each own token's source
         [B, k] (its highest-ranked voter's: HISTORY, SIBLINGS or PROMPT, the row itself)."""
         n = lengths.long()
-        valid, length, rank, nxt, glob = self._candidates(token_ids, n, prompt_ids, prompt_lens, k, active)
+        ctx = self._context(token_ids, n)                                        # [B, M]
+        valid, length, rank, nxt, glob = self._candidates(token_ids, n, ctx, prompt_ids, prompt_lens, k, active)
         own, far = valid & ~glob, valid & glob
         own_best = torch.where(own, length, 0).amax(1, keepdim=True)
         far_best = torch.where(far, length, 0).amax(1, keepdim=True)
@@ -299,7 +301,7 @@ class DeviceHistory:
         if self.counts is not None:
             voted = self._vote(*self._voters(own & (length == own_best), rank, nxt, k), k, ranks=sources)
             drafts, won = voted if sources else (voted, None)
-            far_draft, far_len = self.counts.draft(self._context(token_ids, n), n, k)
+            far_draft, far_len = self.counts.draft(ctx, n, k)
             if active is not None:
                 far_draft = torch.where(active[:, None], far_draft, -1)
             out = drafts, own_best[:, 0], far_draft, far_len
@@ -314,10 +316,9 @@ class DeviceHistory:
         live = won >= _LIVE
         return *out, torch.where(live, torch.where(won - _LIVE >= _SELF, PROMPT, SIBLINGS), HISTORY)
 
-    def _candidates(self, token_ids, n, prompt_ids, prompt_lens, k, active):
-        """Every candidate of the buckets and the batch: valid, length, rank [B, C], nxt [B, C, k],
-        and which are global [B, C]."""
-        ctx = self._context(token_ids, n)                                        # [B, M]
+    def _candidates(self, token_ids, n, ctx, prompt_ids, prompt_lens, k, active):
+        """Every candidate of the buckets and the batch (ctx: the rows' last tokens, _context):
+        valid, length, rank [B, C], nxt [B, C, k], and which are global [B, C]."""
         hist = self._stored_candidates(token_ids, n, prompt_ids.long(), ctx, k)
         live = self._live_candidates(token_ids, n, prompt_ids.long(), prompt_lens.long(), ctx, k)
         valid, length, rank, nxt = (torch.cat([a, b], 1) for a, b in (
