@@ -202,6 +202,15 @@ class Device:
         return self.h.nbytes
 
 
+def cache_answer(cache, prompt, response) -> str:
+    """A finished answer into a SuffixDecodingCache, as a request started, fed and stopped; its key."""
+    key = f"fill-{next(_ids)}"
+    cache.start_request(key, np.asarray(prompt, np.int32))
+    cache.add_active_response(key, list(response))
+    cache.stop_request(key)
+    return key
+
+
 class Suffix:
     """vLLM's suffix proposer's calls (vllm/v1/spec_decode/suffix_decoding.py), with its defaults:
     tree depth 24, max_spec_factor 1, min_token_prob 0.1; responses cached up to a token budget
@@ -249,11 +258,7 @@ class Suffix:
     def record(self, prompts, responses) -> None:
         """Responses the replay did not run (the fill): inserted as vLLM would have, token by token."""
         for p, r in zip(prompts, responses):
-            key = f"fill-{next(_ids)}"
-            self.cache.start_request(key, np.asarray(p, np.int32))
-            self.cache.add_active_response(key, list(r))
-            self.cache.stop_request(key)
-            self.tokens[key] = len(r)
+            self.tokens[cache_answer(self.cache, p, r)] = len(r)
 
     def has_history(self, prompt) -> bool | None:
         return None
@@ -339,10 +344,7 @@ class DeviceSuffix(Device):
         super().record(prompts, responses)
         for p, r in zip(prompts, responses):
             if len(r):
-                key = f"fill-{next(_ids)}"
-                self.tree.start_request(key, np.asarray(p, np.int32))
-                self.tree.add_active_response(key, list(r))
-                self.tree.stop_request(key)
+                cache_answer(self.tree, p, r)
 
 
 def make_store(name: str, k: int, max_tokens: int, mean_response: int = 700):

@@ -25,6 +25,7 @@ import torch
 
 from rlspec.speculation import SOURCES
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
+from rlspec.speculation.device_shadow import replay_in_shadow
 from rlspec.speculation.history_proposer import own_prompt_lens
 
 MARK = "rlspec-device-history"  # speculative_config model under method ngram_gpu: this drafter
@@ -330,11 +331,11 @@ def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -
 def finish_call(worker, prompt_ids=None, response_ids=None) -> dict:
     """The call's counters (rows asked, rows drafted for, tokens drafted, per position) and the
     store's size; given the call's rows and the call drafted nothing ('auto' ran it without), what
-    k_max drafts would have done, measured in shadow first (DeviceHistory.shadow, on up to
+    k_max drafts would have done, measured in shadow first (device_shadow.replay_in_shadow, on up to
     speculation.history.shadow_rows responses)."""
     p = _proposer(worker)
     if prompt_ids is not None and int(p.stats.rows) == 0:
-        p.stats.shadow = p.history.shadow(prompt_ids, response_ids, shadow_rows(), p.k)
+        p.stats.shadow = replay_in_shadow(p.history, prompt_ids, response_ids, shadow_rows(), p.k)
     return {**p.stats.as_dict(), "history_tokens": p.history.stored()}
 
 

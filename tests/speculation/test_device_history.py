@@ -9,6 +9,7 @@ import torch
 
 from rlspec.speculation import GLOBAL, HISTORY, PROMPT, SIBLINGS
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
+from rlspec.speculation.device_shadow import replay_in_shadow
 from tests.speculation.device_history_reference import Reference
 from tests.speculation.device_history_reference import prompt_hash as ref_prompt_hash
 
@@ -131,17 +132,17 @@ def test_a_call_that_drafted_nothing_is_measured_in_shadow():
     99), then 5 where nothing matches (a verification that drafts nothing)."""
     dev = DeviceHistory(max_tokens=1024)
     dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14]])
-    st = dev.shadow([[1, 2, 3]], [[10, 11, 12, 99, 5]], max_rows=8, k=5)
+    st = replay_in_shadow(dev, [[1, 2, 3]], [[10, 11, 12, 99, 5]], max_rows=8, k=5)
     assert shadow_counts(st, 5) == (3, [1, 1, 1, 1, 0], [1, 1, 0, 0, 0]) and st["shadow_responses"] == 1
     # siblings in lock step: the second answer writes 4 5 two steps after the first, whose 6 8 it
     # drafts and accepts
     dev, ref = pair()
     responses = [[4, 5, 6, 8, 1, 2], [9, 9, 4, 5, 6, 8]]
-    st = dev.shadow([[1, 2, 3]] * 2, responses, 8, 5)
+    st = replay_in_shadow(dev, [[1, 2, 3]] * 2, responses, 8, 5)
     assert shadow_counts(st, 5) == shadow_reference(ref, [[1, 2, 3]] * 2, responses, [0, 1], 5)
     assert shadow_counts(st, 5)[2][:2] == [1, 1]
     # four prompts of one answer each, max_rows 2: every other group
-    st = DeviceHistory(max_tokens=1024).shadow([[1, 2, i] for i in range(4)], [[9] * 5, [9] * 3] * 2, 2, 5)
+    st = replay_in_shadow(DeviceHistory(max_tokens=1024), [[1, 2, i] for i in range(4)], [[9] * 5, [9] * 3] * 2, 2, 5)
     assert st["shadow_responses"] == 2 and sum(shadow_counts(st, 5)[2]) > 0
 
 
@@ -155,7 +156,7 @@ def test_the_shadow_replay_equals_the_reference_on_random_traces(seed):
         ref.insert(*zip(*call))
     prompts, responses = zip(*calls[-1])
     k = g.choice([2, 5])
-    st = dev.shadow(prompts, responses, max_rows=64, k=k)
+    st = replay_in_shadow(dev, prompts, responses, max_rows=64, k=k)
     want = shadow_reference(ref, prompts, responses, list(range(len(prompts))), k)
     assert shadow_counts(st, k) == want and st["shadow_responses"] == len(prompts)
     assert sum(want[2]) > 0
