@@ -1,7 +1,8 @@
 """History drafting at scale: rollouts replayed through a drafter alone (no model), side by side for
 several stores, JSON out and a table printed.
 
-Stores: rlspec's compiled store (rlspec/speculation/store.py, `rlspec`), a dict-based store of
+Stores: rlspec's compiled store (rlspec/speculation/store.py, `rlspec`; `rlspec_chains`, only where
+--stores names it: its global source the hash chains of global_index=chains), a dict-based store of
 hashed n-gram continuation counts (scripts/history_dict_store.py, `dict`), and arctic-inference's
 SuffixDecodingCache driven as vLLM's `suffix` method drives it (`suffix`: a suffix tree over each
 request's prompt and its answer so far, and a global one over earlier responses of any prompt),
@@ -55,7 +56,7 @@ import harness
 ROOT = harness.ROOT
 
 VOCAB, PROMPTS, GROUP = 151_936, 17_000, 16
-STORES = ("rlspec", "dict", "suffix", "suffix_finished", "device", "device_suffix")
+STORES = ("rlspec", "rlspec_chains", "dict", "suffix", "suffix_finished", "device", "device_suffix")
 
 
 def rss() -> int:
@@ -70,11 +71,11 @@ HISTORY_SETTINGS: dict = {}  # --history KEY=VALUE: speculation.history settings
 
 
 class Rlspec:
-    def __init__(self, k: int, max_tokens: int):
+    def __init__(self, k: int, max_tokens: int, **settings):
         from rlspec.config import HistoryConfig
         from rlspec.speculation.history import HistoryIndex
 
-        self.h = HistoryIndex(HistoryConfig(**{"max_tokens": max_tokens, **HISTORY_SETTINGS}), k)
+        self.h = HistoryIndex(HistoryConfig(**{"max_tokens": max_tokens, **HISTORY_SETTINGS, **settings}), k)
         warm = HistoryIndex(HistoryConfig(), k)   # compile the store's functions before anything is timed
         warm.record([[1, 2, 3]], [[4, 5, 6, 7]], wait=True)
         warm.begin_call()
@@ -354,6 +355,8 @@ def make_store(name: str, k: int, max_tokens: int, mean_response: int = 700):
         return SuffixFinished(k, max_tokens, mean_response)
     if name == "device_suffix":
         return DeviceSuffix(k, max_tokens, mean_response)
+    if name == "rlspec_chains":   # the host store with its global source before the count table
+        return Rlspec(k, max_tokens, global_index="chains")
     return {"rlspec": Rlspec, "dict": Dict, "device": Device}[name](k, max_tokens)
 
 
@@ -798,7 +801,7 @@ def main() -> None:
         # suffix_finished and device_suffix only where asked for: the one explains suffix's figures,
         # the other is a prototype of the device rule's next global source
         x.add_argument("--stores", nargs="+", choices=STORES,
-                       default=[s for s in STORES if s not in ("suffix_finished", "device_suffix")])
+                       default=[s for s in STORES if s not in ("suffix_finished", "device_suffix", "rlspec_chains")])
         x.add_argument("--out", type=Path)
     for x in (r, v, c):
         x.add_argument("--max-batch", type=int, default=256)

@@ -167,6 +167,10 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
     _check(h.max_tokens <= 1 << 29, "speculation.history.max_tokens",
            f"must be <= {1 << 29} (the history store's positions are int32), got {h.max_tokens}")
     _check(h.max_candidates >= 1, "speculation.history.max_candidates", "must be >= 1")
+    _check(h.global_index in ("counts", "chains"), "speculation.history.global_index",
+           f"must be counts or chains, got {h.global_index!r}")
+    _check(1 << 10 <= h.count_tokens <= 1 << 31, "speculation.history.count_tokens",
+           f"must be in [2^10, 2^31], got {h.count_tokens}")
     keys = list(h.global_keys)
     _check(all(1 <= g <= h.max_match for g in keys) and keys == sorted(set(keys), reverse=True),
            "speculation.history.global_keys",

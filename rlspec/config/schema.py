@@ -222,14 +222,20 @@ class HistoryConfig:
     min_prob: float = 0.5
     # Matches read per source and draft, newest first (bounds a lookup's work).
     max_candidates: int = 32
-    # Draft from any prompt's answers (this call's running ones and the history) where they match
-    # the context further back than the prompt's own history, its siblings and the prompt itself (a
-    # prompt seen for the first time has only these). One index per key length, longest first: the
-    # first that yields matches decides (a key of one token drafts where nothing longer matched).
-    # Each costs 4 bytes per stored token and time per insert; a longer first key ([8, 4, 1]) finds
-    # long matches among many answers sharing a phrase: more drafted in a large history's first
-    # epoch, for more work per insert (docs/speculation.md).
+    # Draft from any prompt's answers where they match the context further back than the prompt's
+    # own history, its siblings and the prompt itself (a prompt seen for the first time has only
+    # these). global_index says how:
+    # - `counts` (the device drafter's rule): a count table of the newest count_tokens stored tokens
+    #   (tails, answers and END marks), per context of 1..max_match answer tokens its next tokens'
+    #   counts, drafted as suffix decoding does (the commonest next token while the product of the
+    #   shares is at least 0.1, from the context length of highest score); about 64 bytes a counted
+    #   token (256 MB at the default count_tokens), whatever the store holds.
+    # - `chains`: hash chains over the whole store and this call's running answers, one per key
+    #   length of global_keys, longest first: the first that yields matches decides (4 bytes per
+    #   stored token each, and time per insert).
     global_source: bool = True
+    global_index: str = "counts"
+    count_tokens: int = 1 << 22
     global_keys: list[int] = field(default_factory=lambda: [4, 1])
     # Bounds: responses kept per prompt (oldest dropped), and response tokens kept over all
     # prompts (about 20-40 bytes each). Over it the prompts holding the most responses drop their

@@ -14,6 +14,9 @@ import torch
 from rlspec.speculation.device_ops import _C1, _P, _powers, _signed, mix
 
 _COUNT = 1 << 48  # a next token's score: count first, the lower token second
+# The defaults both backends count and draft with (the host store's count table is this one:
+# rlspec/speculation/store_counts.py)
+WIDTH, MIN_PROB, SELECT = 16, 0.1, "score"
 
 
 class CountTable:
@@ -149,7 +152,7 @@ class CountTable:
             cnt, tok = self._look(key)
             best = torch.where(cnt > 0, cnt * _COUNT - tok, -(1 << 62)).argmax(1, keepdim=True)
             x, votes = tok.gather(1, best)[:, 0], cnt.gather(1, best)[:, 0]
-            prob = prob * votes.double() / cnt.sum(1).clamp(min=1).double()
+            prob = prob * (votes.double() / cnt.sum(1).clamp(min=1).double())   # the share first, as the walks on the host
             go = go & (votes > 0) & (x >= 0) & (x < self.vocab) & (prob >= self.min_prob)
             score = score + torch.where(go, prob, 0.0)
             drafts[:, t] = torch.where(go, x, -1).int()

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from rlspec.speculation import GLOBAL, HISTORY, PROMPT, SIBLINGS
-from rlspec.speculation.device_counts import CountTable, default_buckets
+from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable, default_buckets
 from rlspec.speculation.device_ops import (first_of, fold, last_n_true, leading_run, prompt_hash,
                                          prompt_siblings, salted, window_keys, window_prints)
 
@@ -86,8 +86,8 @@ class DeviceHistory:
                  max_match: int = 16, prompt_keys=(8, 3, 1), global_keys=(8, 4, 1),
                  min_prob: float = 0.5, max_siblings: int = 16, max_voters: int = 64, vocab_size: int | None = None,
                  select: str = "longest", spec_factor: float = 0.0, pooled: bool = False, live_matches: int = 1,
-                 global_source: str = "counts", count_keys=None, count_width: int = 16,
-                 count_buckets: int | None = None, count_min_prob: float = 0.1, count_select: str = "score"):
+                 global_source: str = "counts", count_keys=None, count_width: int = WIDTH,
+                 count_buckets: int | None = None, count_min_prob: float = MIN_PROB, count_select: str = SELECT):
         self.device = torch.device(device)
         if global_source not in ("buckets", "counts"):
             raise ValueError(f"device history: global_source must be buckets or counts, got {global_source!r}")

@@ -43,6 +43,7 @@ from rlspec.speculation import store as S
 from rlspec.speculation.arena import HistoryArena, LiveArena
 from rlspec.speculation.history_state import STATE_VERSION, loadable
 from rlspec.speculation.history_stats import HistoryStats, replay_in_shadow
+from rlspec.speculation.store_counts import NO_COUNTS, HostCounts
 from rlspec.speculation import SOURCES
 
 WALK = 4  # chain links a lookup follows per candidate it may take (hash collisions and evicted text)
@@ -55,10 +56,11 @@ MAX_ID = (1 << 31) - 1  # token ids are stored as int32; negative ones would rea
 class Seq:
     """A stored response: its arena start (-1 until placed), stored length (tail, response, END)
     and response tokens; `alive` False once evicted."""
-    __slots__ = ("start", "stored", "tokens", "alive")
+    __slots__ = ("start", "stored", "tokens", "alive", "counted")
 
     def __init__(self, stored: int, tokens: int):
         self.start, self.stored, self.tokens, self.alive = -1, stored, tokens, True
+        self.counted = False   # in the global count table (store_counts.HostCounts)
 
 
 @dataclass
@@ -119,7 +121,10 @@ class HistoryIndex:
         self.min_prob = float(cfg.min_prob)
         self.tail = cfg.max_match  # prompt tokens kept in front of each stored response
         self.walk = WALK * cfg.max_candidates  # chain links a source's lookup follows at most
-        self.gkeys = np.array(cfg.global_keys, np.int64)  # the global chains' key lengths, longest first
+        counts = cfg.global_source and cfg.global_index == "counts"
+        self.count_table = HostCounts(cfg.max_match, cfg.count_tokens, self.vocab) if counts else None
+        # the global chains' key lengths, longest first (none: the count table is the global source)
+        self.gkeys = np.array([] if counts else cfg.global_keys, np.int64)
         self.global_walk = 2 * cfg.max_candidates  # ... and the global chains', all key lengths together
         self.arena = HistoryArena(len(self.gkeys))
         self.total = 0             # response tokens held over all prompts
@@ -143,7 +148,7 @@ class HistoryIndex:
     def warm_up(cls, cfg: HistoryConfig, k_max: int) -> None:
         """Compile (or load from numba's cache) every store function a run calls, on a throwaway
         store of these settings: seconds that no engine step, and so no drafting time, pays."""
-        h = cls(replace(cfg, max_rollouts_per_prompt=2, max_tokens=1 << 10), max(k_max, 1))
+        h = cls(replace(cfg, max_rollouts_per_prompt=2, max_tokens=1 << 10, count_tokens=1 << 10), max(k_max, 1))
         p, q, r = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
         h.record([p, p, q, q, r, r], [[9, 10, 11, 12, 13]] * 6, wait=True)
         h.record([p], [[9, 10, 11]], wait=True)   # p's oldest evicted in place
@@ -158,8 +163,9 @@ class HistoryIndex:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the store's arrays hold (history arena and its chain heads; the live arena apart)."""
-        return self.arena.nbytes
+        """Bytes the store's arrays hold (history arena and its chain heads, the count table; the live
+        arena apart)."""
+        return self.arena.nbytes + (self.count_table.nbytes if self.count_table else 0)
 
     # -- the history arena ---------------------------------------------------------------------------
     def _store(self, items: list[tuple[int, Seq, np.ndarray]], undo: _Undo) -> None:
@@ -183,6 +189,10 @@ class HistoryIndex:
                 arena = a.grown(max(1 << 16, int(GROWTH * (a.used + need))))
             else:
                 arena, moved = self._rebuilt(need)
+        if self.count_table is not None:   # may fail: the arena is not written yet
+            old = self.arena
+            self.count_table.update(lambda q: old.tok[q.start: q.start + q.stored], victims,
+                               [(seq, b) for _, seq, b in items])
         starts = arena.insert(salts, body, offsets, self.cfg.min_match, self.gkeys)
         if moved is None:
             arena.kill(*kill)
@@ -350,7 +360,7 @@ class HistoryIndex:
             fresh._record([(p, r) for p, rs in state["prompts"] for r in rs if len(r)])
         else:
             fresh._load(state, *arrays)
-        self.arena, self.prompts = fresh.arena, fresh.prompts
+        self.arena, self.prompts, self.count_table = fresh.arena, fresh.prompts, fresh.count_table
         self.total, self.admit_below = fresh.total, fresh.admit_below
 
     def _load(self, state: dict, salts, tokens, stored, body) -> None:
@@ -378,6 +388,8 @@ class HistoryIndex:
         starts = self.arena.insert(salts, body, offsets, self.cfg.min_match, self.gkeys)
         for seq, start in zip(seqs, starts.tolist()):
             seq.start = start
+        if self.count_table is not None:
+            self.count_table.update(None, [], [(seq, body[a:b]) for seq, a, b in zip(seqs, offsets[:-1], offsets[1:])])
 
     # -- drafting --------------------------------------------------------------------------------------
     def propose_rows(self, token_ids: np.ndarray, nums, sampled_lens, keys, prompt_lens, k: int,
@@ -454,7 +466,8 @@ class HistoryIndex:
             live.used,
             self.pend, self.pend_len, self.pend_src, self.appended, drafted, accepted, pos,
             c.min_match, self.gkeys, c.max_match, c.max_candidates, self.walk, self.global_walk,
-            min(k, self.k_max), self.min_prob, self.vocab, max_len, self.drafting and k > 0, out, out_len)
+            min(k, self.k_max), self.min_prob, self.vocab, self._counts(), max_len, self.drafting and k > 0, out,
+            out_len)
         self.stats.drafted = drafted.tolist()
         self.stats.accepted = accepted.tolist()
         self.stats.drafted_pos = pos.tolist()
@@ -467,6 +480,9 @@ class HistoryIndex:
         if self.cfg.global_source:
             return ghead, live.ghead
         return ghead[:, :0], live.ghead[:, :0]
+
+    def _counts(self) -> tuple:
+        return self.count_table.arrays() if self.count_table is not None else NO_COUNTS
 
     def propose(self, rows: list, sampled: list[list[int]], k: int, keys=None, prompt_lens=None) -> list[list[int]]:
         """propose_rows over a list of token rows (tests and the scale benchmark)."""
@@ -492,7 +508,7 @@ class HistoryIndex:
         got = S.draft_one(ctx, len(ctx), np.uint64(salt), tok, psalt, chain, gchain, phead, ghead, live.tok,
                           live.salt, live.prev, live.next, live.chain, live.head, live.src, live.gchain, lghead,
                           c.min_match, self.gkeys, c.max_match, c.max_candidates, self.walk, self.global_walk,
-                          k, self.min_prob, self.vocab, out, src)
+                          k, self.min_prob, self.vocab, self._counts(), out, src)
         return out[:got].tolist(), src[:got].tolist()
 
     def shadow(self, prompt_ids: list[list[int]], response_ids: list[list[int]], max_rows: int) -> None:

@@ -43,47 +43,15 @@ them can be written (a read-only install, an unwritable home), in a temporary fo
 """
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
-
 import numpy as np
 
 from rlspec.speculation import GLOBAL, HISTORY, PROMPT, SIBLINGS
-
-try:
-    import numba as nb
-except ImportError as e:
-    raise ImportError("speculation=history needs numba (the history store's walks are compiled with it): "
-                      "pip install numba") from e
+from rlspec.speculation.store_counts import count_draft
+from rlspec.speculation.store_ops import _P, _mix, nb
 
 END = -1   # a sequence's last token: the responses stopped here
 DEAD = -2  # an evicted sequence's tokens until compaction
-
-
-def _cache_probe():
-    pass
-
-
-try:  # numba looks for a writable cache folder when a function is declared cache=True
-    nb.njit(cache=True)(_cache_probe)
-except RuntimeError:  # none: a folder of this process's own, removed at exit
-    nb.config.CACHE_DIR = tempfile.mkdtemp(prefix="rlspec-numba-")
-    atexit.register(shutil.rmtree, nb.config.CACHE_DIR, True)
-
-_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _SEED = np.uint64(0x9E3779B97F4A7C15)
-
-
-@nb.njit(inline="always", cache=True)
-def _mix(h):
-    h ^= h >> np.uint64(33)
-    h *= _M1
-    h ^= h >> np.uint64(33)
-    h *= _M2
-    h ^= h >> np.uint64(33)
-    return h
 
 
 @nb.njit(inline="always", cache=True)
@@ -95,7 +63,6 @@ def _key(tokens, end, m):
     return h
 
 
-_P = np.uint64(0x100000001B3)
 SHORT_KEY_SLOTS = 1 << 18  # chain heads of a one-token global key (a vocabulary's worth, cache-sized)
 
 
@@ -206,28 +173,32 @@ def _vote(cand_tok, m):
 
 
 @nb.njit(cache=True)
-def _scratch(max_candidates):
+def _scratch(max_candidates, k_walk):
     """Candidate arrays for _draft: positions, match lengths, sources, live flags, next tokens (room
     for the prompt's own sources' 2 x max_candidates, the global source's max_candidates, and a copy
-    of the own ones to fall back to)."""
+    of the own ones to fall back to); the count table's walk's draft and scratch."""
     c = 5 * max_candidates
     return (np.empty(c, np.int64), np.empty(c, np.int64), np.empty(c, np.int64), np.empty(c, np.bool_),
-            np.empty(c, np.int64))
+            np.empty(c, np.int64), np.empty((2, k_walk), np.int64))
 
 
 @nb.njit(nogil=True, cache=True)
 def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
            lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, vocab,
-           out, out_src, scratch):
+           counts, k_walk, out, out_src, scratch):
     """Draft up to k tokens for the context ctx[:n] of a request of prompt `salt` (the rule in the
-    module docstring); returns how many were written to out (and their sources to out_src)."""
-    if n < min_match or k <= 0:
+    module docstring; with a count table, counts = HostCounts.arrays(), its global draft walked k_walk
+    tokens as the device drafter walks the call's k); returns how many were written to out (and their
+    sources to out_src)."""
+    if k <= 0:
         return 0
-    c_pos, c_len, c_src, c_live, nxt = scratch
-    h = _key(ctx, n, min_match)
-    salted = _mix(h ^ salt)
+    c_pos, c_len, c_src, c_live, nxt, c_out = scratch
     tag = np.uint32(salt & np.uint64(0xFFFFFFFF))
     m = 0
+    if n < min_match:  # no own match: only the count table may draft
+        return _count_draft(ctx, n, 0, counts, k_walk, k, vocab, c_out, out, out_src)
+    h = _key(ctx, n, min_match)
+    salted = _mix(h ^ salt)
     # the live group: siblings, the request's own answer, its prompt
     if lhead.shape[0] > 0:
         p = lhead[np.int64(salted & np.uint64(lhead.shape[0] - 1))]
@@ -256,6 +227,11 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
     for i in range(m):
         own = max(own, c_len[i])
     m_own = m
+    if counts[0].shape[0] > 0:   # the count table's draft where its match is longer and it drafts
+        got = _count_draft(ctx, n, own, counts, k_walk, k, vocab, c_out, out, out_src)
+        if got > 0:
+            return got
+        return _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, vocab, out, out_src)
     walked = 0
     for lv in range(gkeys.shape[0]):
         # other prompts' running answers, then any prompt's history: their matches join where they
@@ -304,6 +280,24 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
         return count
     return _extend(c_pos[b:], c_len[b:], c_src[b:], c_live[b:], nxt[b:], m_own, tok, ltok, lnext, k, min_prob, vocab,
                    out, out_src)
+
+
+@nb.njit(nogil=True, cache=True)
+def _count_draft(ctx, n, own, counts, k_walk, k, vocab, c_out, out, out_src):
+    """The count table's draft (k_walk tokens walked, the first k kept) where its match is longer
+    than own, the longest of the prompt's own sources; else none."""
+    key, ctok, cnt, levels, salts, min_prob, score_select = counts
+    if key.shape[0] == 0 or own >= levels[levels.shape[0] - 1]:
+        return 0
+    got, m = count_draft(ctx, n, key, ctok, cnt, levels, salts, k_walk, min_prob, score_select, vocab, c_out[0],
+                         c_out[1])
+    if m <= own:
+        return 0
+    got = min(got, k)
+    for j in range(got):
+        out[j] = c_out[0, j]
+        out_src[j] = GLOBAL
+    return got
 
 
 @nb.njit(nogil=True, cache=True)
@@ -383,8 +377,8 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
                  tok, psalt, chain, gchain, phead, ghead,
                  ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused,
                  pend, pend_len, pend_src, appended, stats_drafted, stats_accepted, stats_pos,
-                 min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, vocab, max_len,
-                 drafting, out, out_len):
+                 min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, vocab, counts,
+                 max_len, drafting, out, out_len):
     """One engine step: every row's tokens not yet in its live sequence join it (a fresh row's
     prompt tail and answer so far, and for the first request of a prompt the prompt itself; then
     whatever came since the row's last call, steps vLLM drafted nothing at included), the draft
@@ -392,7 +386,7 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
     out[i], fewer where a draft of k would take the row past max_len tokens (vLLM verifies no
     more). Rows of slot -1 (not started: in prefill) are passed over. Returns the live arena's new
     fill."""
-    scratch = _scratch(max_candidates)
+    scratch = _scratch(max_candidates, max(k, 1))
     for i in range(token_ids.shape[0]):
         out_len[i] = 0
         n, s, row, salt = nums[i], slots[i], token_ids[i], salts[i]
@@ -429,7 +423,7 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
             continue
         got = _draft(row, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
                      lsrc, lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk,
-                     min(k, max_len - n - 1), min_prob, vocab, out[i], pend_src[s], scratch)
+                     min(k, max_len - n - 1), min_prob, vocab, counts, k, out[i], pend_src[s], scratch)
         out_len[i] = got
         for j in range(got):
             pend[s, j] = out[i, j]
@@ -442,9 +436,9 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
 @nb.njit(nogil=True, cache=True)
 def draft_one(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
               lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, vocab,
-              out, out_src):
+              counts, out, out_src):
     """_draft for one context (the shadow replay calls it row by row)."""
     return _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
                   lsrc, lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k,
-                  min_prob, vocab, out, out_src, _scratch(max_candidates))
+                  min_prob, vocab, counts, k, out, out_src, _scratch(max_candidates, max(k, 1)))
 

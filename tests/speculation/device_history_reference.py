@@ -58,14 +58,11 @@ class Reference:
         self.min_prob, self.G, self.V, self.vocab = min_prob, max_siblings, max_voters, vocab
         self.select, self.spec_factor, self.thresholds, self.pooled = select, spec_factor, list(thresholds), pooled
         self.live_matches = live_matches
-        self.counts = global_source == "counts"
-        if self.counts:
+        self.counts = None
+        if global_source == "counts":
             self.global_keys = []
-        self.count_keys, self.CW, self.NC, self.count_min_prob = list(count_keys), count_width, count_buckets, \
-            count_min_prob
-        self.count_select = count_select
-        self.table: dict[int, list] = {}   # count bucket -> [(key, token, count)], highest count first
-        self.seqs: deque = deque()         # (start, body) of the sequences counted
+            self.counts = CountReference(max_tokens, count_keys, count_width, count_buckets, count_min_prob,
+                                         count_select, vocab)
         self.tok, self.pid = {}, {}       # absolute position -> token, prompt hash
         self.buckets: dict[int, deque] = {}
         self.written = 0
@@ -80,17 +77,7 @@ class Reference:
         end = self.written + total
         pos = self.written
         if self.counts:
-            gone = []
-            while self.seqs and self.seqs[0][0] < end - self.A:
-                gone.append(self.seqs.popleft()[1])
-            self._count(gone, -1)
-            at, whole = self.written, []
-            for _, body, head in seqs:
-                if at >= end - self.A:
-                    self.seqs.append((at, (body, head)))
-                    whole.append((body, head))
-                at += len(body)
-            self._count(whole, 1)
+            self.counts.insert([(body, head) for _, body, head in seqs])
         for salt, body, _ in seqs:
             for j in range(len(body)):
                 if pos >= end - self.A:
@@ -103,55 +90,6 @@ class Reference:
                             self.buckets.setdefault(key & (self.NB - 1), deque(maxlen=self.W)).append(pos)
                 pos += 1
         self.written = end
-
-    def _count(self, bodies, delta):
-        """Sequences' (context, next token) pairs counted in or out of the count table at once
-        (a bucket keeps its count_width of highest count after the whole batch)."""
-        add = {}
-        for body, head in bodies:   # contexts within the answer
-            for c in self.count_keys:
-                for j in range(head + c, len(body)):
-                    key = fold(body[j - c: j])
-                    add[key, body[j]] = add.get((key, body[j]), 0) + delta
-        for b in {key & (self.NC - 1) for key, _ in add}:
-            merged = {(key, x): n for key, x, n in self.table.get(b, [])}
-            for (key, x), n in add.items():
-                if key & (self.NC - 1) == b:
-                    merged[key, x] = merged.get((key, x), 0) + n
-            kept = sorted(((key, x, n) for (key, x), n in merged.items() if n > 0),
-                          key=lambda e: (-e[2], signed(e[0]), e[1]))
-            self.table[b] = kept[: self.CW]
-
-    def _count_walk(self, ctx, k):
-        """(draft, match length) of the count table for a row whose tokens are ctx: the walk from
-        the longest count key with counts (count_select=longest), or of highest score from any of
-        them, ties to the longer (score)."""
-        def hits(seq, c):
-            key = fold(seq[len(seq) - c:])
-            return {x: n for kk, x, n in self.table.get(key & (self.NC - 1), []) if kk == key}
-
-        def walk(m):
-            out, prob, score, seq = [], 1.0, 0.0, list(ctx)
-            for t in range(k):
-                got = hits(seq, max(c for c in self.count_keys if c <= m + t))
-                if not got:
-                    break
-                n, x = max((n, -x) for x, n in got.items())
-                prob *= n / sum(got.values())
-                if -x < 0 or -x >= self.vocab or prob < self.count_min_prob:
-                    break
-                out.append(-x)
-                score += prob
-                seq.append(-x)
-            return out, score
-
-        starts = [c for c in self.count_keys if c <= len(ctx) and hits(ctx, c)]
-        if not starts:
-            return [], 0
-        if self.count_select == "longest":
-            return walk(starts[-1])[0], starts[-1]
-        best = max((walk(m)[1], m) for m in starts)[1]
-        return walk(best)[0], best
 
     def _stored(self, at):
         return self.tok[at] if at >= self.written - self.A and at in self.tok else None
@@ -209,7 +147,7 @@ class Reference:
             alive = sorted((c for c in cands.values() if c[3] == glob and c[0] == best), key=lambda c: -c[1])
             drafts[glob] = (best, self._vote(alive[: self.V], k)[0])
         if self.counts:
-            drafts[True] = self._count_walk(ctx, k)[::-1]
+            drafts[True] = self.counts.walk(ctx, k)[::-1]
         (own, mine), (far, theirs) = drafts[False], drafts[True]
         return theirs if far > own and theirs else mine
 
@@ -249,3 +187,81 @@ class Reference:
             score += prob
             alive = [c for c, y in voters if y == x]
         return out, score
+
+
+class CountReference:
+    """The count table (rlspec/speculation/device_counts.py) over a ring of max_tokens tokens: whole
+    sequences counted in, and out once the ring overwrites their start (the host store's count
+    table counts the same newest sequences)."""
+
+    def __init__(self, max_tokens, count_keys, count_width, count_buckets, count_min_prob, count_select, vocab):
+        self.A, self.count_keys, self.CW, self.NC = max_tokens, list(count_keys), count_width, count_buckets
+        self.count_min_prob, self.count_select, self.vocab = count_min_prob, count_select, vocab
+        self.table: dict[int, list] = {}   # count bucket -> [(key, token, count)], highest count first
+        self.seqs: deque = deque()         # (start, (body, head)) of the sequences counted
+        self.written = 0
+
+    def insert(self, seqs):
+        """Sequences [(body [prompt tail | answer | END], its tail's length)] written after the others."""
+        end = self.written + sum(len(b) for b, _ in seqs)
+        gone = []
+        while self.seqs and self.seqs[0][0] < end - self.A:
+            gone.append(self.seqs.popleft()[1])
+        self._count(gone, -1)
+        at, whole = self.written, []
+        for body, head in seqs:
+            if at >= end - self.A:
+                self.seqs.append((at, (body, head)))
+                whole.append((body, head))
+            at += len(body)
+        self._count(whole, 1)
+        self.written = end
+
+    def _count(self, bodies, delta):
+        """Sequences' (context, next token) pairs counted in or out of the count table at once
+        (a bucket keeps its count_width of highest count after the whole batch)."""
+        add = {}
+        for body, head in bodies:   # contexts within the answer
+            for c in self.count_keys:
+                for j in range(head + c, len(body)):
+                    key = fold(body[j - c: j])
+                    add[key, body[j]] = add.get((key, body[j]), 0) + delta
+        for b in {key & (self.NC - 1) for key, _ in add}:
+            merged = {(key, x): n for key, x, n in self.table.get(b, [])}
+            for (key, x), n in add.items():
+                if key & (self.NC - 1) == b:
+                    merged[key, x] = merged.get((key, x), 0) + n
+            kept = sorted(((key, x, n) for (key, x), n in merged.items() if n > 0),
+                          key=lambda e: (-e[2], signed(e[0]), e[1]))
+            self.table[b] = kept[: self.CW]
+
+    def walk(self, ctx, k):
+        """(draft, match length) of the count table for a row whose tokens are ctx: the walk from
+        the longest count key with counts (count_select=longest), or of highest score from any of
+        them, ties to the longer (score)."""
+        def hits(seq, c):
+            key = fold(seq[len(seq) - c:])
+            return {x: n for kk, x, n in self.table.get(key & (self.NC - 1), []) if kk == key}
+
+        def walk(m):
+            out, prob, score, seq = [], 1.0, 0.0, list(ctx)
+            for t in range(k):
+                got = hits(seq, max(c for c in self.count_keys if c <= m + t))
+                if not got:
+                    break
+                n, x = max((n, -x) for x, n in got.items())
+                prob *= n / sum(got.values())
+                if -x < 0 or -x >= self.vocab or prob < self.count_min_prob:
+                    break
+                out.append(-x)
+                score += prob
+                seq.append(-x)
+            return out, score
+
+        starts = [c for c in self.count_keys if c <= len(ctx) and hits(ctx, c)]
+        if not starts:
+            return [], 0
+        if self.count_select == "longest":
+            return walk(starts[-1])[0], starts[-1]
+        best = max((walk(m)[1], m) for m in starts)[1]
+        return walk(best)[0], best

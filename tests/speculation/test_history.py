@@ -13,6 +13,8 @@ from rlspec.speculation.history import SOURCES, HistoryIndex
 from rlspec.speculation.history_stats import per_pos
 from rlspec.speculation.history_state import STATE_GLOBALS
 from rlspec.speculation.history_proposer import HistoryProposer
+from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, default_buckets
+from tests.speculation.device_history_reference import CountReference
 
 PROMPT = [1, 2, 3]
 H, SIB, PR, GL = range(4)
@@ -44,8 +46,9 @@ def test_earlier_responses_of_the_same_prompt_draft_their_continuation():
     assert ask(h, [[7, 8, 9, 10, 11]], [[11]], 3) == [[]]
 
 
-def test_a_prompt_seen_for_the_first_time_drafts_from_any_prompts_history():
-    h = index(global_keys=[2])
+@pytest.mark.parametrize("global_index", ["counts", "chains"])
+def test_a_prompt_seen_for_the_first_time_drafts_from_any_prompts_history(global_index):
+    h = index(global_index=global_index, global_keys=[2])
     h.record([PROMPT], [[10, 11, 12, 13, 14, 15, 16]], wait=True)
     h.begin_call()
     assert ask(h, [[7, 8, 9, 10, 11]], [[11]], 3) == [[12, 13, 14]]
@@ -53,7 +56,8 @@ def test_a_prompt_seen_for_the_first_time_drafts_from_any_prompts_history():
 
 
 def test_other_prompts_running_answers_draft_for_a_prompt_with_nothing_of_its_own():
-    h = index(global_keys=[4])
+    # global_index=chains: the count table counts finished answers only
+    h = index(global_index="chains", global_keys=[4])
     h.begin_call()
     # prompt 7 8 9's request has written 20..26 so far; prompt 1 2 3's request ends as it does
     ask(h, [[7, 8, 9, 20, 21, 22, 23, 24, 25, 26]], [[26]], 3, keys=["a"])
@@ -73,14 +77,14 @@ def test_global_key_lengths_longest_first_find_older_long_matches_then_one_token
     context = [[7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8]]
     drafts = {}
     for keys in ([4], [8, 4]):
-        h = index(max_candidates=2, global_keys=keys)
+        h = index(max_candidates=2, global_index="chains", global_keys=keys)
         h.record([[60, 61, 62]] * 9, [old] + newer, wait=True)
         h.begin_call()
         drafts[tuple(keys)] = ask(h, context, [[8]], 2)
     assert drafts == {(4,): [[9, 9]], (8, 4): [[30, 31]]}
     # a token seen once, after nothing longer matches: only a key of one token drafts from it
     for keys, want in (([8, 4], [[]]), ([8, 4, 1], [[41, 42]])):
-        h = index(global_keys=keys)
+        h = index(global_index="chains", global_keys=keys)
         h.record([[60, 61, 62]], [[40, 41, 42]], wait=True)
         h.begin_call()
         assert ask(h, [[7, 8, 9, 33, 40]], [[40]], 2) == want
@@ -102,11 +106,28 @@ def test_the_longest_matching_suffix_decides_and_a_split_history_drafts_nothing(
 def test_a_longer_global_match_whose_vote_stops_falls_back_to_the_prompts_own():
     # the prompt's history continues 5 6 with 7 7; two other prompts' answers continue 4 5 6 with 8 or 9
     for min_prob, want in ((0.5, [[9]]), (0.6, [[7, 7]])):
-        h = index(min_prob=min_prob, global_keys=[3])
+        h = index(min_prob=min_prob, global_index="chains", global_keys=[3])
         h.record([PROMPT, [60, 61], [62, 63]], [[5, 6, 7, 7], [4, 5, 6, 8], [4, 5, 6, 9]], wait=True)
         h.begin_call()
         # 1 of 2 global votes: drafts at min_prob 0.5 (the newest's token), stops at once at 0.6
         assert ask(h, [PROMPT + [4, 5, 6]], [[6]], 2) == want
+
+
+def test_the_count_table_drafts_the_commonest_continuation_where_its_match_is_longer():
+    # the prompt's history matches "5 6" (2 tokens); other prompts' answers continue "4 5 6" with 8
+    # twice, 9 once: the count table's 3-token match drafts 8 (2 of 3), then what followed "4 5 6 8"
+    h = index()
+    h.record([PROMPT, [60, 61], [62, 63], [64]], [[5, 6, 7, 7], [4, 5, 6, 8, 1], [4, 5, 6, 8, 1], [4, 5, 6, 9]],
+             wait=True)
+    h.begin_call()
+    assert ask(h, [PROMPT + [4, 5, 6]], [[6]], 3) == [[8, 1]]
+    assert h.stats.drafted == [0, 0, 0, 2]
+    # where the answers counted end right after the match (END, not a token), the prompt's own draft
+    h = index()
+    h.record([PROMPT, [60, 61]], [[5, 6, 7, 7], [4, 5, 6]], wait=True)
+    h.begin_call()
+    assert ask(h, [PROMPT + [4, 5, 6]], [[6]], 2) == [[7, 7]]
+    assert h.stats.drafted == [2, 0, 0, 0]
 
 
 def test_a_draft_stops_where_the_responses_ended():
@@ -305,7 +326,8 @@ def same_state(a: dict, b: dict) -> bool:
                                         for k in a)
 
 
-def test_state_round_trip_keeps_the_drafts(tmp_path):
+@pytest.mark.parametrize("global_index", ["counts", "chains"])
+def test_state_round_trip_keeps_the_drafts(tmp_path, global_index):
     import torch
 
     h = index()
@@ -322,7 +344,7 @@ def test_state_round_trip_keeps_the_drafts(tmp_path):
     # newest first through every prompt's answers: the state keeps the arena's order)
     rng = random.Random(1)
     prompts = [[rng.randrange(6) for _ in range(4)] for _ in range(12)]
-    h = index(global_keys=[4, 1])
+    h = index(global_index=global_index, global_keys=[4, 1])
     for _ in range(6):
         ps = [rng.choice(prompts) for _ in range(8)]
         h.record(ps, [[rng.randrange(6) for _ in range(rng.randrange(5, 30))] for _ in ps], wait=True)
@@ -330,7 +352,7 @@ def test_state_round_trip_keeps_the_drafts(tmp_path):
     assert all(isinstance(state[key], np.ndarray) for key in ("salt", "tokens", "stored", "arena"))
     torch.save(state, tmp_path / "history.pt")
     with torch.serialization.safe_globals(STATE_GLOBALS):
-        g = index(global_keys=[4, 1])
+        g = index(global_index=global_index, global_keys=[4, 1])
         g.load_state_dict(torch.load(tmp_path / "history.pt", weights_only=True))
     asked = [(p, p + [rng.randrange(6) for _ in range(rng.randrange(1, 9))]) for p in prompts * 30]
     asked += [([7, 7, 7, 7], [7, 7, 7, 7] + [rng.randrange(6) for _ in range(8)]) for _ in range(200)]
@@ -375,17 +397,25 @@ def test_an_arena_that_grew_drafts_as_one_built_at_once():
 
 class Reference:
     """The draft rule of rlspec/speculation/store.py read plainly: sequences in lists, every
-    position scanned newest first, no hashing."""
+    position scanned newest first, no hashing; the count table (global_index=counts) the device
+    drafter's plain reading."""
 
     def __init__(self, cfg: HistoryConfig, tail: int):
         self.cfg, self.tail = cfg, tail
+        self.counts = None
+        if cfg.global_source and cfg.global_index == "counts":
+            self.counts = CountReference(cfg.count_tokens, range(1, cfg.max_match + 1), WIDTH,
+                                         default_buckets(cfg.count_tokens, WIDTH), MIN_PROB, SELECT, 1 << 31)
         self.stored = []   # (prompt, [tail | response | END]) oldest first
         self.live = []     # [source, prompt, tokens, stamp per token] this call
         self.clock = 0
         self.requests = {}  # key -> index into live
 
     def record(self, prompts, responses):
-        self.stored += [(tuple(p), list(p[-self.tail:]) + list(r) + [-1]) for p, r in zip(prompts, responses) if r]
+        new = [(tuple(p), list(p[-self.tail:]) + list(r) + [-1]) for p, r in zip(prompts, responses) if r]
+        self.stored += new
+        if self.counts is not None:
+            self.counts.insert([(body, min(len(p), self.tail)) for p, body in new])
 
     def begin_call(self):
         self.live, self.requests, self.prompts_seen = [], {}, set()
@@ -438,6 +468,9 @@ class Reference:
         cands = [x for x in cands if x[0] >= mm]
         mine = list(cands)
         own = max((x[0] for x in cands), default=0)
+        if self.counts is not None:   # the count table's draft where its match is longer and it drafts
+            far, m = self.counts.walk(ctx, k) if own < c.max_match else ([], 0)
+            return far if far and m > own else self._extend(mine, k)
         for gm in c.global_keys if c.global_source else []:
             if own >= c.max_match or len(ctx) < gm:
                 continue
@@ -474,7 +507,7 @@ class Reference:
         return out
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 def test_the_store_drafts_token_for_token_what_the_plain_rule_drafts(seed):
     """Random traces over a small vocabulary (many matches): calls over a few prompts, groups of
     requests growing by 1 to k+1 tokens a step in a shuffled row order, then recorded; every draft
@@ -483,13 +516,14 @@ def test_the_store_drafts_token_for_token_what_the_plain_rule_drafts(seed):
     rng = random.Random(seed)
     max_match = rng.choice([4, 8])
     cfg = HistoryConfig(min_match=rng.choice([1, 2, 3]), max_match=max_match, min_prob=rng.choice([0.3, 0.5]),
-                        max_candidates=rng.choice([2, 4, 16]), global_source=rng.random() < 0.7,
+                        max_candidates=rng.choice([2, 4, 16]), global_source=rng.random() < 0.8,
+                        global_index=rng.choice(["counts", "chains"]), count_tokens=rng.choice([150, 1 << 12]),
                         global_keys=[g for g in rng.choice([[4], [3, 1], [8, 4, 1], [6, 2]]) if g <= max_match])
     h = HistoryIndex(cfg, k_max=4)
     h.walk = h.global_walk = 1 << 30
     ref = Reference(cfg, h.tail)
     prompts = [[rng.randrange(6) for _ in range(rng.randrange(2, 9))] for _ in range(4)]
-    checked = 0
+    checked = global_drafted = 0
     for call in range(4):
         h.begin_call()
         ref.begin_call()
@@ -511,10 +545,11 @@ def test_the_store_drafts_token_for_token_what_the_plain_rule_drafts(seed):
                             prompt_lens=plens)
             assert got == want, (call, rows, got, want)
             checked += sum(map(len, want))
+        global_drafted += h.stats.drafted[GL]
         finished = [(p, answers[key]) for key, p in group]
         h.record([p for p, _ in finished], [a for _, a in finished])
         ref.record([p for p, _ in finished], [a for _, a in finished])
-    assert checked > 50
+    assert checked > 50 and (global_drafted > 0 or not cfg.global_source), (checked, global_drafted)
 
 
 def test_settings_are_validated_by_key():

@@ -122,17 +122,18 @@ def test_configure_compiles_the_store_before_any_engine_step():
 
 # -- 2. numba's cache, numba missing -------------------------------------------------------------------
 def test_the_store_imports_where_numba_cannot_write_its_cache(tmp_path):
-    """A read-only install (no writable __pycache__ beside the store) and an unwritable home and
-    NUMBA_CACHE_DIR: the store still imports, and caches in a temporary folder."""
-    src = Path(__file__).parents[2] / "rlspec" / "speculation" / "store.py"
+    """A read-only install (no writable __pycache__ beside the package's modules) and an unwritable
+    home and NUMBA_CACHE_DIR: the store still imports, and caches in a temporary folder."""
     pkg = tmp_path / "install"
-    pkg.mkdir()
-    shutil.copy(src, pkg / "history_store_copy.py")
-    (pkg / "__pycache__").write_text("")        # not a folder: nothing can be written there
+    shutil.copytree(Path(__file__).parents[2] / "rlspec", pkg / "rlspec",
+                    ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    for folder in [pkg / "rlspec", *(d for d in (pkg / "rlspec").rglob("*") if d.is_dir())]:
+        (folder / "__pycache__").write_text("")   # not a folder: nothing can be written there
     blocked = tmp_path / "a_file"
     blocked.write_text("")
-    code = ("import numba, numpy as np, history_store_copy as s; "
-            "assert s.prompt_salt(np.arange(4, dtype=np.int32), 4) != 0; print(numba.config.CACHE_DIR)")
+    code = ("import numba, numpy as np; import rlspec.speculation.store as s; "
+            "assert s.__file__.startswith(%r); "
+            "assert s.prompt_salt(np.arange(4, dtype=np.int32), 4) != 0; print(numba.config.CACHE_DIR)" % str(pkg))
     r = subprocess.run([sys.executable, "-c", code], cwd=pkg, capture_output=True, text=True, timeout=600,
                        env={**child_env(HOME=str(blocked / "home"), XDG_CACHE_HOME=str(blocked / "cache"),
                                         NUMBA_CACHE_DIR=str(blocked / "numba")), "PYTHONPATH": str(pkg)})

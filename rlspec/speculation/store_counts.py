@@ -1,0 +1,172 @@
+"""The history store's global source (rlspec/speculation/history.py, global_index=counts): the device
+drafter's count table (rlspec/speculation/device_counts.py's CountTable) held on the host's CPU,
+filled by the same code and walked by a numba function over its numpy views, so that both backends
+draft the same global tokens from the same answers (tests/speculation/test_store_counts.py).
+
+It counts the newest stored sequences up to max_tokens tokens, whole sequences in and out, as the
+device ring holds them: a sequence leaves when the store evicts it or when newer ones push it past
+the bound. About 64 bytes per counted token at the defaults (four 16-byte entries), whatever the
+store holds: the store's own bound (speculation.history.max_tokens) is larger."""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+
+from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable, default_buckets
+from rlspec.speculation.device_ops import _C1
+from rlspec.speculation.store_ops import _P, _mix, nb
+
+
+@nb.njit(inline="always", cache=True)
+def _context_key(ctx, n, drafted, t, c, salt):
+    """The count key of the last c tokens of ctx[:n] followed by drafted[:t] (CountTable._keys: the
+    newest token at power 0)."""
+    h, power = np.uint64(0), np.uint64(1)
+    for j in range(c):
+        p = n + t - 1 - j
+        x = drafted[p - n] if p >= n else ctx[p]
+        h += np.uint64(x + 3) * power
+        power *= _P
+    return _mix(h ^ salt)
+
+
+@nb.njit(nogil=True, cache=True)
+def _walk(ctx, n, m, key, tok, cnt, levels, salts, k, min_prob, vocab, out):
+    """CountTable._walk for one row from match length m: the draft's length (its tokens in out)
+    and its score."""
+    mask = np.uint64(key.shape[0] - 1)
+    prob, score, count = 1.0, 0.0, 0
+    li = levels.shape[0] - 1
+    for t in range(k):
+        while levels[li] > m + t:
+            li -= 1
+        while li + 1 < levels.shape[0] and levels[li + 1] <= m + t:
+            li += 1
+        h = _context_key(ctx, n, out, t, levels[li], salts[li])
+        b = np.int64(h & mask)
+        total, votes, x = 0, 0, 0
+        for w in range(key.shape[1]):
+            c = cnt[b, w]
+            if c > 0 and key[b, w] == h:
+                total += c
+                if c > votes or (c == votes and tok[b, w] < x):
+                    votes, x = c, tok[b, w]
+        if votes == 0:
+            break
+        prob *= votes / total
+        if x < 0 or x >= vocab or prob < min_prob:
+            break
+        score += prob
+        out[count] = x
+        count += 1
+    return count, score
+
+
+@nb.njit(nogil=True, cache=True)
+def count_draft(ctx, n, key, tok, cnt, levels, salts, k, min_prob, score_select, vocab, out, scratch):
+    """CountTable.draft for one row (its tokens ctx[:n]): up to k tokens into out; returns their
+    count and the match length walked from (0: no context of a count length has counts)."""
+    mask = np.uint64(key.shape[0] - 1)
+    best, best_m, best_count = -1.0, 0, 0
+    L = levels.shape[0]
+    for i in range(L):
+        li = i if score_select else L - 1 - i   # longest: the first held from the top
+        c = levels[li]
+        if n < c:
+            continue
+        h = _context_key(ctx, n, out, 0, c, salts[li])
+        b = np.int64(h & mask)
+        held = False
+        for w in range(key.shape[1]):
+            if cnt[b, w] > 0 and key[b, w] == h:
+                held = True
+                break
+        if not held:
+            continue
+        got, score = _walk(ctx, n, c, key, tok, cnt, levels, salts, k, min_prob, vocab, scratch)
+        if not score_select:
+            out[:got] = scratch[:got]
+            return got, c
+        if score >= best:   # ties: the longer
+            best, best_m, best_count = score, c, got
+            out[:got] = scratch[:got]
+    return best_count, best_m
+
+
+# No count table (global_index=chains, or no global source): what the store's walks get instead
+NO_COUNTS = (np.zeros((0, 1), np.uint64), np.zeros((0, 1), np.int32), np.zeros((0, 1), np.int32), np.ones(1, np.int64),
+             np.zeros(1, np.uint64), 1.0, False)
+
+
+class HostCounts:
+    """A CountTable on the CPU over the newest stored sequences (objects with `start`, `stored`,
+    `tokens` and `counted`, as history.Seq): `update` counts a record's changes in, `arrays` is what
+    the store's walks read."""
+
+    def __init__(self, max_match: int, max_tokens: int, vocab: int, width: int = WIDTH, buckets: int | None = None,
+                 min_prob: float = MIN_PROB, select: str = SELECT):
+        self.max_tokens = int(max_tokens)
+        self.table = CountTable("cpu", range(1, max_match + 1), width, buckets or default_buckets(self.max_tokens, width),
+                                min_prob, select, vocab)
+        self.seqs: deque = deque()   # counted, oldest first
+        self.total = 0               # their stored tokens
+        keys = self.table.keys
+        self._arrays = (self.table.key.numpy().view(np.uint64), self.table.tok.numpy(), self.table.cnt.numpy(),
+                        np.array(keys, np.int64), np.array([(c * _C1) & ((1 << 64) - 1) for c in keys], np.uint64),
+                        self.table.min_prob, select == "score")
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+    def arrays(self) -> tuple:
+        """(keys as uint64, tokens, counts, count lengths, their salts, min_prob, score selection)."""
+        return self._arrays
+
+    def update(self, read, gone: list, new: list) -> None:
+        """A record's change: `gone` sequences evicted from the store (counted or not), `new` ones
+        [(seq, its stored tokens)] in insertion order; read(seq) gives a stored sequence's tokens.
+        Counted out: the gone ones and, oldest first, those that the new ones push past max_tokens;
+        counted in: the new ones that fit whole (a batch over the bound counts its newest). Where
+        counting fails, the table is emptied (nothing counted) before the error goes on."""
+        gone_ids = {id(s) for s in gone if s.counted}
+        kept = [s for s in self.seqs if id(s) not in gone_ids]
+        total = sum(s.stored for s in kept)
+        batch = sum(len(b) for _, b in new)
+        out = [s for s in self.seqs if id(s) in gone_ids]
+        while kept and total + batch > self.max_tokens:
+            total -= kept[0].stored
+            out.append(kept.pop(0))
+        fit, room = [], self.max_tokens
+        for s, body in reversed(new):
+            room -= len(body)
+            if room < 0:
+                break
+            fit.append((s, body))
+        fit.reverse()
+        try:
+            if out:
+                self._add([read(s) for s in out], [s.stored - s.tokens - 1 for s in out], -1)
+            if fit:
+                self._add([b for _, b in fit], [s.stored - s.tokens - 1 for s, _ in fit], 1)
+        except BaseException:
+            self.clear()
+            raise
+        for s in out:
+            s.counted = False
+        for s, _ in fit:
+            s.counted = True
+        self.seqs = deque(kept + [s for s, _ in fit])
+        self.total = total + sum(len(b) for _, b in fit)
+
+    def _add(self, bodies: list[np.ndarray], heads: list[int], delta: int) -> None:
+        self.table.add(torch.from_numpy(np.concatenate(bodies).astype(np.int64)),
+                       torch.tensor([len(b) for b in bodies]), torch.tensor(heads), delta)
+
+    def clear(self) -> None:
+        for s in self.seqs:
+            s.counted = False
+        self.seqs, self.total = deque(), 0
+        self.table.clear()
