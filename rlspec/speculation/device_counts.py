@@ -152,7 +152,8 @@ class CountTable:
             cnt, tok = self._look(key)
             best = torch.where(cnt > 0, cnt * _COUNT - tok, -(1 << 62)).argmax(1, keepdim=True)
             x, votes = tok.gather(1, best)[:, 0], cnt.gather(1, best)[:, 0]
-            prob = prob * (votes.double() / cnt.sum(1).clamp(min=1).double())   # the share first, as the walks on the host
+            share = votes.double() / cnt.sum(1).clamp(min=1).double()
+            prob = prob * share   # the share first, as the host's walk and the reference
             go = go & (votes > 0) & (x >= 0) & (x < self.vocab) & (prob >= self.min_prob)
             score = score + torch.where(go, prob, 0.0)
             drafts[:, t] = torch.where(go, x, -1).int()

@@ -108,8 +108,8 @@ class HostCounts:
     def __init__(self, max_match: int, max_tokens: int, vocab: int, width: int = WIDTH, buckets: int | None = None,
                  min_prob: float = MIN_PROB, select: str = SELECT):
         self.max_tokens = int(max_tokens)
-        self.table = CountTable("cpu", range(1, max_match + 1), width, buckets or default_buckets(self.max_tokens, width),
-                                min_prob, select, vocab)
+        buckets = buckets or default_buckets(self.max_tokens, width)
+        self.table = CountTable("cpu", range(1, max_match + 1), width, buckets, min_prob, select, vocab)
         self.seqs: deque = deque()   # counted, oldest first
         self.total = 0               # their stored tokens
         keys = self.table.keys

@@ -124,8 +124,9 @@ def test_the_count_table_follows_the_stores_evictions():
     fresh = HostCounts(8, 1200, h.vocab, buckets=1 << 12)
     fresh.update(lambda s: h.arena.tok[s.start: s.start + s.stored], [], [
         (Seq(s.stored, s.tokens), h.arena.tok[s.start: s.start + s.stored]) for s in c.seqs])
-    for name in ("key", "tok", "cnt"):   # an entry of count 0 is empty: its key and token are never read
-        assert torch.equal(getattr(c.table, name) * (c.table.cnt > 0), getattr(fresh.table, name) * (fresh.table.cnt > 0))
+    held, held_fresh = c.table.cnt > 0, fresh.table.cnt > 0   # an entry of count 0 is empty: never read
+    for name in ("key", "tok", "cnt"):
+        assert torch.equal(getattr(c.table, name) * held, getattr(fresh.table, name) * held_fresh), name
     assert int(c.table.cnt.sum()) > 1000 and int((c.table.cnt > 0).sum(1).max()) < c.table.width
 
 
