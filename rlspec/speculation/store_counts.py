@@ -136,9 +136,12 @@ class HostCounts:
         total = sum(s.stored for s in kept)
         batch = sum(len(b) for _, b in new)
         out = [s for s in self.seqs if id(s) in gone_ids]
-        while kept and total + batch > self.max_tokens:
-            total -= kept[0].stored
-            out.append(kept.pop(0))
+        first = 0   # the oldest kept ones leave while the batch does not fit
+        while first < len(kept) and total + batch > self.max_tokens:
+            total -= kept[first].stored
+            first += 1
+        out += kept[:first]
+        kept = kept[first:]
         fit, room = [], self.max_tokens
         for s, body in reversed(new):
             room -= len(body)
