@@ -1,7 +1,8 @@
 """The history store's global source (rlspec/speculation/history.py, global_index=counts): the device
 drafter's count table (rlspec/speculation/device_counts.py's CountTable) held on the host's CPU,
-filled by the same code and walked by a numba function over its numpy views, so that both backends
-draft the same global tokens from the same answers (tests/speculation/test_store_counts.py).
+filled and walked by numba functions over its numpy views that count and draft as the table's
+torch code does, so that both backends hold the same table and draft the same global tokens from
+the same answers (tests/speculation/test_store_counts.py: entry for entry, token for token).
 
 It counts the newest stored sequences up to max_tokens tokens, whole sequences in and out, as the
 device ring holds them: a sequence leaves when the store evicts it or when newer ones push it past
@@ -12,7 +13,6 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-import torch
 
 from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable, default_buckets
 from rlspec.speculation.device_ops import _C1
@@ -95,6 +95,104 @@ def count_draft(ctx, n, key, tok, cnt, levels, salts, k, min_prob, score_select,
     return best_count, best_m
 
 
+@nb.njit(nogil=True, cache=True)
+def _count_pairs(body, sizes, heads, levels, salts):
+    """CountTable._pairs: (context key, next token) of every answer position with c answer tokens
+    before it, per count length c in levels, for sequences body[...] of sizes and prompt tails of
+    heads tokens; keys as the table's int64."""
+    L, top = levels.shape[0], levels[levels.shape[0] - 1]
+    n = 0
+    for i in range(sizes.shape[0]):
+        for a in range(sizes[i] - heads[i]):
+            for li in range(L):
+                n += a >= levels[li]
+    keys, toks = np.empty(n, np.int64), np.empty(n, np.int64)
+    m, at = 0, 0
+    for i in range(sizes.shape[0]):
+        for j in range(heads[i], sizes[i]):
+            h, power, li = np.uint64(0), np.uint64(1), 0
+            for c in range(1, min(j - heads[i], top) + 1):
+                h += np.uint64(body[at + j - c] + 3) * power
+                power *= _P
+                if li < L and c == levels[li]:
+                    keys[m] = np.int64(_mix(h ^ salts[li]))
+                    toks[m] = body[at + j]
+                    m += 1
+                    li += 1
+        at += sizes[i]
+    return keys, toks
+
+
+@nb.njit(inline="always", cache=True)
+def _sort_by(first, second, third, m):
+    """Sort the first m of three arrays by (first, second) ascending (insertion sort: a bucket's
+    list is short; past 32, numpy's stable sorts)."""
+    if m > 32:
+        order = np.argsort(second[:m], kind="mergesort")
+        order = order[np.argsort(first[:m][order], kind="mergesort")]
+        first[:m], second[:m], third[:m] = first[:m][order], second[:m][order], third[:m][order]
+        return
+    for q in range(1, m):
+        a, b, c = first[q], second[q], third[q]
+        r = q - 1
+        while r >= 0 and (first[r] > a or (first[r] == a and second[r] > b)):
+            first[r + 1], second[r + 1], third[r + 1] = first[r], second[r], third[r]
+            r -= 1
+        first[r + 1], second[r + 1], third[r + 1] = a, b, c
+
+
+@nb.njit(nogil=True, cache=True)
+def _merge_pairs(tkey, ttok, tcnt, keys, toks, delta):
+    """CountTable._merge on the table's numpy views: per touched bucket, its held entries and the
+    pairs summed per (key, token), those above 0 kept, the bucket's W of highest count (ties: the
+    lower key, then token) written from slot 0 after the held entries' counts are zeroed."""
+    NB, W = tkey.shape
+    n = keys.shape[0]
+    mask = np.int64(NB - 1)
+    start = np.zeros(NB + 1, np.int64)   # the pairs by bucket: a counting sort
+    for i in range(n):
+        start[(keys[i] & mask) + 1] += 1
+    biggest = 0
+    for b in range(NB):
+        biggest = max(biggest, start[b + 1])
+        start[b + 1] += start[b]
+    fill = start[:-1].copy()
+    order = np.empty(n, np.int64)
+    for i in range(n):
+        b = keys[i] & mask
+        order[fill[b]] = i
+        fill[b] += 1
+    lk, lt, lc = np.empty(biggest + W, np.int64), np.empty(biggest + W, np.int64), np.empty(biggest + W, np.int64)
+    neg, rank, dummy = np.empty(biggest + W, np.int64), np.empty(biggest + W, np.int64), np.empty(biggest + W, np.int64)
+    for b in range(NB):
+        if start[b] == start[b + 1]:
+            continue
+        m = 0
+        for w in range(W):
+            if tcnt[b, w] > 0:
+                lk[m], lt[m], lc[m] = tkey[b, w], ttok[b, w], tcnt[b, w]
+                tcnt[b, w] = 0
+                m += 1
+        for q in range(start[b], start[b + 1]):
+            lk[m], lt[m], lc[m] = keys[order[q]], toks[order[q]], delta
+            m += 1
+        _sort_by(lk, lt, lc, m)
+        g, q = 0, 0
+        while q < m:   # sum each (key, token)'s run
+            k0, t0, total = lk[q], lt[q], 0
+            while q < m and lk[q] == k0 and lt[q] == t0:
+                total += lc[q]
+                q += 1
+            if total > 0:
+                lk[g], lt[g], lc[g] = k0, t0, total
+                g += 1
+        for q in range(g):   # count down, stable: ties keep the (key, token) order
+            rank[q], neg[q] = q, -lc[q]
+        _sort_by(neg, rank, dummy, g)   # by (count down, place in the key order)
+        for r in range(min(g, W)):
+            tkey[b, r], ttok[b, r], tcnt[b, r] = lk[rank[r]], lt[rank[r]], lc[rank[r]]
+
+
 # No count table (global_index=chains, or no global source): what the store's walks get instead
 NO_COUNTS = (np.zeros((0, 1), np.uint64), np.zeros((0, 1), np.int32), np.zeros((0, 1), np.int32), np.ones(1, np.int64),
              np.zeros(1, np.uint64), 1.0, False)
@@ -165,8 +263,11 @@ class HostCounts:
         self.total = total + sum(len(b) for _, b in fit)
 
     def _add(self, bodies: list[np.ndarray], heads: list[int], delta: int) -> None:
-        self.table.add(torch.from_numpy(np.concatenate(bodies).astype(np.int64)),
-                       torch.tensor([len(b) for b in bodies]), torch.tensor(heads), delta)
+        """CountTable.add, compiled: the same pairs, the same merge, the same table."""
+        t = self.table
+        keys, toks = _count_pairs(np.concatenate(bodies).astype(np.int64), np.array([len(b) for b in bodies], np.int64),
+                                  np.array(heads, np.int64), self._arrays[3], self._arrays[4])
+        _merge_pairs(t.key.numpy(), t.tok.numpy(), t.cnt.numpy(), keys, toks, delta)
 
     def clear(self) -> None:
         for s in self.seqs:

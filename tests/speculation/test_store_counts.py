@@ -13,6 +13,7 @@ from rlspec.speculation.device_counts import CountTable
 from rlspec.speculation.device_history import DeviceHistory
 from rlspec.speculation.history import HistoryIndex
 from rlspec.speculation.store import prompt_salt
+from rlspec.speculation import store_counts
 from rlspec.speculation.store_counts import HostCounts, count_draft
 
 
@@ -138,7 +139,7 @@ def test_a_record_whose_counting_fails_leaves_the_store_and_an_empty_table(monke
     def fail(*args, **kwargs):
         raise MemoryError("no room")
 
-    monkeypatch.setattr(CountTable, "add", fail)
+    monkeypatch.setattr(store_counts, "_merge_pairs", fail)
     with pytest.raises(MemoryError):
         h.record([[8, 9]], [[4, 5, 6, 1]], wait=True)
     after = h.state_dict()
