@@ -264,7 +264,7 @@ RENDER = [  # (file name pattern, renderer(result, path))
     ("default_run*.json", default_run), ("async_*.json", async_2x2), ("draft_*.json", draft),
     ("minibatch*.json", minibatch), ("rollout_*.json", rollout), ("history_store_replay*.json", replay),
     ("history_rule_variants*.json", rule_variants), ("history_crosscheck*.json", crosscheck),
-    ("history_store_scale.json", scale), ("vs_peer.json", peer), ("memory.json", memory),
+    ("history_store_scale*.json", scale), ("vs_peer.json", peer), ("memory.json", memory),
     ("memory_gpu.json", memory_gpu), ("device_history_cost.json", device_cost),
 ]
 
@@ -348,7 +348,7 @@ SUMMARY = [  # (area, file, headline(result))
     ("The default run (`make demo`)", "default_run_history_store.json", h_default_run),
     ("rlspec against TRL", "vs_peer.json", h_peer),
     ("Rollout generation, k sweep", "rollout_chain_replay.json", h_rollout),
-    ("History drafting at scale", "history_store_scale.json", h_scale),
+    ("History drafting at scale", "history_store_scale_counts.json", h_scale),
     ("Sync/async x speculation", "async_2x2_chain.json", h_async),
     ("EAGLE-3 head initialisation", "draft_2x2_chain.json", h_draft),
     ("Mini-batches per rollout batch", "minibatch_chain.json", h_minibatch),

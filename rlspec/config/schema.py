@@ -213,9 +213,10 @@ class HistoryConfig:
     read from earlier rollouts of the same prompt, the live siblings of its group, the prompt, and
     where those give nothing, earlier rollouts of any prompt."""
     # A draft continues the longest context suffix (at least min_match tokens, at most max_match)
-    # seen before; min_match is the length of the index key (1 to 3). The defaults drafted the most
-    # accepted tokens per verification on the default run's own rollouts (docs/speculation.md).
-    min_match: int = 3
+    # seen before; min_match is the length of the index key (1 to 3). With the count table, a key of
+    # one token drafted the most accepted tokens per verification in the replays' first epochs and
+    # over their whole runs (docs/speculation.md).
+    min_match: int = 1
     max_match: int = 16
     # Each drafted token must be the continuation of at least this share of the matches still
     # agreeing with the draft so far: drafts stop where the history disagrees.
