@@ -10,8 +10,9 @@ How the rule departs from the numba store's (rlspec/speculation/store.py):
   the latest position whose window has the row's suffix's fingerprint. A finished answer drafts
   for its siblings once inserted (the replay inserts it when it finishes).
 - the global source is a count table over the stored answers (global_source=counts, the
-  default; see DeviceHistory), where store.py walks chains of any prompt's positions; the hashed
-  buckets of global_keys (global_source=buckets) are kept measurable.
+  default; see DeviceHistory), the same table store.py drafts from by default (its global_index=
+  chains walks chains of any prompt's positions instead); the hashed buckets of global_keys
+  (global_source=buckets) are kept measurable.
 - every candidate's match is checked token by token (a hash collision never drafts); then, as in
   store.py, the candidates of the longest match decide by their counts (at most max_voters of
   them, highest rank first): at each position the most frequent next token among those agreeing

@@ -5,11 +5,12 @@ Two arenas of int32 tokens:
 - history: every stored response as one contiguous sequence [prompt tail | response | END], the
   prompt tail being the prompt's last max_match tokens (a match may start in the prompt). Per
   position p chain links: to the previous position of the same prompt whose min_match tokens
-  before it hash alike (the prompt's own history), and for each global key length g to the previous
-  position of any prompt whose g tokens before it hash alike (the global source); and 32 bits of
-  its prompt's identity (a chain's hash collisions are told apart). 12 + 4 x (global key lengths)
-  bytes per stored token (20 by default), plus the chains' heads (about 2 bytes per token of
-  capacity per chain of more than one token).
+  before it hash alike (the prompt's own history), and under global_index=chains for each global
+  key length g to the previous position of any prompt whose g tokens before it hash alike (the
+  global source); and 32 bits of its prompt's identity (a chain's hash collisions are told apart).
+  12 + 4 x (global key lengths) bytes per stored token, plus the chains' heads (about 2 bytes per
+  token of capacity per chain of more than one token). By default the global source is instead
+  a count table (store_counts.py, the device drafter's) over the newest stored answers.
 - live: this call's running requests (each [prompt tail | tokens so far]) and each prompt's own
   tokens (prompt lookup), linked token to token because requests grow interleaved; answers' tokens
   are chained per prompt and globally, as the history is.
@@ -19,7 +20,9 @@ Drafting, per request (the draft rule; `ReferenceDrafter` in the tests is a plai
 1. candidates: positions whose preceding min_match tokens equal the context's last ones, newest
    first, up to max_candidates from the request's live group (its siblings, its own answer, its
    prompt) and as many from the prompt's history; each with its match length L, the common suffix
-   of context and stored text up to max_match. Then the global matches, for each key length g of
+   of context and stored text up to max_match. With a count table, its draft (store_counts.
+   count_draft) is taken where its match is longer than every own one and it drafts a token, and
+   steps 2 and 3 below are the own candidates' otherwise. With chains, the global matches, for each key length g of
    global_keys, longest first: positions whose g tokens before them equal the context's last g (the
    running answers of this call's other prompts, newest first, then any prompt's history; up to
    max_candidates together), joining where longer than every match of the prompt's own sources (or
