@@ -67,29 +67,36 @@ def _walk(ctx, n, m, key, tok, cnt, levels, salts, k, min_prob, vocab, out):
 @nb.njit(nogil=True, cache=True)
 def count_draft(ctx, n, key, tok, cnt, levels, salts, k, min_prob, score_select, vocab, out, scratch):
     """CountTable.draft for one row (its tokens ctx[:n]): up to k tokens into out; returns their
-    count and the match length walked from (0: no context of a count length has counts)."""
+    count and the match length walked from (0: no context of a count length has counts). Lengths
+    are tried longest first; under score selection a shorter one is walked only where it could
+    score above the best so far (a walk's score is at most k times its first share: ties go to the
+    longer), so a long context that drafts all k tokens with certainty is the only walk."""
     mask = np.uint64(key.shape[0] - 1)
     best, best_m, best_count = -1.0, 0, 0
-    L = levels.shape[0]
-    for i in range(L):
-        li = i if score_select else L - 1 - i   # longest: the first held from the top
+    for li in range(levels.shape[0] - 1, -1, -1):
         c = levels[li]
         if n < c:
             continue
         h = _context_key(ctx, n, out, 0, c, salts[li])
         b = np.int64(h & mask)
-        held = False
+        total, votes = 0, 0
         for w in range(key.shape[1]):
             if cnt[b, w] > 0 and key[b, w] == h:
-                held = True
-                break
-        if not held:
+                total += cnt[b, w]
+                votes = max(votes, cnt[b, w])
+        if votes == 0:
             continue
+        if score_select and best >= 0.0:
+            first, bound = 1.0 * (votes / total), 0.0
+            for _ in range(k):   # summed as a walk sums: no walk from here scores above it
+                bound += first
+            if best >= bound:
+                continue
         got, score = _walk(ctx, n, c, key, tok, cnt, levels, salts, k, min_prob, vocab, scratch)
         if not score_select:
             out[:got] = scratch[:got]
             return got, c
-        if score >= best:   # ties: the longer
+        if score > best:   # ties: the longer, walked first
             best, best_m, best_count = score, c, got
             out[:got] = scratch[:got]
     return best_count, best_m
