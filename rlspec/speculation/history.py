@@ -33,14 +33,14 @@ collective_rpc when a call begins (`begin_call`) and which responses the call re
 from __future__ import annotations
 
 import threading
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
 from rlspec.config import HistoryConfig
 from rlspec.speculation import store as S
 from rlspec.speculation.arena import HistoryArena, LiveArena
+from rlspec.speculation.history_records import MAX_ID, PromptRecord, Seq, insert_batch, as_ids, Undo
 from rlspec.speculation.history_state import STATE_VERSION, loadable
 from rlspec.speculation.history_stats import HistoryStats, replay_in_shadow
 from rlspec.speculation.store_counts import NO_COUNTS, HostCounts
@@ -50,65 +50,6 @@ WALK = 4  # chain links a lookup follows per candidate it may take (hash collisi
 SLACK = 0.95  # over max_tokens, the store is cut to this share of it
 RISE = 0.5  # under this share of max_tokens, the admission limit rises again
 GROWTH = 1.5  # a rebuilt arena's room: this times what it holds and must take
-MAX_ID = (1 << 31) - 1  # token ids are stored as int32; negative ones would read as END or DEAD
-
-
-class Seq:
-    """A stored response: its arena start (-1 until placed), stored length (tail, response, END)
-    and response tokens; `alive` False once evicted."""
-    __slots__ = ("start", "stored", "tokens", "alive", "counted")
-
-    def __init__(self, stored: int, tokens: int):
-        self.start, self.stored, self.tokens, self.alive = -1, stored, tokens, True
-        self.counted = False   # in the global count table (store_counts.HostCounts)
-
-
-@dataclass
-class PromptRecord:
-    rank: int                                    # the resident set keeps the lowest ranks
-    seqs: deque = field(default_factory=deque)   # its Seq, oldest first
-
-
-class _Undo:
-    """What a record changes of the store's Python side (prompts, token total, admission limit),
-    put back where its insert fails."""
-
-    def __init__(self, index: "HistoryIndex"):
-        self.index, self.total, self.admit_below = index, index.total, index.admit_below
-        self.recs: dict[int, tuple[PromptRecord | None, list[Seq]]] = {}  # salt -> its record and sequences before
-        self.dropped: list[Seq] = []
-
-    def touch(self, salt: int) -> None:
-        if salt not in self.recs:
-            rec = self.index.prompts.get(salt)
-            self.recs[salt] = (rec, [] if rec is None else list(rec.seqs))
-
-    def restore(self) -> None:
-        ix = self.index
-        ix.total, ix.admit_below = self.total, self.admit_below
-        for seq in self.dropped:
-            seq.alive = True
-        for salt, (rec, seqs) in self.recs.items():
-            if rec is None:
-                ix.prompts.pop(salt, None)
-            else:
-                rec.seqs = deque(seqs)
-                ix.prompts[salt] = rec
-
-
-def _ids(tokens) -> np.ndarray:
-    a = np.asarray(tokens, np.int64)
-    if a.ndim != 1 or (a.size and (a.min() < 0 or a.max() > MAX_ID)):
-        raise ValueError(f"history: token ids must be ids in [0, 2^31), got {a.tolist()[:16]}")
-    return a.astype(np.int32)
-
-
-def _batch(items: list[tuple[int, Seq, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sequences (salt, Seq, tokens) as one insert's arrays: salts, tokens concatenated, offsets."""
-    offsets = np.zeros(len(items) + 1, np.int64)
-    np.cumsum([len(b) for _, _, b in items], out=offsets[1:])
-    body = np.concatenate([b for _, _, b in items]) if items else np.zeros(0, np.int32)
-    return np.array([salt for salt, _, _ in items], np.uint64), body, offsets
 
 
 class HistoryIndex:
@@ -168,14 +109,14 @@ class HistoryIndex:
         return self.arena.nbytes + (self.count_table.nbytes if self.count_table else 0)
 
     # -- the history arena ---------------------------------------------------------------------------
-    def _store(self, items: list[tuple[int, Seq, np.ndarray]], undo: _Undo) -> None:
+    def _store(self, items: list[tuple[int, Seq, np.ndarray]], undo: Undo) -> None:
         """Place new sequences (salt, Seq, [tail | response | END]) at the arena's end and evict
         the dropped ones: first every allocation (a larger or rebuilt arena, the insert's arrays),
         then the writes, which cannot fail."""
         a = self.arena
         victims = [q for q in undo.dropped if q.start >= 0]
         kill = (np.array([q.start for q in victims], np.int64), np.array([q.stored for q in victims], np.int64))
-        salts, body, offsets = _batch(items)
+        salts, body, offsets = insert_batch(items)
         need, dead = len(body), a.dead + int(kill[1].sum())
         moved: list[tuple[Seq, int]] | None = None   # a rebuilt arena: the stored sequences' new starts
         arena = a
@@ -192,7 +133,7 @@ class HistoryIndex:
         if self.count_table is not None:   # may fail: the arena is not written yet
             old = self.arena
             self.count_table.update(lambda q: old.tok[q.start: q.start + q.stored], victims,
-                               [(seq, b) for _, seq, b in items])
+                                    [(seq, b) for _, seq, b in items])
         starts = arena.insert(salts, body, offsets, self.cfg.min_match, self.gkeys)
         if moved is None:
             arena.kill(*kill)
@@ -208,17 +149,18 @@ class HistoryIndex:
         placed = sorted(((seq.start, salt, seq) for salt, rec in self.prompts.items() for seq in rec.seqs
                          if seq.start >= 0), key=lambda x: x[0])
         tok = self.arena.tok
-        salts, body, offsets = _batch([(salt, seq, tok[start: start + seq.stored]) for start, salt, seq in placed])
+        salts, body, offsets = insert_batch([(salt, seq, tok[start: start + seq.stored])
+                                             for start, salt, seq in placed])
         arena = HistoryArena(len(self.gkeys), max(1 << 16, int(GROWTH * (len(body) + need))))
         starts = arena.insert(salts, body, offsets, self.cfg.min_match, self.gkeys)
         return arena, [(seq, start) for (_, _, seq), start in zip(placed, starts.tolist())]
 
-    def _drop(self, seq: Seq, undo: _Undo) -> None:
+    def _drop(self, seq: Seq, undo: Undo) -> None:
         seq.alive = False
         self.total -= seq.tokens
         undo.dropped.append(seq)
 
-    def _admit(self, salt: int, seq: Seq, undo: _Undo) -> None:
+    def _admit(self, salt: int, seq: Seq, undo: Undo) -> None:
         """A response joins its prompt's history (none where the prompt ranks at or above the
         admission limit), whose oldest go past max_rollouts_per_prompt."""
         undo.touch(salt)
@@ -233,7 +175,7 @@ class HistoryIndex:
         while len(rec.seqs) > self.cfg.max_rollouts_per_prompt:
             self._drop(rec.seqs.popleft(), undo)
 
-    def _fit(self, undo: _Undo) -> None:
+    def _fit(self, undo: Undo) -> None:
         """Bring the store under max_tokens (the policy in the module docstring), or where far
         under it, raise the admission limit."""
         limit, floor = self.cfg.max_tokens, self.cfg.min_rollouts_per_prompt
@@ -290,10 +232,10 @@ class HistoryIndex:
         cannot allocate."""
         items = []
         for prompt, response in work:  # a bad id raises here, before any change
-            p, r = _ids(prompt), _ids(response)
+            p, r = as_ids(prompt), as_ids(response)
             body = np.concatenate([p[max(0, len(p) - self.tail):], r, np.array([S.END], np.int32)])
             items.append((int(S.prompt_salt(p, len(p))), Seq(len(body), len(r)), body))
-        undo = _Undo(self)
+        undo = Undo(self)
         try:
             for salt, seq, _ in items:
                 self._admit(salt, seq, undo)
@@ -365,7 +307,7 @@ class HistoryIndex:
 
     def _load(self, state: dict, salts, tokens, stored, body) -> None:
         self.admit_below = int(state.get("admit_below", 1 << 64))
-        undo = _Undo(self)
+        undo = Undo(self)
         seqs = [Seq(n, t) for n, t in zip(stored.tolist(), tokens.tolist())]
         for salt, seq in zip(salts.tolist(), seqs):
             rec = self.prompts.get(salt)
