@@ -15,7 +15,6 @@ from collections import deque
 import numpy as np
 
 from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable, default_buckets
-from rlspec.speculation.device_ops import _C1
 from rlspec.speculation.store_ops import _P, _mix, nb
 
 
@@ -217,10 +216,9 @@ class HostCounts:
         self.table = CountTable("cpu", range(1, max_match + 1), width, buckets, min_prob, select, vocab)
         self.seqs: deque = deque()   # counted, oldest first
         self.total = 0               # their stored tokens
-        keys = self.table.keys
-        self._arrays = (self.table.key.numpy().view(np.uint64), self.table.tok.numpy(), self.table.cnt.numpy(),
-                        np.array(keys, np.int64), np.array([(c * _C1) & ((1 << 64) - 1) for c in keys], np.uint64),
-                        self.table.min_prob, select == "score")
+        t = self.table
+        self._arrays = (t.key.numpy().view(np.uint64), t.tok.numpy(), t.cnt.numpy(), t.levels.numpy(),
+                        t.level_salt.numpy().view(np.uint64), t.min_prob, select == "score")
 
     @property
     def nbytes(self) -> int:
