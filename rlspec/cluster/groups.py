@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlspec.cluster.plan import GEN, PlacementPlan, Slot
+from rlspec.cluster.ports import endpoint
 
 
 class PlacementError(RuntimeError):
@@ -82,24 +83,13 @@ def actor_options(plan: PlacementPlan, placed: Placed, role: str, i: int) -> dic
     return {"options": opts, "env": env}
 
 
-def _endpoint_here() -> tuple[str, int]:
-    """(this node's IP, a port free on it)."""
-    import socket
-
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
-
-
 def slot_endpoint(placed: Placed, slot: Slot, timeout_s: float) -> tuple[str, int]:
     """(IP, free port) of the node the slot's bundle landed on, the port probed on that node (the
     host that will bind it), within timeout_s."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    probe = ray.remote(_endpoint_here).options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+    probe = ray.remote(endpoint).options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
         placed.group(slot), placement_group_bundle_index=placed.bundle(slot)))
     try:
         return ray.get(probe.remote(), timeout=timeout_s)

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 
 from rlspec.config import RLSpecConfig, plan_of
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Engine start-up chatter (tcmalloc hints, thread-binding notes) drowns the progress bar; set

@@ -94,14 +94,3 @@ def metas_from_lists(names: list[str], dtype_names: list[str], shapes: list[list
     """The per-round parameter lists vLLM's update infos carry, as metas."""
     from vllm.distributed.weight_transfer.base import ParamMeta
     return [ParamMeta(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtype_names, shapes)]
-
-
-def endpoint() -> tuple[str, int]:
-    """(this node's IP, a free port on it) for a group's rendezvous."""
-    import socket
-
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
