@@ -2,7 +2,7 @@
 several stores, JSON out and a table printed.
 
 Stores: rlspec's compiled store (rlspec/speculation/store.py, `rlspec`; `rlspec_chains`, only where
---stores names it: its rule before the count table, global_index=chains and min_match=3), a dict-based store of
+--stores names it: the cheaper rule, global_index=chains and prompt keys of 3 tokens), a dict-based store of
 hashed n-gram continuation counts (scripts/history_dict_store.py, `dict`), and arctic-inference's
 SuffixDecodingCache driven as vLLM's `suffix` method drives it (`suffix`: a suffix tree over each
 request's prompt and its answer so far, and a global one over earlier responses of any prompt),
@@ -116,7 +116,7 @@ class Dict:
         from rlspec.config import HistoryConfig
 
         # its own settings: contexts of 2 to 8 tokens (a table entry per length and token)
-        self.h = HistoryIndex(HistoryConfig(min_match=2, max_match=8, max_tokens=max_tokens), k)
+        self.h = HistoryIndex(HistoryConfig(max_match=8, max_tokens=max_tokens), k, min_order=2)
 
     def begin_call(self, prompts) -> None:
         self.h.begin_call(prompts)
@@ -355,8 +355,8 @@ def make_store(name: str, k: int, max_tokens: int, mean_response: int = 700):
         return SuffixFinished(k, max_tokens, mean_response)
     if name == "device_suffix":
         return DeviceSuffix(k, max_tokens, mean_response)
-    if name == "rlspec_chains":   # the host store's rule before the count table: chains, keys of 3 tokens
-        return Rlspec(k, max_tokens, global_index="chains", min_match=3)
+    if name == "rlspec_chains":   # the cheaper rule: global chains, prompt keys of 3 tokens
+        return Rlspec(k, max_tokens, global_index="chains", prompt_keys=[3])
     return {"rlspec": Rlspec, "dict": Dict, "device": Device}[name](k, max_tokens)
 
 

@@ -1,4 +1,4 @@
-"""A dict-based rollout-history store: for every context of min_match .. max_match tokens, the
+"""A dict-based rollout-history store: for every context of min_order .. max_match tokens, the
 counts of the tokens that followed it, in Python dicts keyed by the context's hash, per prompt
 (its responses), per call (the group's live answers) and per prompt (its own tokens); rows are
 told apart by their prompt prefix. The baseline that scripts/bench_history_store.py compares
@@ -15,7 +15,7 @@ from rlspec.speculation.history import HistoryStats  # its counters; this store 
 
 
 class Table:
-    """Continuation counts: for every context of min_match .. max_match tokens seen, how often
+    """Continuation counts: for every context of min_order .. max_match tokens seen, how often
     each next token followed it (contexts keyed by their hash: a collision can only cost
     acceptance, never correctness, since every draft is verified)."""
 
@@ -81,9 +81,9 @@ class PromptHistory:
 class HistoryIndex:
     """The store (per prompt: its recent responses) and the drafting over it, free of vLLM."""
 
-    def __init__(self, cfg: HistoryConfig, k_max: int):
+    def __init__(self, cfg: HistoryConfig, k_max: int, min_order: int = 2):
         self.cfg, self.k_max = cfg, k_max
-        self.orders = range(cfg.min_match, cfg.max_match + 1)
+        self.orders = range(min_order, cfg.max_match + 1)
         self.prompts: OrderedDict[tuple, PromptHistory] = OrderedDict()  # least recently seen first
         self.total = 0  # tokens held over all prompts
         self.live: dict[tuple, tuple[Table, Table]] = {}  # this call's prompts: (siblings, prompt) tables

@@ -157,8 +157,11 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
         _check(sp.suffix.max_tree_depth >= 1, "speculation.suffix.max_tree_depth", "must be >= 1")
         _check(0 < sp.suffix.min_token_prob <= 1, "speculation.suffix.min_token_prob", "must be in (0, 1]")
     h = sp.history
-    _check(1 <= h.min_match <= 3, "speculation.history.min_match", f"must be 1, 2 or 3, got {h.min_match}")
-    _check(h.max_match >= h.min_match, "speculation.history.max_match", "must be >= speculation.history.min_match")
+    _check(h.max_match >= 1, "speculation.history.max_match", f"must be >= 1, got {h.max_match}")
+    pkeys = list(h.prompt_keys)
+    _check(len(pkeys) >= 1 and all(1 <= m <= h.max_match for m in pkeys) and pkeys == sorted(set(pkeys), reverse=True),
+           "speculation.history.prompt_keys",
+           f"must be distinct key lengths in [1, speculation.history.max_match], longest first, got {pkeys}")
     _check(0 < h.min_prob <= 1, "speculation.history.min_prob", f"must be in (0, 1], got {h.min_prob}")
     for key in ("max_rollouts_per_prompt", "max_tokens"):
         _check(getattr(h, key) >= 1, f"speculation.history.{key}", "must be >= 1")

@@ -212,17 +212,16 @@ class HistoryConfig:
     """Rollout-history drafting (speculation.method=history, rlspec/speculation/history.py): drafts
     read from earlier rollouts of the same prompt, the live siblings of its group, the prompt, and
     where those give nothing, earlier rollouts of any prompt."""
-    # A draft continues the longest context suffix (at least min_match tokens, at most max_match)
-    # seen before; min_match is the length of the index key (1 to 3). With the count table, a key of
-    # one token drafted the most accepted tokens per verification in the replays' first epochs and
-    # over their whole runs (docs/speculation.md).
-    min_match: int = 1
+    # A draft continues the longest context suffix (at most max_match tokens) seen before in the
+    # prompt's own sources, found by keys of these lengths (longest first; the device drafter's).
+    prompt_keys: list[int] = field(default_factory=lambda: [8, 3, 1])
     max_match: int = 16
     # Each drafted token must be the continuation of at least this share of the matches still
     # agreeing with the draft so far: drafts stop where the history disagrees.
     min_prob: float = 0.5
-    # Matches read per source and draft, newest first (bounds a lookup's work).
-    max_candidates: int = 32
+    # Stored matches read per key length and draft, newest first (bounds a lookup's work; the
+    # device drafter's bucket width).
+    max_candidates: int = 64
     # Draft from any prompt's answers where they match the context further back than the prompt's
     # own history, its siblings and the prompt itself (a prompt seen for the first time has only
     # these). global_index says how:

@@ -2,13 +2,15 @@
 draft for every running row is a fixed sequence of tensor operations with fixed shapes (no host
 sync, no Python loop over rows: CUDA-graph safe), reading the rows' tokens from the runner's buffer.
 
-How the rule departs from the numba store's (rlspec/speculation/store.py):
+The numba store (rlspec/speculation/store.py) drafts by this rule over hash chains
+(tests/speculation/test_backends.py: the same tokens on random traces). How the structures part:
 - candidates come from fixed-width hashed buckets (the newest `width` positions per key of each
   length in `prompt_keys`, salted by the prompt, and in `global_keys`, unsalted), not from chain
-  walks; keys go down to one token for the prompt's own sources too. The running group is read
-  from the batch itself: per sibling row (the row itself included: prompt lookup) and key length,
-  the latest position whose window has the row's suffix's fingerprint. A finished answer drafts
-  for its siblings once inserted (the replay inserts it when it finishes).
+  walks (the store reads `width` links of a key's chain). The running group is read from the
+  batch itself: per sibling row (the row itself included: prompt lookup) and key length, the
+  latest position whose window has the row's suffix's fingerprint. A finished answer drafts for
+  its siblings once inserted (the replay inserts it when it finishes; the store reads a finished
+  answer of its call until the call ends).
 - the global source is a count table over the stored answers (global_source=counts, the
   default; see DeviceHistory), the same table store.py drafts from by default (its global_index=
   chains walks chains of any prompt's positions instead); the hashed buckets of global_keys
@@ -21,7 +23,7 @@ How the rule departs from the numba store's (rlspec/speculation/store.py):
   draft is taken where its match is longer and it drafts at least one token, the own draft
   otherwise (a global match whose vote stops at once falls back to the own sources).
 - eviction is a ring: the oldest stored tokens are overwritten, their bucket entries dropped by a
-  position check; no per-prompt bound.
+  position check; no per-prompt bound (the store keeps per-prompt bounds).
 
 Alternatives kept measurable (docs/bench/history_rule_variants_default.json, the default run's
 replay at k=5): select=score, suffix decoding's rule (per source and match length, the draft with
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlspec.speculation import GLOBAL, HISTORY, PROMPT, SIBLINGS
+from rlspec.speculation import GLOBAL, HISTORY, MAX_SIBLINGS, MAX_VOTERS, PROMPT, SIBLINGS
 from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable, default_buckets
 from rlspec.speculation.device_ops import (first_of, fold, last_n_true, leading_run, prompt_hash,
                                          prompt_siblings, salted, window_keys, window_prints)
@@ -85,7 +87,8 @@ class DeviceHistory:
 
     def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 64,
                  max_match: int = 16, prompt_keys=(8, 3, 1), global_keys=(8, 4, 1),
-                 min_prob: float = 0.5, max_siblings: int = 16, max_voters: int = 64, vocab_size: int | None = None,
+                 min_prob: float = 0.5, max_siblings: int = MAX_SIBLINGS, max_voters: int = MAX_VOTERS,
+                 vocab_size: int | None = None,
                  select: str = "longest", spec_factor: float = 0.0, pooled: bool = False, live_matches: int = 1,
                  global_source: str = "counts", count_keys=None, count_width: int = WIDTH,
                  count_buckets: int | None = None, count_min_prob: float = MIN_PROB, count_select: str = SELECT):

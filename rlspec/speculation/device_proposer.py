@@ -173,6 +173,7 @@ def settings() -> dict:
     if not cfg:
         return {}
     return {"max_tokens": cfg["device_max_tokens"], "max_match": cfg["max_match"], "min_prob": cfg["min_prob"],
+            "prompt_keys": tuple(cfg["prompt_keys"]), "width": cfg["max_candidates"],
             # the global source is the count table (global_keys are the host store's); off: none
             **({} if cfg["global_source"] else {"global_source": "buckets", "global_keys": ()})}
 

@@ -6,15 +6,14 @@ Four sources serve each request, in rlspec/speculation/arena.py's arrays, walked
 compiled functions:
 
 - history: the prompt's stored responses (the most recent max_rollouts_per_prompt),
-- siblings: this call's responses to the same prompt as far as they got (the request's own
-  answer so far included),
-- prompt: the prompt's own tokens (prompt lookup),
+- siblings: this call's other responses to the same prompt as far as they got,
+- prompt: the request's own row, its prompt and its answer so far (prompt lookup),
 - global: stored responses to any prompt, where they match the context further back than the
   first three do (a prompt seen for the first time has only these).
 
-The draft rule is store.py's: the longest context match decides, the candidates' majority token
-goes on while at least min_prob of them agree, and a draft stops where the responses it follows
-ended. Drafts are deterministic (one-hot q), so vLLM's rejection sampling keeps the target's
+The draft rule is store.py's, the device drafter's (device_history.py) read over chains: the
+longest context match decides, the candidates' majority token goes on while at least min_prob of
+them agree, and a draft stops where the responses it follows ended. Drafts are deterministic (one-hot q), so vLLM's rejection sampling keeps the target's
 distribution whatever the history holds.
 
 The store is bounded by max_tokens. Over it, the prompts holding the most responses drop their
@@ -39,6 +38,7 @@ import numpy as np
 
 from rlspec.config import HistoryConfig
 from rlspec.speculation import store as S
+from rlspec.speculation import store_live as L
 from rlspec.speculation.arena import HistoryArena, LiveArena
 from rlspec.speculation.history_records import MAX_ID, PromptRecord, Seq, insert_batch, as_ids, Undo
 from rlspec.speculation.history_state import STATE_VERSION, loadable
@@ -66,16 +66,17 @@ class HistoryIndex:
         self.count_table = HostCounts(cfg.max_match, cfg.count_tokens, self.vocab) if counts else None
         # the global chains' key lengths, longest first (none: the count table is the global source)
         self.gkeys = np.array([] if counts else cfg.global_keys, np.int64)
+        self.pkeys = np.array(cfg.prompt_keys, np.int64)  # the prompt's own chains' key lengths, longest first
         self.global_walk = 2 * cfg.max_candidates  # ... and the global chains', all key lengths together
-        self.arena = HistoryArena(len(self.gkeys))
+        self.arena = HistoryArena(len(self.pkeys), len(self.gkeys))
         self.total = 0             # response tokens held over all prompts
         self.prompts: dict[int, PromptRecord] = {}
         self.admit_below = 1 << 64  # prompts ranking at or above it are not stored
-        self.live = LiveArena(levels=len(self.gkeys))
-        self.no_live = LiveArena.empty(len(self.gkeys))  # draft_context without a call's live requests
+        self.live = LiveArena(levels=len(self.gkeys), plevels=len(self.pkeys))
+        self.no_live = LiveArena.empty(len(self.gkeys), len(self.pkeys))  # draft_context without a call's rows
         self.slots: dict = {}       # this call's request key -> (slot, salt)
         self.slot_salt: list[int] = []
-        self.live_prompts: set[int] = set()
+        self.live_prompts: dict[int, int] = {}  # this call's prompts: the slot whose row made the prompt's copy
         self.pend, self.pend_src = (np.zeros((256, max(k_max, 1)), np.int64) for _ in range(2))
         self.pend_len = np.zeros(256, np.int64)
         self.appended = np.zeros(256, np.int64)  # per slot: the row's tokens in its live sequence
@@ -134,7 +135,7 @@ class HistoryIndex:
             old = self.arena
             self.count_table.update(lambda q: old.tok[q.start: q.start + q.stored], victims,
                                     [(seq, b) for _, seq, b in items])
-        starts = arena.insert(salts, body, offsets, self.cfg.min_match, self.gkeys)
+        starts = arena.insert(salts, body, offsets, self.pkeys, self.gkeys)
         if moved is None:
             arena.kill(*kill)
         for seq, start in moved or []:
@@ -151,8 +152,8 @@ class HistoryIndex:
         tok = self.arena.tok
         salts, body, offsets = insert_batch([(salt, seq, tok[start: start + seq.stored])
                                              for start, salt, seq in placed])
-        arena = HistoryArena(len(self.gkeys), max(1 << 16, int(GROWTH * (len(body) + need))))
-        starts = arena.insert(salts, body, offsets, self.cfg.min_match, self.gkeys)
+        arena = HistoryArena(len(self.pkeys), len(self.gkeys), max(1 << 16, int(GROWTH * (len(body) + need))))
+        starts = arena.insert(salts, body, offsets, self.pkeys, self.gkeys)
         return arena, [(seq, start) for (_, _, seq), start in zip(placed, starts.tolist())]
 
     def _drop(self, seq: Seq, undo: Undo) -> None:
@@ -266,7 +267,7 @@ class HistoryIndex:
         self.flush()
         self.drafting = draft
         self.live.reset()
-        self.slots, self.slot_salt, self.live_prompts = {}, [], set()
+        self.slots, self.slot_salt, self.live_prompts = {}, [], {}
         self.stats = self._new_stats()
 
     def _new_stats(self) -> HistoryStats:
@@ -323,11 +324,11 @@ class HistoryIndex:
             body, salts, stored = body[np.repeat(keep, stored)], salts[keep], stored[keep]
             seqs = [seq for seq in seqs if seq.alive]
         heads = int(state.get("heads") or 0)
-        self.arena = HistoryArena(len(self.gkeys), max(1 << 16, int(GROWTH * body.size)),
+        self.arena = HistoryArena(len(self.pkeys), len(self.gkeys), max(1 << 16, int(GROWTH * body.size)),
                                   heads if heads >= 16 and heads & (heads - 1) == 0 else None)
         offsets = np.zeros(len(seqs) + 1, np.int64)
         np.cumsum(stored, out=offsets[1:])
-        starts = self.arena.insert(salts, body, offsets, self.cfg.min_match, self.gkeys)
+        starts = self.arena.insert(salts, body, offsets, self.pkeys, self.gkeys)
         for seq, start in zip(seqs, starts.tolist()):
             seq.start = start
         if self.count_table is not None:
@@ -352,6 +353,7 @@ class HistoryIndex:
         salts = np.empty(rows, np.uint64)
         fresh = np.zeros(rows, np.bool_)
         fresh_prompt = np.zeros(rows, np.bool_)
+        copy_of = np.zeros(rows, np.int64)
         grow = 0
         for i, key in enumerate(keys):
             got = self.slots.get(key)
@@ -365,14 +367,15 @@ class HistoryIndex:
                 fresh[i] = True
                 grow += int(nums[i])
                 if salt not in self.live_prompts:
-                    self.live_prompts.add(salt)
+                    self.live_prompts[salt] = got[0]
                     fresh_prompt[i] = True
                     grow += int(plen[i])
+                copy_of[i] = self.live_prompts[salt]
             slots[i], salts[i] = got
             grow += int(new[i])
         self.live.reserve(grow, len(self.slot_salt))
         self._reserve_slots(len(self.slot_salt))
-        out, out_len = self._step(token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, k, max_len)
+        out, out_len = self._step(token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, copy_of, k, max_len)
         asked = int(((new > 0) & (slots >= 0)).sum()) if self.drafting and k > 0 else 0
         self.stats.rows += asked
         self.stats.matched += int((out_len > 0).sum())
@@ -392,7 +395,7 @@ class HistoryIndex:
                 b[: a.shape[0]] = a
                 setattr(self, name, b)
 
-    def _step(self, token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, k, max_len):
+    def _step(self, token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, copy_of, k, max_len):
         c, live = self.cfg, self.live
         rows = token_ids.shape[0]
         out = np.zeros((rows, max(k, 1)), np.int64)
@@ -402,12 +405,11 @@ class HistoryIndex:
         pos = self.counts[2 * n_src:]
         ghead, lghead = self._global_heads(live)
         tok, psalt, chain, gchain, phead, _ = self.arena.arrays()
-        live.used = S.propose_rows(
-            token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, tok, psalt, chain, gchain, phead, ghead,
-            live.tok, live.salt, live.prev, live.next, live.chain, live.head, live.src, live.gchain, lghead, live.last,
-            live.used,
+        live.used = L.propose_rows(
+            token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, copy_of,
+            (tok, psalt, chain, gchain, phead, ghead), live.walk(lghead), live.used, live.copy, live.ans,
             self.pend, self.pend_len, self.pend_src, self.appended, drafted, accepted, pos,
-            c.min_match, self.gkeys, c.max_match, c.max_candidates, self.walk, self.global_walk,
+            self.pkeys, self.gkeys, c.max_match, c.max_candidates, self.walk, self.global_walk,
             min(k, self.k_max), self.min_prob, self.vocab, self._counts(), max_len, self.drafting and k > 0, out,
             out_len)
         self.stats.drafted = drafted.tolist()
@@ -436,9 +438,11 @@ class HistoryIndex:
                                  list(range(len(rows))) if keys is None else keys,
                                  prompt_lens if prompt_lens is not None else [0] * len(rows), k)
 
-    def draft_context(self, ctx, salt: int, k: int, live: LiveArena | None = None) -> tuple[list[int], list[int]]:
+    def draft_context(self, ctx, salt: int, k: int, live: LiveArena | None = None, slot: int = -1,
+                      rows: int = 1) -> tuple[list[int], list[int]]:
         """One draft for a context (its tokens, its prompt's salt) against the store and a live
-        arena (by default none): the tokens and their sources."""
+        arena (by default none; slot: the context's own slot in it, its row among `rows`): the
+        tokens and their sources."""
         self._join()
         c = self.cfg
         live = live or self.no_live
@@ -447,10 +451,11 @@ class HistoryIndex:
         ctx = np.ascontiguousarray(ctx, np.int32)
         ghead, lghead = self._global_heads(live)
         tok, psalt, chain, gchain, phead, _ = self.arena.arrays()
-        got = S.draft_one(ctx, len(ctx), np.uint64(salt), tok, psalt, chain, gchain, phead, ghead, live.tok,
-                          live.salt, live.prev, live.next, live.chain, live.head, live.src, live.gchain, lghead,
-                          c.min_match, self.gkeys, c.max_match, c.max_candidates, self.walk, self.global_walk,
-                          k, self.min_prob, self.vocab, self._counts(), out, src)
+        jump = (int(live.copy[slot]), int(live.ans[slot])) if slot >= 0 else (-1, -1)
+        got = L.draft_one(ctx, len(ctx), np.uint64(salt), (slot, max(slot, 0), rows), jump,
+                          (tok, psalt, chain, gchain, phead, ghead), live.walk(lghead), self.pkeys, self.gkeys,
+                          c.max_match, c.max_candidates, self.walk, self.global_walk, k, self.min_prob, self.vocab,
+                          self._counts(), out, src)
         return out[:got].tolist(), src[:got].tolist()
 
     def shadow(self, prompt_ids: list[list[int]], response_ids: list[list[int]], max_rows: int) -> None:

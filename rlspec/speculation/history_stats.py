@@ -76,19 +76,18 @@ def replay_in_shadow(index: HistoryIndex, prompt_ids: list[list[int]], response_
         return
     per_group = max(1, len(prompt_ids) // len(keys))
     stride = max(1, round(len(keys) * per_group / max_rows))
-    st, c = index.stats, index.cfg
+    st = index.stats
     for key in keys[::stride]:
         rows = groups[key]
         st.shadow_responses += len(rows)
         prompt = np.asarray(key, np.int32)
         salt = np.uint64(S.prompt_salt(prompt, len(prompt)))
-        live = LiveArena(capacity=len(prompt) * (len(rows) + 1) + sum(len(response_ids[i]) for i in rows) + 16,
-                         slots=len(rows) + 1, head_bits=14, levels=len(index.gkeys))
+        live = LiveArena(capacity=len(prompt) + sum(len(response_ids[i]) for i in rows) + 16, slots=len(rows),
+                         head_bits=14, levels=len(index.gkeys), plevels=len(index.pkeys))
         seqs = {i: np.concatenate([prompt, np.asarray(response_ids[i], np.int32)]) for i in rows}
-        tail = max(0, len(prompt) - c.max_match)
-        live.append(len(rows), S.PROMPT, prompt, 0, len(prompt), 0, salt, c.min_match, index.gkeys)
-        for slot, i in enumerate(rows):
-            live.append(slot, S.PROMPT, seqs[i], tail, len(prompt), tail, salt, c.min_match, index.gkeys)
+        live.append(0, -1, S.PROMPT, prompt, 0, len(prompt), salt, index.pkeys, index.gkeys)   # the prompt's copy
+        live.last[: len(rows)] = live.copy[: len(rows)] = live.last[0]
+        live.row[: len(rows)] = np.arange(len(rows))
         pending: dict[int, tuple[list[int], int]] = {}
         for t in range(max(len(response_ids[i]) for i in rows)):
             for slot, i in enumerate(rows):
@@ -96,7 +95,9 @@ def replay_in_shadow(index: HistoryIndex, prompt_ids: list[list[int]], response_
                 if t >= len(r):
                     continue
                 n = len(prompt) + t + 1
-                live.append(slot, S.SIBLINGS, seqs[i], n - 1, n, tail, salt, c.min_match, index.gkeys)
+                if t == 0:
+                    live.ans[slot] = live.used
+                live.append(slot, slot, S.SIBLINGS, seqs[i], n - 1, n, salt, index.pkeys, index.gkeys)
                 got = pending.pop(i, None)
                 if got is not None:
                     draft, j = got
@@ -106,7 +107,7 @@ def replay_in_shadow(index: HistoryIndex, prompt_ids: list[list[int]], response_
                         continue
                 # a verification ends with this token (or none was pending): the next draft
                 st.shadow_rows += 1
-                draft, _ = index.draft_context(seqs[i][:n], int(salt), index.k_max, live)
+                draft, _ = index.draft_context(seqs[i][:n], int(salt), index.k_max, live, slot, len(rows))
                 for j in range(len(draft)):
                     st.shadow_drafted_pos[j] += 1
                 if draft:

@@ -4,41 +4,47 @@ numba-compiled functions (no Python object per token).
 Two arenas of int32 tokens:
 - history: every stored response as one contiguous sequence [prompt tail | response | END], the
   prompt tail being the prompt's last max_match tokens (a match may start in the prompt). Per
-  position p chain links: to the previous position of the same prompt whose min_match tokens
-  before it hash alike (the prompt's own history), and under global_index=chains for each global
-  key length g to the previous position of any prompt whose g tokens before it hash alike (the
-  global source); and 32 bits of its prompt's identity (a chain's hash collisions are told apart).
-  12 + 4 x (global key lengths) bytes per stored token, plus the chains' heads (about 2 bytes per
-  token of capacity per chain of more than one token). By default the global source is instead
-  a count table (store_counts.py, the device drafter's) over the newest stored answers.
-- live: this call's running requests (each [prompt tail | tokens so far]) and each prompt's own
-  tokens (prompt lookup), linked token to token because requests grow interleaved; answers' tokens
-  are chained per prompt and globally, as the history is.
+  position p and key length m of prompt_keys a chain link to the previous position of the same
+  prompt whose m tokens before it hash alike (the prompt's own history); under
+  global_index=chains, for each global key length g, a link to the previous position of any prompt
+  whose g tokens before it hash alike (the global source); and 32 bits of its prompt's identity (a
+  chain's hash collisions are told apart). 8 + 4 x (key lengths) bytes per stored token, plus the
+  chains' heads. By default the global source is instead a count table (store_counts.py, the
+  device drafter's) over the newest stored answers.
+- live (store_live.py): this call's running answers, and each prompt's tokens once (the row's own
+  prompt), linked token to token because requests grow interleaved; an answer's first token links
+  back to its prompt's copy, so a match runs on into the prompt as it does in the row.
 A chain head is the most recent position, so walks go newest first.
 
-Drafting, per request (the draft rule; `ReferenceDrafter` in the tests is a plain reading of it):
-1. candidates: positions whose preceding min_match tokens equal the context's last ones, newest
-   first, up to max_candidates from the request's live group (its siblings, its own answer, its
-   prompt) and as many from the prompt's history; each with its match length L, the common suffix
-   of context and stored text up to max_match. With a count table, its draft (store_counts.
-   count_draft) is taken where its match is longer than every own one and it drafts a token, and
-   steps 2 and 3 below are the own candidates' otherwise. With chains, the global matches, for each key length g of
-   global_keys, longest first: positions whose g tokens before them equal the context's last g (the
-   running answers of this call's other prompts, newest first, then any prompt's history; up to
-   max_candidates together), joining where longer than every match of the prompt's own sources (or
-   where those have none); the first g that yields any decides, shorter ones are not read, nor
-   are they after a g of at most own + 1 (every longer match ends in those g tokens). The walks
-   over all key lengths together follow at most 2 x max_candidates links, a key shorter than
-   min_match an eighth of that. Only the candidates of the largest L are kept.
-2. token by token, up to k: the candidates' most common next token x (ties: the newest
-   candidate's); stop when x is END or fewer than min_prob of the candidates follow it; the
-   candidates that do follow x move one token on.
-3. where global matches joined and their draft stopped at its first token, the prompt's own
-   candidates (step 1 over them alone) draft instead, as the device drafter falls back.
+Drafting, per request: the device drafter's rule (rlspec/speculation/device_history.py; the test
+tests/speculation/test_backends.py drafts both on the same traces), read over chains instead of
+buckets:
+1. the prompt's own candidates, per key length m of prompt_keys, longest first: the newest
+   max_candidates stored positions of the prompt whose m tokens before them hash as the context's
+   last m (its bucket), the latest position of the row itself (its answer, then its prompt) and of
+   each sibling's answer (at most MAX_SIBLINGS - 1 siblings) whose m tokens equal the context's;
+   each with its match length L (the common suffix of context and text before it, up to max_match,
+   at least m). The first key length with any candidate decides (a shorter key finds only shorter
+   matches, or the same positions). Of the longest L, the MAX_VOTERS of highest rank vote (the row
+   itself, then its siblings by position, then the newest stored).
+2. token by token, up to k: the voters' most common next token x (ties: the highest ranked); stop
+   when x is END or less than min_prob of the voters follow it; the voters that follow x move one
+   token on (a running answer's voter whose text ends drops out).
+3. the global source: with the count table, its draft (store_counts.count_draft) where its match
+   is longer than the own candidates' L and it drafts a token. With chains, for each key length g
+   of global_keys, longest first: positions whose g tokens before them equal the context's last g
+   (the running answers of this call's other prompts, newest first, then any prompt's history; up
+   to max_candidates together), joining where longer than every own match (or where there is
+   none); the first g that yields any decides; where their vote stops at once, the own candidates
+   draft.
 Drafts are deterministic (one-hot q): vLLM's rejection sampling keeps the target's distribution
 whatever the store holds; a draft also stops before any id outside the model's vocabulary (a
 store loaded from another model). Evicted sequences are overwritten with DEAD, which no context
-holds, so a chain walk skips them until compaction rebuilds the arena without them.
+holds, so a chain walk skips them until compaction rebuilds the arena without them. Where the
+drafters part: the host store bounds what it keeps per prompt and walks chains (a walk reads
+max_candidates links of a key's chain where the device reads the newest max_candidates entries of
+its bucket), the device keeps a ring; within a call the host's running answers stay readable after
+they finish, the device's once they are stored.
 
 The functions are compiled once per process (HistoryIndex.warm_up, at configure) and cached on
 disk by numba: beside this file, in NUMBA_CACHE_DIR or the user's cache folder, and where none of
@@ -48,7 +54,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlspec.speculation import GLOBAL, HISTORY, PROMPT, SIBLINGS
+from rlspec.speculation import GLOBAL, HISTORY, MAX_SIBLINGS, MAX_VOTERS, PROMPT, SIBLINGS
 from rlspec.speculation.store_counts import count_draft
 from rlspec.speculation.store_ops import _P, _mix, nb
 
@@ -86,6 +92,14 @@ def _gslot(h, g, width):
     return np.int64(h & np.uint64(n - 1))
 
 
+@nb.njit(inline="always", cache=True)
+def chain_salt(salt):
+    """What a prompt chain's key hash is salted with: the prompt's identity mixed once more (a
+    prompt of m tokens would otherwise salt its own m-token key hash to zero, and all such prompts
+    would share one chain)."""
+    return _mix(salt ^ _SEED)
+
+
 @nb.njit(nogil=True, cache=True)
 def prompt_salt(tokens, n):
     """A prompt's 64-bit identity: the hash of its n tokens (never 0)."""
@@ -94,23 +108,27 @@ def prompt_salt(tokens, n):
 
 
 @nb.njit(nogil=True, cache=True)
-def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, salts, starts, min_match, gkeys):
+def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, salts, starts, pkeys, gkeys):
     """Copy sequence i (seqs[offsets[i]:offsets[i+1]]) to tok[starts[i]:...] and link its positions
-    into the prompt chains (salted by salts[i], whose low 32 bits each position keeps) and the
-    global chains (one per key length in gkeys)."""
-    mask = np.uint64(phead.shape[0] - 1)
+    into the prompt chains (one per key length in pkeys, salted by salts[i], whose low 32 bits each
+    position keeps) and the global chains (one per key length in gkeys)."""
+    mask = np.uint64(phead.shape[1] - 1)
     for i in range(offsets.shape[0] - 1):
         lo, hi, s = offsets[i], offsets[i + 1], starts[i]
         tag = np.uint32(salts[i] & np.uint64(0xFFFFFFFF))
+        csalt = chain_salt(salts[i])
         for j in range(hi - lo):
             tok[s + j] = seqs[lo + j]
             psalt[s + j] = tag
         for j in range(hi - lo):
             p = s + j
-            if j >= min_match:
-                b = np.int64(_mix(_key(tok, p, min_match) ^ salts[i]) & mask)
-                chain[p] = phead[b]
-                phead[b] = p
+            for li in range(pkeys.shape[0]):
+                if j >= pkeys[li]:
+                    b = np.int64(_mix(_key(tok, p, pkeys[li]) ^ csalt) & mask)
+                    chain[li, p] = phead[li, b]
+                    phead[li, b] = p
+                else:
+                    chain[li, p] = -1
             for g in range(gkeys.shape[0]):
                 if j >= gkeys[g] and ghead.shape[1] > 0:
                     b = _gslot(_gkey(tok, p, gkeys[g]), gkeys[g], ghead.shape[1])
@@ -175,67 +193,122 @@ def _vote(cand_tok, m):
     return best, best_count
 
 
+_LIVE = np.int64(1) << np.int64(42)  # ranks, as the device drafter's: a running answer outranks any stored
+_SELF = np.int64(1) << np.int64(41)  # position, the row itself its siblings
+
+
 @nb.njit(cache=True)
 def _scratch(max_candidates, k_walk):
-    """Candidate arrays for _draft: positions, match lengths, sources, live flags, next tokens (room
-    for the prompt's own sources' 2 x max_candidates, the global source's max_candidates, and a copy
-    of the own ones to fall back to); the count table's walk's draft and scratch."""
-    c = 5 * max_candidates
+    """Candidate arrays for _draft: positions, match lengths, sources, live flags, ranks, next tokens
+    (room for the own sources' max_candidates + MAX_SIBLINGS, the global source's max_candidates,
+    and a copy of the own ones to fall back to); the siblings listed; the count table's walk's draft
+    and scratch."""
+    c = 3 * (max_candidates + MAX_SIBLINGS)
     return (np.empty(c, np.int64), np.empty(c, np.int64), np.empty(c, np.int64), np.empty(c, np.bool_),
-            np.empty(c, np.int64), np.empty((2, k_walk), np.int64))
+            np.empty(c, np.int64), np.empty(c, np.int64), np.empty(MAX_SIBLINGS, np.int64),
+            np.empty((2, k_walk), np.int64))
 
 
 @nb.njit(nogil=True, cache=True)
-def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
-           lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, vocab,
-           counts, k_walk, out, out_src, scratch):
+def _own(ctx, n, salt, me, stored, live, pkeys, max_match, max_candidates, max_walk, scratch):
+    """Step 1 of the rule for the context ctx[:n] of prompt `salt`; me = (the row's slot, its batch
+    row, the batch's rows); returns how many candidates it wrote, highest rank first."""
+    tok, psalt, chain, phead = stored[0], stored[1], stored[2], stored[4]
+    ltok, lsalt, lprev, lchain, lhead, lsrc, lslot, lpos, lrow = (live[0], live[1], live[2], live[4], live[5],
+                                                                  live[6], live[7], live[8], live[9])
+    c_pos, c_len, c_src, c_live, c_rank, sibs = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], scratch[6]
+    slot, row, rows = me
+    tag, csalt = np.uint32(salt & np.uint64(0xFFFFFFFF)), chain_salt(salt)
+    m = 0
+    for li in range(pkeys.shape[0]):
+        key = pkeys[li]
+        if n < key:
+            continue
+        salted = _mix(_key(ctx, n, key) ^ csalt)
+        if lhead.shape[1] > 0:  # the row's latest match (answer, then prompt), each sibling's latest
+            p = lhead[li, np.int64(salted & np.uint64(lhead.shape[1] - 1))]
+            walked, mine, n_sib = 0, False, 0
+            while p >= 0 and walked < max_walk and not (mine and n_sib == MAX_SIBLINGS - 1):
+                walked += 1
+                if lsalt[p] == tag:
+                    owner = lslot[p]
+                    own_row = owner == slot or owner < 0
+                    take = not mine if own_row else lsrc[p] == SIBLINGS and n_sib < MAX_SIBLINGS - 1
+                    for j in range(n_sib):
+                        take = take and (own_row or sibs[j] != owner)
+                    length = _match_linked(ltok, lprev, p, ctx, n, key, max_match) if take else 0
+                    if length > 0:
+                        c_pos[m], c_len[m], c_live[m] = p, length, True
+                        if own_row:
+                            c_src[m], c_rank[m] = PROMPT, _LIVE + _SELF + lpos[p] * rows + row
+                            mine = True
+                        else:
+                            c_src[m], c_rank[m] = SIBLINGS, _LIVE + lpos[p] * rows + lrow[owner]
+                            sibs[n_sib] = owner
+                            n_sib += 1
+                        m += 1
+                p = lchain[li, p]
+            for i in range(1, m):  # at most MAX_SIBLINGS: highest rank first
+                j = i
+                while j > 0 and c_rank[j] > c_rank[j - 1]:
+                    for a in (c_pos, c_len, c_src, c_rank):
+                        a[j], a[j - 1] = a[j - 1], a[j]
+                    j -= 1
+        if phead.shape[1] > 0:  # the newest max_candidates positions of the key's chain
+            p = phead[li, np.int64(salted & np.uint64(phead.shape[1] - 1))]
+            walked = 0
+            while p >= 0 and walked < max_candidates:
+                walked += 1
+                length = _match_flat(tok, p, ctx, n, key, max_match) if psalt[p] == tag else 0
+                if length > 0:
+                    c_pos[m], c_len[m], c_src[m], c_live[m], c_rank[m] = p, length, HISTORY, False, p
+                    m += 1
+                p = chain[li, p]
+        if m > 0:
+            break
+    return m
+
+
+@nb.njit(nogil=True, cache=True)
+def _voters(scratch, m, max_voters):
+    """The candidates of the longest match, at most max_voters, first (they are in rank order);
+    returns how many."""
+    c_pos, c_len, c_src, c_live = scratch[0], scratch[1], scratch[2], scratch[3]
+    longest = 0
+    for i in range(m):
+        longest = max(longest, c_len[i])
+    keep = 0
+    for i in range(m):
+        if c_len[i] == longest and keep < max_voters:
+            c_pos[keep], c_len[keep], c_src[keep], c_live[keep] = c_pos[i], c_len[i], c_src[i], c_live[i]
+            keep += 1
+    return keep
+
+
+@nb.njit(nogil=True, cache=True)
+def _draft(ctx, n, salt, me, jump, stored, live, pkeys, gkeys, max_match, max_candidates, max_walk, global_walk,
+           k, min_prob, vocab, counts, k_walk, out, out_src, scratch):
     """Draft up to k tokens for the context ctx[:n] of a request of prompt `salt` (the rule in the
-    module docstring; with a count table, counts = HostCounts.arrays(), its global draft walked k_walk
-    tokens as the device drafter walks the call's k); returns how many were written to out (and their
-    sources to out_src)."""
+    module docstring; me: the row's slot, batch row and the batch's rows; jump: (the last position
+    of the prompt's live copy, the row's first answer position), where a match in the prompt runs
+    on; with a count table, counts = HostCounts.arrays(), its global draft walked k_walk tokens as
+    the device drafter walks the call's k); returns how many were written to out (and their sources
+    to out_src)."""
     if k <= 0:
         return 0
-    c_pos, c_len, c_src, c_live, nxt, c_out = scratch
-    tag = np.uint32(salt & np.uint64(0xFFFFFFFF))
-    m = 0
-    if n < min_match:  # no own match: only the count table may draft
-        return _count_draft(ctx, n, 0, counts, k_walk, k, vocab, c_out, out, out_src)
-    h = _key(ctx, n, min_match)
-    salted = _mix(h ^ salt)
-    # the live group: siblings, the request's own answer, its prompt
-    if lhead.shape[0] > 0:
-        p = lhead[np.int64(salted & np.uint64(lhead.shape[0] - 1))]
-        walked, found = 0, 0
-        while p >= 0 and walked < max_walk and found < max_candidates:
-            walked += 1
-            length = _match_linked(ltok, lprev, p, ctx, n, min_match, max_match) if lsalt[p] == tag else 0
-            if length > 0:
-                c_pos[m], c_len[m], c_src[m], c_live[m] = p, length, lsrc[p], True
-                m += 1
-                found += 1
-            p = lchain[p]
-    # the prompt's history
-    if phead.shape[0] > 0:
-        p = phead[np.int64(salted & np.uint64(phead.shape[0] - 1))]
-        walked, found = 0, 0
-        while p >= 0 and walked < max_walk and found < max_candidates:
-            walked += 1
-            length = _match_flat(tok, p, ctx, n, min_match, max_match) if psalt[p] == tag else 0
-            if length > 0:
-                c_pos[m], c_len[m], c_src[m], c_live[m] = p, length, HISTORY, False
-                m += 1
-                found += 1
-            p = chain[p]
-    own = 0
-    for i in range(m):
-        own = max(own, c_len[i])
-    m_own = m
+    c_pos, c_len, c_src, c_live, nxt = scratch[0], scratch[1], scratch[2], scratch[3], scratch[5]
+    m = _voters(scratch, _own(ctx, n, salt, me, stored, live, pkeys, max_match, max_candidates, max_walk, scratch),
+                MAX_VOTERS)
+    own = c_len[0] if m > 0 else 0
     if counts[0].shape[0] > 0:   # the count table's draft where its match is longer and it drafts
-        got = _count_draft(ctx, n, own, counts, k_walk, k, vocab, c_out, out, out_src)
+        got = _count_draft(ctx, n, own, counts, k_walk, k, vocab, scratch[7], out, out_src)
         if got > 0:
             return got
-        return _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, vocab, out, out_src)
-    walked = 0
+        return _extend(c_pos, c_len, c_src, c_live, nxt, m, stored[0], live, jump, k, min_prob, vocab, out, out_src)
+    tok, gchain, ghead = stored[0], stored[3], stored[5]
+    ltok, lsalt, lprev, lgchain, lghead = live[0], live[1], live[2], live[10], live[11]
+    tag = np.uint32(salt & np.uint64(0xFFFFFFFF))
+    m_own, walked = m, 0
     for lv in range(gkeys.shape[0]):
         # other prompts' running answers, then any prompt's history: their matches join where they
         # are longer than every match of the prompt's own sources (so they decide alone), or where
@@ -246,8 +319,9 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
             continue
         g = _gkey(ctx, n, gm)
         found = 0
-        # a key shorter than min_match matches almost anywhere: its newest few links (8 by default)
-        budget = global_walk if gm >= min_match else min(global_walk, walked + max(global_walk // 8, 1))
+        # a key shorter than the shortest prompt key matches almost anywhere: its newest few links
+        short = gm < pkeys[pkeys.shape[0] - 1]
+        budget = min(global_walk, walked + max(global_walk // 8, 1)) if short else global_walk
         if lghead.shape[1] > 0:
             p = lghead[lv, _gslot(g, gm, lghead.shape[1])]
             while p >= 0 and walked < budget and found < max_candidates:
@@ -273,16 +347,16 @@ def _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, l
         if found > 0 or gm <= own + 1:
             break
     if m == m_own or m_own == 0:
-        return _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, vocab, out, out_src)
+        return _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, live, jump, k, min_prob, vocab, out, out_src)
     # the global matches decide where they draft; where their vote stops at once, the own ones do
-    b = c_pos.shape[0] - 2 * max_candidates
-    c_pos[b:b + m_own], c_len[b:b + m_own] = c_pos[:m_own], c_len[:m_own]
-    c_src[b:b + m_own], c_live[b:b + m_own] = c_src[:m_own], c_live[:m_own]
-    count = _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, vocab, out, out_src)
+    b = c_pos.shape[0] - m_own
+    c_pos[b:], c_len[b:], c_src[b:], c_live[b:] = c_pos[:m_own], c_len[:m_own], c_src[:m_own], c_live[:m_own]
+    count = _extend(c_pos[m_own:], c_len[m_own:], c_src[m_own:], c_live[m_own:], nxt, m - m_own, tok, live, jump, k,
+                    min_prob, vocab, out, out_src)
     if count > 0:
         return count
-    return _extend(c_pos[b:], c_len[b:], c_src[b:], c_live[b:], nxt[b:], m_own, tok, ltok, lnext, k, min_prob, vocab,
-                   out, out_src)
+    return _extend(c_pos[b:], c_len[b:], c_src[b:], c_live[b:], nxt, m_own, tok, live, jump, k, min_prob, vocab, out,
+                   out_src)
 
 
 @nb.njit(nogil=True, cache=True)
@@ -304,11 +378,11 @@ def _count_draft(ctx, n, own, counts, k_walk, k, vocab, c_out, out, out_src):
 
 
 @nb.njit(nogil=True, cache=True)
-def _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, vocab, out, out_src):
-    """Steps 1 (largest L only) and 2 of the draft rule over m candidates (ids at or past `vocab`
-    end a draft, as END does)."""
-    if m == 0:
-        return 0
+def _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, live, jump, k, min_prob, vocab, out, out_src):
+    """Step 2 of the draft rule over the m candidates of the longest match, highest rank first
+    (ids at or past `vocab` end a draft, as END does); a live candidate at the end of the prompt's
+    copy (jump[0]) runs on at the row's first answer token (jump[1])."""
+    ltok, lnext = live[0], live[3]
     longest = 0
     for i in range(m):
         longest = max(longest, c_len[i])
@@ -324,7 +398,7 @@ def _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, 
             nxt[i] = ltok[c_pos[i]] if c_live[i] else tok[c_pos[i]]
         best, votes = _vote(nxt, m)
         x = nxt[best]
-        if x < 0 or x >= vocab or votes < min_prob * m:
+        if x < 0 or x >= vocab or votes / m < min_prob:
             break
         out[count] = x
         out_src[count] = c_src[best]
@@ -332,116 +406,13 @@ def _extend(c_pos, c_len, c_src, c_live, nxt, m, tok, ltok, lnext, k, min_prob, 
         keep = 0
         for i in range(m):
             if nxt[i] == x:
-                q = lnext[c_pos[i]] if c_live[i] else c_pos[i] + 1
+                q = c_pos[i] + 1
+                if c_live[i]:
+                    q = lnext[c_pos[i]]
+                    if q < 0 and c_pos[i] == jump[0]:
+                        q = jump[1]
                 if q >= 0:
                     c_pos[keep], c_src[keep], c_live[keep] = q, c_src[i], c_live[i]
                     keep += 1
         m = keep
     return count
-
-
-@nb.njit(nogil=True, cache=True)
-def _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, slot, src, row, lo,
-                 hi, seq_start, salt, min_match, gkeys):
-    """Append row[lo:hi] to live sequence `slot` (its first token at row index seq_start), linking
-    every token with min_match tokens of its sequence before it into the prompt's chain, and an
-    answer's (src SIBLINGS) with g tokens before it into global chain g. Returns the new lused."""
-    mask = np.uint64(lhead.shape[0] - 1)
-    tag = np.uint32(salt & np.uint64(0xFFFFFFFF))
-    for j in range(lo, hi):
-        p = lused
-        lused += 1
-        ltok[p] = row[j]
-        lsalt[p] = tag
-        lsrc[p] = src
-        lprev[p] = llast[slot]
-        lnext[p] = -1
-        if llast[slot] >= 0:
-            lnext[llast[slot]] = p
-        llast[slot] = p
-        if j - min_match >= seq_start:
-            b = np.int64(_mix(_key(row, j, min_match) ^ salt) & mask)
-            lchain[p] = lhead[b]
-            lhead[b] = p
-        else:
-            lchain[p] = -1
-        for g in range(gkeys.shape[0]):
-            if src == SIBLINGS and j - gkeys[g] >= seq_start and lghead.shape[1] > 0:
-                b = _gslot(_gkey(row, j, gkeys[g]), gkeys[g], lghead.shape[1])
-                lgchain[g, p] = lghead[g, b]
-                lghead[g, b] = p
-            else:
-                lgchain[g, p] = -1
-    return lused
-
-
-@nb.njit(nogil=True, cache=True)
-def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, fresh_prompt,
-                 tok, psalt, chain, gchain, phead, ghead,
-                 ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused,
-                 pend, pend_len, pend_src, appended, stats_drafted, stats_accepted, stats_pos,
-                 min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, vocab, counts,
-                 max_len, drafting, out, out_len):
-    """One engine step: every row's tokens not yet in its live sequence join it (a fresh row's
-    prompt tail and answer so far, and for the first request of a prompt the prompt itself; then
-    whatever came since the row's last call, steps vLLM drafted nothing at included), the draft
-    pending since is settled against them, and each row that sampled drafts up to k tokens into
-    out[i], fewer where a draft of k would take the row past max_len tokens (vLLM verifies no
-    more). Rows of slot -1 (not started: in prefill) are passed over. Returns the live arena's new
-    fill."""
-    scratch = _scratch(max_candidates, max(k, 1))
-    for i in range(token_ids.shape[0]):
-        out_len[i] = 0
-        n, s, row, salt = nums[i], slots[i], token_ids[i], salts[i]
-        if s < 0:
-            continue
-        plen = prompt_lens[i]
-        tail = max(0, plen - max_match)
-        if fresh_prompt[i]:
-            llast[s] = -1
-            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s,
-                                 PROMPT, row, 0, plen, 0, salt, min_match, gkeys)
-        if fresh[i]:  # [prompt tail | answer so far]: the tail drafts as the prompt, the answer as a sibling
-            llast[s] = -1
-            pend_len[s] = 0
-            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s,
-                                 PROMPT, row, tail, plen, tail, salt, min_match, gkeys)
-            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s,
-                                 SIBLINGS, row, plen, n, tail, salt, min_match, gkeys)
-            appended[s] = n
-        elif n > appended[s]:
-            lo = appended[s]
-            # settle the pending draft, made when the row ended at lo: accepted are the tokens that
-            # followed in agreement with it; the verification's last token (a correction, which a
-            # one-hot draft never equals, or the bonus) ends the run
-            for j in range(min(pend_len[s], n - lo - 1)):
-                if row[lo + j] != pend[s, j]:
-                    break
-                stats_accepted[pend_src[s, j]] += 1
-            lused = _live_append(ltok, lsalt, lprev, lnext, lchain, lhead, lsrc, lgchain, lghead, llast, lused, s,
-                                 SIBLINGS, row, lo, n, tail, salt, min_match, gkeys)
-            appended[s] = n
-        pend_len[s] = 0
-        if not drafting or (new_counts[i] <= 0 and not fresh[i]):
-            continue
-        got = _draft(row, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
-                     lsrc, lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk,
-                     min(k, max_len - n - 1), min_prob, vocab, counts, k, out[i], pend_src[s], scratch)
-        out_len[i] = got
-        for j in range(got):
-            pend[s, j] = out[i, j]
-            stats_drafted[pend_src[s, j]] += 1
-            stats_pos[j] += 1
-        pend_len[s] = got
-    return lused
-
-
-@nb.njit(nogil=True, cache=True)
-def draft_one(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead, lsrc,
-              lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k, min_prob, vocab,
-              counts, out, out_src):
-    """_draft for one context (the shadow replay calls it row by row)."""
-    return _draft(ctx, n, salt, tok, psalt, chain, gchain, phead, ghead, ltok, lsalt, lprev, lnext, lchain, lhead,
-                  lsrc, lgchain, lghead, min_match, gkeys, max_match, max_candidates, max_walk, global_walk, k,
-                  min_prob, vocab, counts, k, out, out_src, _scratch(max_candidates, max(k, 1)))
-

@@ -22,7 +22,7 @@ H, SIB, PR, GL = range(4)
 
 def index(**kw) -> HistoryIndex:
     """A store keyed on 2 tokens, matching up to 8 (short hand-made rows)."""
-    return HistoryIndex(HistoryConfig(**{"min_match": 2, "max_match": 8, "max_candidates": 16, **kw}), k_max=5)
+    return HistoryIndex(HistoryConfig(**{"prompt_keys": [2], "max_match": 8, "max_candidates": 16, **kw}), k_max=5)
 
 
 def ask(h, rows, sampled, k, keys=None, prompt_len=3):
@@ -154,6 +154,18 @@ def test_the_prompt_drafts_as_prompt_lookup():
     h.begin_call()
     assert ask(h, [[40, 41, 42, 43, 44, 9, 40, 41]], [[41]], 2, prompt_len=5) == [[42, 43]]
     assert h.stats.drafted[PR] == 2
+
+
+def test_a_call_of_more_requests_than_the_live_arenas_first_slots():
+    """300 requests of one prompt (the live arena starts with 256 slots): the slots grow, and a row
+    behind the others drafts what its siblings wrote."""
+    h = index()
+    h.begin_call()
+    keys = list(range(300))
+    ask(h, [[1, 2, 3, 9]] * 300, [[9]] * 300, 4, keys=keys)
+    rows = [[1, 2, 3, 9, 8, 7, 6, 5]] * 299 + [[1, 2, 3, 9, 8]]
+    got = ask(h, rows, [[0] * 4] * 299 + [[8]], 4, keys=keys)
+    assert got[-1] == [7, 6, 5] and h.live.last.shape[0] >= 300
 
 
 def test_rows_are_told_apart_by_request_not_by_position():
@@ -378,8 +390,8 @@ def test_an_arena_that_grew_drafts_as_one_built_at_once():
     size: the walks are given room to read every candidate)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(50) for _ in range(4)] for _ in range(40)]
-    h, g = index(), index()
-    g.arena = HistoryArena(len(g.gkeys), 1 << 20)  # room for everything from the start: one arena, never grown
+    h, g = index(max_candidates=1024), index(max_candidates=1024)   # walks read every match of a key
+    g.arena = HistoryArena(len(g.pkeys), len(g.gkeys), 1 << 20)  # room for everything from the start: never grown
     for _ in range(30):
         ps = [rng.choice(prompts) for _ in range(16)]
         rs = [[rng.randrange(50) for _ in range(rng.randrange(100, 250))] for _ in ps]
@@ -395,10 +407,13 @@ def test_an_arena_that_grew_drafts_as_one_built_at_once():
     assert got == ask(g, rows, [[0]] * len(rows), 4, keys=keys, prompt_len=4) and sum(map(len, got)) > 0
 
 
+LIVE, SELF = 1 << 42, 1 << 41
+
+
 class Reference:
-    """The draft rule of rlspec/speculation/store.py read plainly: sequences in lists, every
-    position scanned newest first, no hashing; the count table (global_index=counts) the device
-    drafter's plain reading."""
+    """The draft rule of rlspec/speculation/store.py read plainly: rows and sequences in lists, every
+    position scanned, no hashing; the count table (global_index=counts) the device drafter's plain
+    reading."""
 
     def __init__(self, cfg: HistoryConfig, tail: int):
         self.cfg, self.tail = cfg, tail
@@ -407,9 +422,7 @@ class Reference:
             self.counts = CountReference(cfg.count_tokens, range(1, cfg.max_match + 1), WIDTH,
                                          default_buckets(cfg.count_tokens, WIDTH), MIN_PROB, SELECT, 1 << 31)
         self.stored = []   # (prompt, [tail | response | END]) oldest first
-        self.live = []     # [source, prompt, tokens, stamp per token] this call
         self.clock = 0
-        self.requests = {}  # key -> index into live
 
     def record(self, prompts, responses):
         new = [(tuple(p), list(p[-self.tail:]) + list(r) + [-1]) for p, r in zip(prompts, responses) if r]
@@ -418,37 +431,22 @@ class Reference:
             self.counts.insert([(body, min(len(p), self.tail)) for p, body in new])
 
     def begin_call(self):
-        self.live, self.requests, self.prompts_seen = [], {}, set()
-
-    def _append(self, seq, tokens, src):
-        for t in tokens:
-            seq[1].append(t)
-            seq[2].append(self.clock)
-            seq[3].append(src)
-            self.clock += 1
+        self.requests = {}   # key -> [prompt, row, stamp per answer token, plen, batch row]
 
     def step(self, rows, news, keys, plens, k):
-        out = []
-        for row, new, key, plen in zip(rows, news, keys, plens):
-            prompt = tuple(row[:plen])
-            if key not in self.requests:
-                if new <= 0:
-                    out.append([])
-                    continue
-                if prompt not in self.prompts_seen:
-                    self.prompts_seen.add(prompt)
-                    seq = [prompt, [], [], []]
-                    self.live.append(seq)
-                    self._append(seq, row[:plen], PR)
-                seq = [prompt, [], [], []]   # [prompt tail | answer]: the tail drafts as the prompt
-                self.live.append(seq)
-                self.requests[key] = seq
-                self._append(seq, row[max(0, plen - self.tail): plen], PR)
-                self._append(seq, row[plen:], SIB)
-            elif new > 0:
-                self._append(self.requests[key], row[-new:], SIB)
-            out.append(self.draft(list(row), prompt, k) if new > 0 and k > 0 else [])
-        return out
+        for i, (row, new, key, plen) in enumerate(zip(rows, news, keys, plens)):   # every row's tokens in
+            req = self.requests.get(key)
+            if req is None and new > 0:
+                req = self.requests[key] = [tuple(row[:plen]), list(row[:plen]), [], plen, i]
+                new = len(row) - plen
+            if req is not None:
+                req[4] = i
+                for t in row[len(row) - new:]:
+                    req[1].append(t)
+                    req[2].append(self.clock)
+                    self.clock += 1
+        return [self.draft(list(row), key, len(rows), k) if new > 0 and k > 0 else []
+                for row, new, key in zip(rows, news, keys)]
 
     def _length(self, seq, j, ctx):
         m, n, length = self.cfg.max_match, len(ctx), 0
@@ -456,33 +454,47 @@ class Reference:
             length += 1
         return length
 
-    def draft(self, ctx, prompt, k):
-        c, mm = self.cfg, self.cfg.min_match
-        key = ctx[-mm:]
-        live = sorted(((s[2][j], s, j) for s in self.live if s[0] == prompt for j in range(mm, len(s[1]))
-                       if s[1][j - mm: j] == key), key=lambda x: -x[0])
-        cands = [(self._length(s[1], j, ctx), s[3][j], s[1], j) for _, s, j in live][: c.max_candidates]
-        hist = [(p, seq, j) for p, seq in reversed(self.stored) for j in range(len(seq) - 1, mm - 1, -1)
-                if p == prompt and seq[j - mm: j] == key]
-        cands += [(self._length(seq, j, ctx), H, seq, j) for _, seq, j in hist][: c.max_candidates]
-        cands = [x for x in cands if x[0] >= mm]
-        mine = list(cands)
+    def draft(self, ctx, key, rows, k):
+        c, me = self.cfg, self.requests[key]
+        prompt, n = me[0], len(ctx)
+        cands = []   # (length, source, sequence, position), highest rank first
+        for m in c.prompt_keys:
+            if n < m:
+                continue
+            live = []
+            for rk, req in self.requests.items():
+                if req[0] != prompt:
+                    continue
+                lo = m if rk == key else max(req[3], m)   # the row anywhere, a sibling's answer
+                hits = [p for p in range(lo, len(req[1])) if req[1][p - m: p] == ctx[-m:]]
+                if hits:
+                    p = hits[-1]
+                    live.append((LIVE + (rk == key) * SELF + p * rows + req[4], req[1], p, PR if rk == key else SIB))
+            live = [(self._length(seq, p, ctx), src, seq, p) for _, seq, p, src in sorted(live, key=lambda x: -x[0])]
+            hist = [(seq, p) for q, seq in reversed(self.stored) if q == prompt for p in range(len(seq) - 1, m - 1, -1)
+                    if seq[p - m: p] == ctx[-m:]][: c.max_candidates]
+            cands = live + [(self._length(seq, p, ctx), H, seq, p) for seq, p in hist]
+            if cands:
+                break
         own = max((x[0] for x in cands), default=0)
+        cands = [x for x in cands if x[0] == own][:64]
+        mine = list(cands)
         if self.counts is not None:   # the count table's draft where its match is longer and it drafts
             far, m = self.counts.walk(ctx, k) if own < c.max_match else ([], 0)
             return far if far and m > own else self._extend(mine, k)
         for gm in c.global_keys if c.global_source else []:
-            if own >= c.max_match or len(ctx) < gm:
+            if own >= c.max_match or n < gm:
                 continue
             # matches of gm tokens or more where longer than all of the prompt's own: other prompts'
             # running answers (answer tokens only), newest first, then any prompt's history; the
             # first key length that yields any decides
-            running = sorted(((s[2][j], s[1], j) for s in self.live if s[0] != prompt for j in range(gm, len(s[1]))
-                              if s[3][j] == SIB and s[1][j - gm: j] == ctx[-gm:]), key=lambda x: -x[0])
-            glob = [(seq, j) for _, seq, j in running]
-            glob += [(seq, j) for _, seq in reversed(self.stored) for j in range(len(seq) - 1, gm - 1, -1)
-                     if seq[j - gm: j] == ctx[-gm:]]
-            longer = [(self._length(seq, j, ctx), GL, seq, j) for seq, j in glob]
+            running = sorted(((req[2][p - req[3]], req[1], p) for req in self.requests.values() if req[0] != prompt
+                              for p in range(max(gm, req[3]), len(req[1])) if req[1][p - gm: p] == ctx[-gm:]),
+                             key=lambda x: -x[0])
+            glob = [(seq, p) for _, seq, p in running]
+            glob += [(seq, p) for _, seq in reversed(self.stored) for p in range(len(seq) - 1, gm - 1, -1)
+                     if seq[p - gm: p] == ctx[-gm:]]
+            longer = [(self._length(seq, p, ctx), GL, seq, p) for seq, p in glob]
             found = [x for x in longer if x[0] >= gm and x[0] > own][: c.max_candidates]
             if found:
                 cands += found
@@ -500,7 +512,7 @@ class Reference:
         while len(out) < k and cands:
             nxt = [seq[j] for _, seq, j in cands]
             x = max(nxt, key=lambda t: (nxt.count(t), -nxt.index(t)))
-            if x < 0 or nxt.count(x) < self.cfg.min_prob * len(cands):
+            if x < 0 or nxt.count(x) / len(cands) < self.cfg.min_prob:
                 break
             out.append(x)
             cands = [(src, seq, j + 1) for src, seq, j in cands if seq[j] == x and j + 1 < len(seq)]
@@ -510,17 +522,20 @@ class Reference:
 @pytest.mark.parametrize("seed", range(10))
 def test_the_store_drafts_token_for_token_what_the_plain_rule_drafts(seed):
     """Random traces over a small vocabulary (many matches): calls over a few prompts, groups of
-    requests growing by 1 to k+1 tokens a step in a shuffled row order, then recorded; every draft
-    of every step equals the plain reference's. The store's walks are given room to read every
-    candidate (its bound is the only place the two may part)."""
+    requests growing by 0 to k+1 tokens a step in a shuffled row order (an answer that finished
+    stays readable to its siblings), then recorded; every draft of every step equals the plain
+    reference's. The store's walks are given room to read every candidate, and chain heads enough
+    that no key shares one with another's (the only places the two may part)."""
     rng = random.Random(seed)
     max_match = rng.choice([4, 8])
-    cfg = HistoryConfig(min_match=rng.choice([1, 2, 3]), max_match=max_match, min_prob=rng.choice([0.3, 0.5]),
+    cfg = HistoryConfig(prompt_keys=[m for m in rng.choice([[8, 3, 1], [3], [2, 1], [4, 1]]) if m <= max_match],
+                        max_match=max_match, min_prob=rng.choice([0.3, 0.5]),
                         max_candidates=rng.choice([2, 4, 16]), global_source=rng.random() < 0.8,
                         global_index=rng.choice(["counts", "chains"]), count_tokens=rng.choice([150, 1 << 12]),
                         global_keys=[g for g in rng.choice([[4], [3, 1], [8, 4, 1], [6, 2]]) if g <= max_match])
     h = HistoryIndex(cfg, k_max=4)
     h.walk = h.global_walk = 1 << 30
+    h.arena = HistoryArena(len(h.pkeys), len(h.gkeys), 1 << 16, heads=1 << 20)
     ref = Reference(cfg, h.tail)
     prompts = [[rng.randrange(6) for _ in range(rng.randrange(2, 9))] for _ in range(4)]
     checked = global_drafted = 0
@@ -557,8 +572,10 @@ def test_settings_are_validated_by_key():
     from rlspec.config import ConfigError, validate
 
     validate(compose(["speculation=history"]))
-    with pytest.raises(ConfigError, match=r"^speculation\.history\.min_match: must be 1, 2 or 3"):
-        validate(compose(["speculation=history", "speculation.history.min_match=4"]))
+    with pytest.raises(ConfigError, match=r"^speculation\.history\.prompt_keys: must be distinct key lengths"):
+        validate(compose(["speculation=history", "speculation.history.prompt_keys=[1,3]"]))
+    with pytest.raises(ConfigError, match=r"^speculation\.history\.prompt_keys: must be distinct key lengths"):
+        validate(compose(["speculation=history", "speculation.history.prompt_keys=[20]"]))
     with pytest.raises(ConfigError, match=r"^speculation\.history\.min_prob"):
         validate(compose(["speculation=history", "speculation.history.min_prob=0"]))
     with pytest.raises(ConfigError, match=r"^speculation\.history\.global_keys: must be distinct key lengths"):

@@ -24,7 +24,7 @@ HERE = Path(__file__).parent
 
 def index(**kw) -> HistoryIndex:
     """A store keyed on 2 tokens, matching up to 8 (short hand-made rows)."""
-    return HistoryIndex(HistoryConfig(**{"min_match": 2, "max_match": 8, "max_candidates": 16, **kw}), k_max=5)
+    return HistoryIndex(HistoryConfig(**{"prompt_keys": [2], "max_match": 8, "max_candidates": 16, **kw}), k_max=5)
 
 
 def ask(h, rows, sampled, k, keys=None, prompt_len=3):
@@ -93,13 +93,14 @@ def compiles_nothing_after_configure() -> None:
     compilation (seconds) falls into an engine step, where propose_timing would charge it to drafting."""
     from numba.core.dispatcher import Dispatcher
 
-    from rlspec.speculation import store
+    from rlspec.speculation import store, store_live
 
     def compiled():
-        return {name: len(f.signatures) for name, f in vars(store).items() if isinstance(f, Dispatcher)}
+        return {name: len(f.signatures) for module in (store, store_live) for name, f in vars(module).items()
+                if isinstance(f, Dispatcher)}
 
     worker = fake_worker()
-    hp.configure(worker, {"min_match": 2, "max_match": 8})
+    hp.configure(worker, {"prompt_keys": [2], "max_match": 8})
     before = compiled()
     drafts = a_run(worker)
     assert compiled() == before, (before, compiled())
@@ -241,7 +242,7 @@ def test_only_the_rank_whose_drafts_vllm_reads_stores_and_drafts():
     got = {}
     for rank in (0, 1):
         worker = fake_worker(rank=rank, tp=2)
-        hp.configure(worker, {"min_match": 2, "max_match": 8})
+        hp.configure(worker, {"prompt_keys": [2], "max_match": 8})
         hp.record(worker, [PROMPT], [[10, 11, 12, 13]])
         hp.begin_call(worker)
         got[rank] = (engine_step(worker, {"a": (PROMPT, PROMPT + [10, 11])}, {"a": [11]}),
@@ -255,7 +256,7 @@ def test_an_arena_past_int32_positions_is_refused_before_it_is_allocated():
     from rlspec.speculation.arena import HistoryArena, LiveArena
 
     with pytest.raises(OverflowError, match="speculation.history.max_tokens"):
-        HistoryArena(levels=2, capacity=1 << 31)
+        HistoryArena(plevels=3, levels=2, capacity=1 << 31)
     live = LiveArena()
     with pytest.raises(OverflowError, match="int32"):
         live.reserve(1 << 31, 1)
@@ -265,7 +266,7 @@ def test_drafts_hold_only_ids_of_the_vocabulary():
     """A stored token outside the model's vocabulary (a store loaded from another model) ends the
     draft before it."""
     worker = fake_worker(vocab=50)
-    hp.configure(worker, {"min_match": 2, "max_match": 8})
+    hp.configure(worker, {"prompt_keys": [2], "max_match": 8})
     hp.record(worker, [PROMPT], [[10, 11, 12, 60, 13]])
     hp.begin_call(worker)
     assert engine_step(worker, {"a": (PROMPT, PROMPT + [10, 11])}, {"a": [11]}) == [[12]]
@@ -282,7 +283,7 @@ def test_drafting_waits_for_the_responses_being_recorded():
             gate.wait()
             super()._record(work)
 
-    h = Gated(HistoryConfig(min_match=2, max_match=8), k_max=5)
+    h = Gated(HistoryConfig(prompt_keys=[2], max_match=8), k_max=5)
     h.begin_call()
     h.record([PROMPT], [[10, 11, 12, 13]])
     worker, join = h._worker, h._worker.join
@@ -345,7 +346,7 @@ def test_a_draft_cut_at_max_model_len_is_counted_as_vllm_verifies_it():
     more): the counters hold those 2, and the token after them, the bonus, is not counted as an
     accepted draft token."""
     worker = fake_worker(width=8)
-    hp.configure(worker, {"min_match": 2, "max_match": 8})
+    hp.configure(worker, {"prompt_keys": [2], "max_match": 8})
     hp.record(worker, [PROMPT], [[10, 11, 12, 13, 14, 15]])
     hp.begin_call(worker)
     assert engine_step(worker, {"a": (PROMPT, PROMPT + [10, 11])}, {"a": [11]}) == [[12, 13]]

@@ -28,11 +28,11 @@ SPECS = {
     "ngram": ["speculation=ngram", "speculation.prompt_lookup_min=1", "speculation.prompt_lookup_max=2"],
     # vLLM's suffix decoding: the samples' own prompt and answer trees, and the answers before
     "suffix": ["speculation=suffix"],
-    # rollout history: the 999 live siblings of every sample draft for it (1-token keys, as for ngram)
-    "history": ["speculation=history", "speculation.history.min_match=1"],
+    # rollout history: the live siblings of every sample draft for it (keys down to one token)
+    "history": ["speculation=history"],
     # ... and a history written by another policy first: the same model at temperature 0.3
     # (RL's stale history) changes how much is accepted, never what is sampled
-    "history_other_policy": ["speculation=history", "speculation.history.min_match=1"],
+    "history_other_policy": ["speculation=history"],
     # history drafted on the engine's device (vLLM's ngram_gpu slot): its keys go down to one token
     "history_device": ["speculation=history", "speculation.history.drafter=device"],
     "history_device_other_policy": ["speculation=history", "speculation.history.drafter=device"],

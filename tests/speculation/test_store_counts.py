@@ -72,7 +72,7 @@ def test_the_numba_walk_drafts_what_the_torch_walk_drafts(seed):
 
 
 def history_settings(count_tokens: int) -> HistoryConfig:
-    return HistoryConfig(min_match=2, max_match=8, count_tokens=count_tokens)
+    return HistoryConfig(prompt_keys=[2], max_match=8, count_tokens=count_tokens)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -111,7 +111,7 @@ def test_the_count_table_follows_the_stores_evictions():
     count_tokens leave the table: it equals a table that counts the sequences still counted at
     once, and every one of them is stored."""
     rng = random.Random(3)
-    h = HistoryIndex(HistoryConfig(min_match=2, max_match=8, max_rollouts_per_prompt=3, max_tokens=1500,
+    h = HistoryIndex(HistoryConfig(prompt_keys=[2], max_match=8, max_rollouts_per_prompt=3, max_tokens=1500,
                                    count_tokens=1200), k_max=5)
     h.count_table = HostCounts(8, 1200, h.vocab, buckets=1 << 12)   # no bucket fills: no pruning
     prompts = [[rng.randrange(50) for _ in range(4)] for _ in range(12)]

@@ -1,0 +1,91 @@
+"""One drafting rule in both backends: the host store (rlspec/speculation/store.py, numba over chains)
+and the device drafter (device_history.py, torch over buckets) fed the same random traces draft the
+same tokens, whole drafts, from every source (the prompt's stored answers, the row itself, its
+siblings, the count table).
+
+Where the two may part by design, the traces stay inside both: nothing is evicted (the ring and the
+count table hold every token, no per-prompt bound bites), a key's chain and bucket hold fewer than
+max_candidates matches, groups have at most MAX_SIBLINGS rows, and a finished answer stays in the
+batch (drafting nothing) until the call ends, when both store it."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from rlspec.config import HistoryConfig
+from rlspec.speculation import SOURCES
+from rlspec.speculation.device_history import DeviceHistory, prompt_hash
+from rlspec.speculation.arena import HistoryArena
+from rlspec.speculation.history import HistoryIndex
+
+K = 5
+RING = 1 << 14
+
+
+def drafters(rng: random.Random):
+    max_match = rng.choice([4, 8, 16])
+    keys = [m for m in rng.choice([[8, 3, 1], [3, 1], [4, 2], [2], [1]]) if m <= max_match]
+    counts = rng.random() < 0.75
+    cfg = HistoryConfig(prompt_keys=keys, max_match=max_match, min_prob=rng.choice([0.25, 0.5]),
+                        global_source=counts, count_tokens=RING, max_rollouts_per_prompt=1 << 10, max_tokens=1 << 20)
+    host = HistoryIndex(cfg, k_max=K)
+    host.walk = 1 << 30   # the live walks read every match (the device reads every row)
+    # chain heads and buckets enough that no key shares a slot with another's full one
+    host.arena = HistoryArena(len(host.pkeys), len(host.gkeys), 1 << 16, heads=1 << 20)
+    device = DeviceHistory(max_tokens=RING, max_match=max_match, prompt_keys=tuple(keys), min_prob=cfg.min_prob,
+                           width=cfg.max_candidates, buckets=1 << 16,
+                           **({"count_buckets": host.count_table.table.buckets} if counts else
+                              {"global_source": "buckets", "global_keys": ()}))
+    return cfg, host, device
+
+
+def device_step(device, rows, plens, active):
+    L = max(len(r) for r in rows) + K + 1
+    ids = torch.tensor([list(r) + [0] * (L - len(r)) for r in rows], dtype=torch.int32)
+    n, pl = torch.tensor([len(r) for r in rows]), torch.tensor(plens)
+    drafts, valid, src = device.propose(ids, n, prompt_hash(ids, pl), pl, K, torch.tensor(active), sources=True)
+    out = [d[:c] for d, c in zip(drafts.tolist(), valid.tolist())]
+    return out, torch.bincount(src[src >= 0].long(), minlength=len(SOURCES)).tolist()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_host_store_and_the_device_drafter_draft_the_same_tokens(seed):
+    """Calls over a few prompts (small vocabularies: many matches of every length), groups growing
+    by 0 to K+1 tokens a step in a batch order reshuffled every step; every row's draft at every
+    step is the same in both backends, and so are a call's drafted tokens by source."""
+    rng = random.Random(seed)
+    V = rng.choice([3, 5, 8])
+    cfg, host, device = drafters(rng)
+    prompts = [[rng.randrange(V) for _ in range(rng.randrange(2, 12))] for _ in range(4)]
+    checked, by_source = 0, [0] * len(SOURCES)
+    for call in range(5):
+        host.begin_call()
+        group = [(f"{call}-{j}-{i}", p) for j, p in enumerate(rng.sample(prompts, rng.randrange(1, 4)))
+                 for i in range(rng.randrange(1, 7))]
+        answers = {key: [rng.randrange(V) for _ in range(rng.randrange(3, 40))] for key, _ in group}
+        done = {key: 0 for key, _ in group}
+        drafted = [0] * len(SOURCES)
+        while any(done[key] < len(answers[key]) for key, _ in group):
+            order = list(group)
+            rng.shuffle(order)
+            rows, news = [], []
+            for key, p in order:
+                new = min(rng.randrange(0, K + 2), len(answers[key]) - done[key]) if done[key] else 1
+                done[key] += new
+                rows.append(p + answers[key][: done[key]])
+                news.append(new)
+            keys, plens = [key for key, _ in order], [len(p) for _, p in order]
+            want, src = device_step(device, rows, plens, [n > 0 for n in news])
+            got = host.propose([np.asarray(r, np.int32) for r in rows], [[0] * n for n in news], K, keys=keys,
+                               prompt_lens=plens)
+            assert got == want, (call, rows, got, want)
+            drafted = [a + b for a, b in zip(drafted, src)]
+            checked += sum(map(len, want))
+        assert host.stats.drafted == drafted, (host.stats.drafted, drafted)
+        by_source = [a + b for a, b in zip(by_source, drafted)]
+        ps, rs = [p for _, p in group], [answers[key] for key, _ in group]
+        host.record(ps, rs, wait=True)
+        device.insert(ps, rs)
+    assert checked > 100, checked
+    assert sum(x > 0 for x in by_source) >= 3, by_source
