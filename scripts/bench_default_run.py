@@ -93,7 +93,8 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
 
 
 def run_one(setting: str, seed: int, extra: list[str], work: Path, per_epoch: int, timeout: int) -> dict:
-    run_dir = work / f"{setting.replace(':', '_k').replace('+', '__').replace('=', '-')}_seed{seed}"
+    name = setting.replace(':', '_k').replace('+', '__').replace('=', '-')
+    run_dir = work / f"{name.replace('[', '').replace(']', '').replace(',', '_')}_seed{seed}"   # no list syntax
     cmd = harness.train_command([*extra, *overrides(setting), f"trainer.seed={seed}"], run_dir)
     seconds = harness.run(cmd, f"{setting} seed {seed}", timeout)
     out = {**read_run(setting, seed, run_dir, per_epoch), "process_seconds": seconds}

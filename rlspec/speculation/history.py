@@ -13,8 +13,9 @@ compiled functions:
 
 The draft rule is store.py's, the device drafter's (device_history.py) read over chains: the
 longest context match decides, the candidates' majority token goes on while at least min_prob of
-them agree, and a draft stops where the responses it follows ended. Drafts are deterministic (one-hot q), so vLLM's rejection sampling keeps the target's
-distribution whatever the history holds.
+them agree, and a draft stops where the responses it follows ended. Drafts are deterministic
+(one-hot q), so vLLM's rejection sampling keeps the target's distribution whatever the history
+holds.
 
 The store is bounded by max_tokens. Over it, the prompts holding the most responses drop their
 oldest first, down to min_rollouts_per_prompt; then whole prompts go, those whose identity hashes

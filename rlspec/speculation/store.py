@@ -21,7 +21,7 @@ tests/speculation/test_backends.py drafts both on the same traces), read over ch
 buckets:
 1. the prompt's own candidates, per key length m of prompt_keys, longest first: the newest
    max_candidates stored positions of the prompt whose m tokens before them hash as the context's
-   last m (its bucket), the latest position of the row itself (its answer, then its prompt) and of
+   last m (its chain), the latest position of the row itself (its answer, then its prompt) and of
    each sibling's answer (at most MAX_SIBLINGS - 1 siblings) whose m tokens equal the context's;
    each with its match length L (the common suffix of context and text before it, up to max_match,
    at least m). The first key length with any candidate decides (a shorter key finds only shorter
