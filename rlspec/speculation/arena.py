@@ -20,8 +20,8 @@ def pow2(n: int) -> int:
 class HistoryArena:
     """Stored sequences [prompt tail | response | END] at positions [0, used): per position its
     token, its prompt's 32-bit tag and its links (a prompt chain per prompt key length, a global
-    chain per global key length),
-    with the chains' heads; `dead` of the positions hold evicted sequences (DEAD) until a rebuild.
+    chain per global key length), with the chains' heads; `dead` of the positions hold evicted
+    sequences (DEAD) until a rebuild.
     Sequences go in at the end (`insert`); a larger arena is a new object (`grown`, or a fresh one
     for a rebuild), so that an insert that cannot allocate leaves this one as it was."""
 

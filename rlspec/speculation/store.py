@@ -107,12 +107,33 @@ def prompt_salt(tokens, n):
     return h if h != np.uint64(0) else np.uint64(1)
 
 
+@nb.njit(inline="always", cache=True)
+def link(text, end, since, p, pkeys, csalt, chain, head, gkeys, gchain, ghead, glinked):
+    """Link position p, whose text ends at text[end] with `since` tokens of its sequence before it,
+    into the prompt chain of each key length of pkeys (salted by csalt) and, where glinked, into
+    the global chain of each key length of gkeys."""
+    mask = np.uint64(head.shape[1] - 1)
+    for li in range(pkeys.shape[0]):
+        if since >= pkeys[li] and head.shape[1] > 0:
+            b = np.int64(_mix(_key(text, end, pkeys[li]) ^ csalt) & mask)
+            chain[li, p] = head[li, b]
+            head[li, b] = p
+        else:
+            chain[li, p] = -1
+    for g in range(gkeys.shape[0]):
+        if glinked and since >= gkeys[g] and ghead.shape[1] > 0:
+            b = _gslot(_gkey(text, end, gkeys[g]), gkeys[g], ghead.shape[1])
+            gchain[g, p] = ghead[g, b]
+            ghead[g, b] = p
+        else:
+            gchain[g, p] = -1
+
+
 @nb.njit(nogil=True, cache=True)
 def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, salts, starts, pkeys, gkeys):
     """Copy sequence i (seqs[offsets[i]:offsets[i+1]]) to tok[starts[i]:...] and link its positions
     into the prompt chains (one per key length in pkeys, salted by salts[i], whose low 32 bits each
     position keeps) and the global chains (one per key length in gkeys)."""
-    mask = np.uint64(phead.shape[1] - 1)
     for i in range(offsets.shape[0] - 1):
         lo, hi, s = offsets[i], offsets[i + 1], starts[i]
         tag = np.uint32(salts[i] & np.uint64(0xFFFFFFFF))
@@ -121,21 +142,7 @@ def insert_sequences(tok, psalt, chain, gchain, phead, ghead, seqs, offsets, sal
             tok[s + j] = seqs[lo + j]
             psalt[s + j] = tag
         for j in range(hi - lo):
-            p = s + j
-            for li in range(pkeys.shape[0]):
-                if j >= pkeys[li]:
-                    b = np.int64(_mix(_key(tok, p, pkeys[li]) ^ csalt) & mask)
-                    chain[li, p] = phead[li, b]
-                    phead[li, b] = p
-                else:
-                    chain[li, p] = -1
-            for g in range(gkeys.shape[0]):
-                if j >= gkeys[g] and ghead.shape[1] > 0:
-                    b = _gslot(_gkey(tok, p, gkeys[g]), gkeys[g], ghead.shape[1])
-                    gchain[g, p] = ghead[g, b]
-                    ghead[g, b] = p
-                else:
-                    gchain[g, p] = -1
+            link(tok, s + j, j, s + j, pkeys, csalt, chain, phead, gkeys, gchain, ghead, True)
 
 
 @nb.njit(nogil=True, cache=True)

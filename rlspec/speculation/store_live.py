@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from rlspec.speculation import PROMPT, SIBLINGS
-from rlspec.speculation.store import _draft, _gkey, _gslot, _key, _scratch, chain_salt
-from rlspec.speculation.store_ops import _mix, nb
+from rlspec.speculation.store import _draft, _scratch, chain_salt, link
+from rlspec.speculation.store_ops import nb
 
 
 @nb.njit(nogil=True, cache=True)
@@ -21,7 +21,6 @@ def live_append(live, seq, owner, src, row, lo, hi, salt, pkeys, gkeys, lused):
     ltok, lsalt, lprev, lnext, lchain, lhead = live[0], live[1], live[2], live[3], live[4], live[5]
     lsrc, lslot, lpos = live[6], live[7], live[8]
     lgchain, lghead, llast = live[10], live[11], live[12]
-    mask = np.uint64(lhead.shape[1] - 1)
     tag, csalt = np.uint32(salt & np.uint64(0xFFFFFFFF)), chain_salt(salt)
     for j in range(lo, hi):
         p = lused
@@ -33,20 +32,7 @@ def live_append(live, seq, owner, src, row, lo, hi, salt, pkeys, gkeys, lused):
         if last >= 0 and lslot[last] == owner:  # a prompt's copy runs on into no one answer
             lnext[last] = p
         llast[seq] = p
-        for li in range(pkeys.shape[0]):
-            if j >= pkeys[li] and lhead.shape[1] > 0:
-                b = np.int64(_mix(_key(row, j, pkeys[li]) ^ csalt) & mask)
-                lchain[li, p] = lhead[li, b]
-                lhead[li, b] = p
-            else:
-                lchain[li, p] = -1
-        for g in range(gkeys.shape[0]):
-            if src != PROMPT and j >= gkeys[g] and lghead.shape[1] > 0:
-                b = _gslot(_gkey(row, j, gkeys[g]), gkeys[g], lghead.shape[1])
-                lgchain[g, p] = lghead[g, b]
-                lghead[g, b] = p
-            else:
-                lgchain[g, p] = -1
+        link(row, j, j, p, pkeys, csalt, lchain, lhead, gkeys, lgchain, lghead, src != PROMPT)
     return lused
 
 
