@@ -71,7 +71,7 @@ def main() -> None:
     import torch
 
     from rlspec.cluster.memory import gpu_memory
-    from rlspec.cluster.ports import free_port
+    from rlspec.refit.ports import free_port
     from rlspec.messages import MiniBatch
     from rlspec.models import ModelPaths
     from rlspec.workers.learner import Learner

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlspec.cluster.plan import GEN, PlacementPlan, Slot
-from rlspec.cluster.ports import endpoint
+from rlspec.refit.ports import endpoint
 
 
 class PlacementError(RuntimeError):

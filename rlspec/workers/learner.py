@@ -12,11 +12,11 @@ from rlspec.algo import behaviour_weights, merge_weight_sums, policy_loss, ratio
 from rlspec.algo.batching import micro_batches
 from rlspec.algo.logprobs import LogprobModel, prompt_cache_supported, prompt_plan
 from rlspec.algo.losses import LossInputs
-from rlspec.cluster.ports import endpoint
 from rlspec.config import AlgoConfig, GenerationConfig, ModelConfig, TrainerConfig
 from rlspec.engines.deepspeed_engine import init_distributed, make_engine
 from rlspec.messages import MiniBatch, TrainBatch
 from rlspec.models import ModelPaths, load_causal_lm, local_device, release_cached_memory
+from rlspec.refit.ports import endpoint
 
 
 def finite_inputs(batch: TrainBatch) -> bool:

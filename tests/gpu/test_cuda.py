@@ -55,7 +55,7 @@ def test_draft_trainer_on_the_gpu_takes_the_hosts_steps():
 def test_the_refit_group_broadcasts_over_nccl_from_gpu_weights():
     """One rank (a second would need a second GPU: NCCL refuses two ranks on one): the learner's
     source yields its GPU weights in the engine's dtype and every bucket goes through NCCL."""
-    from rlspec.cluster.ports import free_port
+    from rlspec.refit.ports import free_port
     from rlspec.refit.group import RefitGroup, send_state
     from rlspec.refit.source import LearnerSource
     from rlspec.models import load_causal_lm

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlspec.cluster.ports import free_port
+from rlspec.refit.ports import free_port
 from rlspec.refit import engine as refit_engine
 from rlspec.refit.sender import ActorClient
 from rlspec.refit.source import LearnerSource

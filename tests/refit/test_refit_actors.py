@@ -63,7 +63,7 @@ def test_a_round_reaches_every_actor_exactly(ray_session, bucket_bytes):
     import ray
     from ray import cloudpickle
 
-    from rlspec.cluster.ports import endpoint
+    from rlspec.refit.ports import endpoint
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
@@ -135,7 +135,7 @@ def test_a_receiver_that_dies_mid_round_is_named_by_the_driver(ray_session):
     import ray
 
     from rlspec.cluster.calls import ActorFailure
-    from rlspec.cluster.ports import endpoint
+    from rlspec.refit.ports import endpoint
 
     addr, port = ray.get(ray.remote(endpoint).options(num_cpus=0).remote())
     with pytest.raises(ActorFailure, match=r"^generator\[1\] died during update_weights "

@@ -108,7 +108,7 @@ def test_weight_sender_sends_from_its_device_in_the_engines_dtype():
     """The learner's parameters on its device, the group's buffers on the group's (the host for
     gloo): the source yields device tensors in the receivers' dtype, and each bucket is moved
     explicitly onto the group's device."""
-    from rlspec.cluster.ports import free_port
+    from rlspec.refit.ports import free_port
     from rlspec.refit.group import RefitGroup, send_state
     from rlspec.refit.source import LearnerSource
 

@@ -2,7 +2,7 @@
 process's outgoing connection could take them between the probe and the bind."""
 import socket
 
-from rlspec.cluster import ports
+from rlspec.refit import ports
 
 
 def _bindable(port: int) -> bool:

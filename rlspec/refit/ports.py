@@ -1,4 +1,4 @@
-"""Ports for listeners started later (a rendezvous, a refit group): probed free now, bound by
+"""Ports for listeners started later (a learner rendezvous, a refit group): probed free now, bound by
 another process a moment later."""
 from __future__ import annotations
 
