@@ -98,24 +98,24 @@ class LiveArena:
         old = getattr(self, "tok", None)
         arrays = ([np.empty(capacity, np.int32) for _ in range(3)] + [np.empty((self.plevels, capacity), np.int32)]
                   + [np.empty((self.levels, capacity), np.int32), np.empty(capacity, np.uint32),
-                     np.empty(capacity, np.int8), np.empty(capacity, np.int32), np.empty(capacity, np.int32)])
+                     np.empty(capacity, np.int32), np.empty(capacity, np.int32)])
         if old is not None:
             for new, cur in zip(arrays, self.arrays()):
                 new[..., : self.used] = cur[..., : self.used]
-        self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.src, self.slot, self.pos = arrays
+        self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.slot, self.pos = arrays
 
     def arrays(self) -> tuple:
-        return self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.src, self.slot, self.pos
+        return self.tok, self.prev, self.next, self.chain, self.gchain, self.salt, self.slot, self.pos
 
     def walk(self, ghead: np.ndarray | None = None) -> tuple:
         """What store.py's walks read (ghead: the global heads to walk, default this arena's)."""
-        return (self.tok, self.salt, self.prev, self.next, self.chain, self.head, self.src, self.slot, self.pos,
-                self.row, self.gchain, self.ghead if ghead is None else ghead, self.last)
+        return (self.tok, self.salt, self.prev, self.next, self.chain, self.head, self.slot, self.pos, self.row,
+                self.gchain, self.ghead if ghead is None else ghead, self.last)
 
-    def append(self, seq: int, owner: int, src: int, row: np.ndarray, lo: int, hi: int, salt, pkeys: np.ndarray,
+    def append(self, seq: int, owner: int, row: np.ndarray, lo: int, hi: int, salt, pkeys: np.ndarray,
                gkeys: np.ndarray) -> None:
         """row[lo:hi] onto live sequence `seq`, owned by slot `owner` (store_live.live_append)."""
-        self.used = L.live_append(self.walk(), seq, owner, src, row, lo, hi, salt, pkeys, gkeys, self.used)
+        self.used = L.live_append(self.walk(), seq, owner, row, lo, hi, salt, pkeys, gkeys, self.used, self.ans)
 
     def _heads(self, n: int) -> None:
         self.head = np.full((self.plevels, n), -1, np.int32)

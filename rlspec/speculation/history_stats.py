@@ -85,7 +85,7 @@ def replay_in_shadow(index: HistoryIndex, prompt_ids: list[list[int]], response_
         live = LiveArena(capacity=len(prompt) + sum(len(response_ids[i]) for i in rows) + 16, slots=len(rows),
                          head_bits=14, levels=len(index.gkeys), plevels=len(index.pkeys))
         seqs = {i: np.concatenate([prompt, np.asarray(response_ids[i], np.int32)]) for i in rows}
-        live.append(0, -1, S.PROMPT, prompt, 0, len(prompt), salt, index.pkeys, index.gkeys)   # the prompt's copy
+        live.append(0, -1, prompt, 0, len(prompt), salt, index.pkeys, index.gkeys)   # the prompt's copy
         live.last[: len(rows)] = live.copy[: len(rows)] = live.last[0]
         live.row[: len(rows)] = np.arange(len(rows))
         pending: dict[int, tuple[list[int], int]] = {}
@@ -95,9 +95,7 @@ def replay_in_shadow(index: HistoryIndex, prompt_ids: list[list[int]], response_
                 if t >= len(r):
                     continue
                 n = len(prompt) + t + 1
-                if t == 0:
-                    live.ans[slot] = live.used
-                live.append(slot, slot, S.SIBLINGS, seqs[i], n - 1, n, salt, index.pkeys, index.gkeys)
+                live.append(slot, slot, seqs[i], n - 1, n, salt, index.pkeys, index.gkeys)
                 got = pending.pop(i, None)
                 if got is not None:
                     draft, j = got

@@ -221,8 +221,8 @@ def _own(ctx, n, salt, me, stored, live, pkeys, max_match, max_candidates, max_w
     """Step 1 of the rule for the context ctx[:n] of prompt `salt`; me = (the row's slot, its batch
     row, the batch's rows); returns how many candidates it wrote, highest rank first."""
     tok, psalt, chain, phead = stored[0], stored[1], stored[2], stored[4]
-    ltok, lsalt, lprev, lchain, lhead, lsrc, lslot, lpos, lrow = (live[0], live[1], live[2], live[4], live[5],
-                                                                  live[6], live[7], live[8], live[9])
+    ltok, lsalt, lprev, lchain, lhead = live[0], live[1], live[2], live[4], live[5]
+    lslot, lpos, lrow = live[6], live[7], live[8]
     c_pos, c_len, c_src, c_live, c_rank, sibs = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], scratch[6]
     slot, row, rows = me
     tag, csalt = np.uint32(salt & np.uint64(0xFFFFFFFF)), chain_salt(salt)
@@ -240,7 +240,7 @@ def _own(ctx, n, salt, me, stored, live, pkeys, max_match, max_candidates, max_w
                 if lsalt[p] == tag:
                     owner = lslot[p]
                     own_row = owner == slot or owner < 0
-                    take = not mine if own_row else lsrc[p] == SIBLINGS and n_sib < MAX_SIBLINGS - 1
+                    take = not mine if own_row else n_sib < MAX_SIBLINGS - 1
                     for j in range(n_sib):
                         take = take and (own_row or sibs[j] != owner)
                     length = _match_linked(ltok, lprev, p, ctx, n, key, max_match) if take else 0
@@ -313,7 +313,7 @@ def _draft(ctx, n, salt, me, jump, stored, live, pkeys, gkeys, max_match, max_ca
             return got
         return _extend(c_pos, c_len, c_src, c_live, nxt, m, stored[0], live, jump, k, min_prob, vocab, out, out_src)
     tok, gchain, ghead = stored[0], stored[3], stored[5]
-    ltok, lsalt, lprev, lgchain, lghead = live[0], live[1], live[2], live[10], live[11]
+    ltok, lsalt, lprev, lgchain, lghead = live[0], live[1], live[2], live[9], live[10]
     tag = np.uint32(salt & np.uint64(0xFFFFFFFF))
     m_own, walked = m, 0
     for lv in range(gkeys.shape[0]):

@@ -6,33 +6,33 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlspec.speculation import PROMPT, SIBLINGS
 from rlspec.speculation.store import _draft, _scratch, chain_salt, link
 from rlspec.speculation.store_ops import nb
 
 
 @nb.njit(nogil=True, cache=True)
-def live_append(live, seq, owner, src, row, lo, hi, salt, pkeys, gkeys, lused):
+def live_append(live, seq, owner, row, lo, hi, salt, pkeys, gkeys, lused, lans):
     """Append row[lo:hi] (row positions lo..hi-1) to live sequence `seq` (continuing from
-    live[12][seq], its last position: a prompt's copy for an answer's first token), its positions
-    owned by slot `owner` (-1: a prompt's copy), linking every position j >= m into the prompt's
-    chain of key length m, and an answer's (src SIBLINGS) with j >= g into global chain g. Returns
-    the new fill."""
+    live[11][seq], its last position: a prompt's copy for an answer's first token), its positions
+    owned by slot `owner` (-1: a prompt's copy, else an answer, whose first position lans[owner]
+    records), linking every position j >= m into the prompt's chain of key length m, and an
+    answer's with j >= g into global chain g. Returns the new fill."""
     ltok, lsalt, lprev, lnext, lchain, lhead = live[0], live[1], live[2], live[3], live[4], live[5]
-    lsrc, lslot, lpos = live[6], live[7], live[8]
-    lgchain, lghead, llast = live[10], live[11], live[12]
+    lslot, lpos, lgchain, lghead, llast = live[6], live[7], live[9], live[10], live[11]
     tag, csalt = np.uint32(salt & np.uint64(0xFFFFFFFF)), chain_salt(salt)
+    if owner >= 0 and hi > lo and lans[owner] < 0:
+        lans[owner] = lused
     for j in range(lo, hi):
         p = lused
         lused += 1
-        ltok[p], lsalt[p], lsrc[p], lslot[p], lpos[p] = row[j], tag, src, owner, j
+        ltok[p], lsalt[p], lslot[p], lpos[p] = row[j], tag, owner, j
         last = llast[seq]
         lprev[p] = last
         lnext[p] = -1
         if last >= 0 and lslot[last] == owner:  # a prompt's copy runs on into no one answer
             lnext[last] = p
         llast[seq] = p
-        link(row, j, j, p, pkeys, csalt, lchain, lhead, gkeys, lgchain, lghead, src != PROMPT)
+        link(row, j, j, p, pkeys, csalt, lchain, lhead, gkeys, lgchain, lghead, owner >= 0)
     return lused
 
 
@@ -50,7 +50,7 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
     copy; lcopy, lans: per slot, its prompt copy's last position and its first answer position.
     Returns the live arena's new fill."""
     rows = token_ids.shape[0]
-    llast, lrow = live[12], live[9]
+    llast, lrow = live[11], live[8]
     for i in range(rows):
         out_len[i] = 0
         n, s, row, salt = nums[i], slots[i], token_ids[i], salts[i]
@@ -60,14 +60,14 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
         plen = prompt_lens[i]
         if fresh_prompt[i]:
             llast[s] = -1
-            lused = live_append(live, s, -1, PROMPT, row, 0, plen, salt, pkeys, gkeys, lused)
+            lused = live_append(live, s, -1, row, 0, plen, salt, pkeys, gkeys, lused, lans)
             lcopy[s] = llast[s]
         if fresh[i]:
             lcopy[s] = lcopy[copy_of[i]]
             llast[s] = lcopy[s]
             pend_len[s] = 0
-            lans[s] = lused if n > plen else -1
-            lused = live_append(live, s, s, SIBLINGS, row, plen, n, salt, pkeys, gkeys, lused)
+            lans[s] = -1
+            lused = live_append(live, s, s, row, plen, n, salt, pkeys, gkeys, lused, lans)
             appended[s] = n
         elif n > appended[s]:
             lo = appended[s]
@@ -78,9 +78,7 @@ def propose_rows(token_ids, nums, new_counts, slots, salts, prompt_lens, fresh, 
                 if row[lo + j] != pend[s, j]:
                     break
                 stats_accepted[pend_src[s, j]] += 1
-            if lans[s] < 0:
-                lans[s] = lused
-            lused = live_append(live, s, s, SIBLINGS, row, lo, n, salt, pkeys, gkeys, lused)
+            lused = live_append(live, s, s, row, lo, n, salt, pkeys, gkeys, lused, lans)
             appended[s] = n
         pend_len[s] = 0
     if not drafting:
