@@ -132,8 +132,6 @@ def test_sleep_mode_is_on_for_colocated_gpus_only():
     ("speculation=draft_model speculation.draft_sample_method=typical", "speculation.draft_sample_method"),
     ("speculation=history speculation.history.drafter=gpu", "speculation.history.drafter"),
     ("speculation=history speculation.history.device_max_tokens=10", "speculation.history.device_max_tokens"),
-    ("speculation=history speculation.history.drafter=device speculation.num_speculative_tokens=auto",
-     "speculation.num_speculative_tokens: 'auto' does not work with speculation.history.drafter=device"),
 ])
 def test_invalid_speculation_and_sampling_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -184,11 +184,6 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
     _check(h.drafter in ("host", "device"), "speculation.history.drafter", f"must be host or device, got {h.drafter!r}")
     _check(1 << 10 <= h.device_max_tokens <= 1 << 31, "speculation.history.device_max_tokens",
            f"must be in [2^10, 2^31], got {h.device_max_tokens}")
-    if sp.method == "history" and h.drafter == "device":
-        _check(not sp.adaptive, "speculation.num_speculative_tokens",
-               "'auto' does not work with speculation.history.drafter=device yet (at a step the schedule gives k=0, "
-               "vLLM's V1 ngram_gpu path still verifies placeholder drafts): give an integer k, or set "
-               "speculation.history.drafter=host")
     o = sp.online
     if o.enabled:
         _check(sp.method == "eagle3", "speculation.online.enabled",

@@ -39,6 +39,8 @@ VLLM_SURFACE = {
     # the history drafter matches rows to requests as vLLM's suffix proposer does (V1 only)
     **{m: ["vllm.v1.worker.gpu_input_batch:InputBatch"] for m in ("req_ids", "num_prompt_tokens")},
     "drafter": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],  # V1 (speculation=history runs there)
+    # the device history drafter's width of drafts on V1 (device_proposer)
+    "use_async_scheduling": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],
     "step": ["vllm.v1.engine.llm_engine:LLMEngine"],
     "has_unfinished_requests": ["vllm.v1.engine.llm_engine:LLMEngine"],
     "add_request": ["vllm.v1.engine.llm_engine:LLMEngine"],

@@ -51,6 +51,10 @@ def _proposer_class(base):
             self.vocab = int(vllm_config.model_config.get_vocab_size())
             self.history = DeviceHistory(device, vocab_size=self.vocab, **settings())
             self.stats = _Stats(self.k, device)
+            # each batch row's last draft, by source, and the rows' request ids then (rows move
+            # between steps: the next step credits a request's accepted tokens by its id)
+            self.pending = _Pending(int(vllm_config.scheduler_config.max_num_seqs), self.k, device)
+            self.pending_ids: list[str] = []
 
         def load_model(self, *args, **kwargs) -> None:
             if self.history is None:
@@ -64,13 +68,22 @@ def _proposer_class(base):
             lengths = append_sampled(token_ids_gpu, num_tokens_no_spec, valid_sampled_token_ids_gpu,
                                      valid_sampled_tokens_count)
             batch = lengths.shape[0]
-            k = min(int(num_speculative_tokens), self.k)   # 'auto': the scheduler's k for this batch size
-            if k <= 0 or not self.drafting:  # no lookup at all (a call 'auto' or validation runs without)
-                return (torch.full((batch, self.k), -1, dtype=torch.int32, device=self.device),
+            k = max(0, min(int(num_speculative_tokens), self.k))  # 'auto': the scheduler's k for this batch size
+            # The drafts' width is what the scheduler places next step. Without async scheduling it
+            # places every column it is given (the runner then trims each row to its valid count):
+            # k, none at k=0 or in a call that drafts nothing. Async scheduling places the
+            # scheduler's own k a row and reads it from rows k_max wide (the runner's buffers).
+            width = self.k if self.runner.use_async_scheduling else (k if self.drafting else 0)
+            ids = self.runner.input_batch.req_ids[:batch]
+            self.stats.accept(*self.pending.rows(self._last_rows(ids)), valid_sampled_tokens_count)
+            self.pending_ids = list(ids)
+            if k == 0 or not self.drafting:  # no lookup at all (a call 'auto' or validation runs without)
+                self.pending.n[:batch] = 0
+                return (torch.full((batch, width), -1, dtype=torch.int32, device=self.device),
                         torch.zeros(batch, dtype=torch.int32, device=self.device))
             plens = self.runner.input_batch.num_prompt_tokens[:batch]
             if self.prompt_len_of:  # partial rollouts: resumed answers drafted under their own prompt
-                plens = own_prompt_lens(plens, self.runner.input_batch.req_ids[:batch], self.prompt_len_of)
+                plens = own_prompt_lens(plens, ids, self.prompt_len_of)
             prompt_lens = torch.as_tensor(plens, dtype=torch.int64).to(self.device, non_blocking=True)
             salts = prompt_hash(token_ids_gpu, prompt_lens)
             active = valid_sampled_tokens_count > 0
@@ -85,11 +98,19 @@ def _proposer_class(base):
             keep = torch.arange(k, device=self.device)[None] < room[:, None]
             drafts = torch.where(keep, drafts, -1)
             counts = torch.minimum(counts, room.int())
+            self.pending.put(torch.arange(batch, device=self.device), src, torch.zeros_like(counts) if self.full else counts)
             if not self.full:
                 self.stats.add(active, counts, src)
-            if k < self.k:  # the runner's buffers are k_max wide
-                drafts = torch.nn.functional.pad(drafts, (0, self.k - k), value=-1)
+            if k < width:
+                drafts = torch.nn.functional.pad(drafts, (0, width - k), value=-1)
             return drafts, counts
+
+        def _last_rows(self, ids: list[str]) -> torch.Tensor:
+            """Each row's batch row at the last step (-1: a request new since)."""
+            if ids == self.pending_ids[: len(ids)]:  # none moved (the usual step): no host work
+                return torch.arange(len(ids), device=self.device)
+            at = {r: i for i, r in enumerate(self.pending_ids)}
+            return torch.as_tensor([at.get(r, -1) for r in ids], dtype=torch.int64).to(self.device, non_blocking=True)
 
     DeviceHistoryProposer.drafting = True
     DeviceHistoryProposer.full = False
@@ -119,6 +140,9 @@ def _speculator_class(base):
             self.history = DeviceHistory(device, vocab_size=self.vocab, **settings())
             self.drafts = torch.zeros((self.max_num_reqs, self.k), dtype=torch.int64, device=device)
             self.stats = _Stats(self.k, device)
+            # each request state's last draft, by source (a state's first verified step follows its
+            # prefill, which samples one token: a state's earlier owner credits nothing to it)
+            self.pending = _Pending(self.max_num_reqs, self.k, device)
 
         def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                     num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
@@ -132,10 +156,12 @@ def _speculator_class(base):
                 return self.drafts[:n]
             rs, idx = self.req_states, input_batch.idx_mapping[:n]
             fill = last_sampled.view(-1)[idx].long()
+            self.stats.accept(*self.pending.rows(idx.long()), num_sampled[:n])
             # 'auto': the scheduler's k for this step (V2 keeps that many of each row's drafts)
             step_k = kwargs.get("num_speculative_tokens")
             k = self.k if step_k is None else min(self.k, int(step_k))
             if k <= 0 or not self.drafting:
+                self.pending.n[idx.long()] = 0
                 self.drafts[:n] = fill[:, None]
                 return self.drafts[:n]
             token_ids = rs.all_token_ids.gpu[idx]                       # [B, max_model_len]
@@ -149,6 +175,7 @@ def _speculator_class(base):
             active = num_sampled[:n] > 0
             drafts, counts, src = self.history.propose(token_ids, lengths, prompt_hash(token_ids, prompt_lens),
                                                        prompt_lens, k, active, sources=True)
+            self.pending.put(idx.long(), src, torch.zeros_like(counts) if self.full else counts)
             if not self.full:
                 self.stats.add(active, counts, src)
             drafts = torch.nn.functional.pad(drafts, (0, self.k - k), value=-1)
@@ -178,12 +205,32 @@ def settings() -> dict:
             **({} if cfg["global_source"] else {"global_source": "buckets", "global_keys": ()})}
 
 
+class _Pending:
+    """Per row (V1: a batch row, V2: a request state) the sources of its last draft's tokens and
+    how many it drafted, on the device, until the next step's verification settles it."""
+
+    def __init__(self, rows: int, k: int, device):
+        self.src = torch.full((rows, max(k, 1)), -1, dtype=torch.int64, device=device)
+        self.n = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    def rows(self, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending drafts of rows `at` (-1: none): their sources [B, k] and lengths [B]."""
+        got = at.clamp(min=0)
+        return self.src[got], torch.where(at >= 0, self.n[got], 0)
+
+    def put(self, at: torch.Tensor, src: torch.Tensor, counts: torch.Tensor) -> None:
+        self.src[at, : src.shape[1]] = src.long()
+        self.n[at] = counts.long()
+
+
 class _Stats:
     """A call's counts, kept on the device until finish_call reads them (no sync per step): rows
     asked, rows drafted for, tokens drafted (and by source: drafted_<source>, each token's source
-    its highest-ranked voter's, or the count table's), and per position i the rows whose draft
-    reached it (drafts_ge_{i+1}: what 'auto' plans from, as from the host drafter's HistoryStats).
-    Accepted tokens by source are not counted (the host drafter's accepted_<source>)."""
+    its highest-ranked voter's, or the count table's), tokens accepted by source (accepted_<source>:
+    a verification accepts its draft's first tokens, as many as it sampled less one, the bonus or
+    the correction; a request's last verification is counted before vLLM cuts its tokens at a stop),
+    and per position i the rows whose draft reached it (drafts_ge_{i+1}: what 'auto' plans from, as
+    from the host drafter's HistoryStats)."""
 
     def __init__(self, k: int = 0, device="cpu"):
         self.steps = 0
@@ -192,7 +239,15 @@ class _Stats:
         self.drafted: torch.Tensor | int = 0
         self.pos = torch.zeros(k, dtype=torch.int64, device=device)
         self.by_source = torch.zeros(len(SOURCES), dtype=torch.int64, device=device)
+        self.accepted = torch.zeros(len(SOURCES), dtype=torch.int64, device=device)
         self.shadow: dict = {}
+
+    def accept(self, src: torch.Tensor, drafted: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Credit the tokens each row's verification accepted (its draft's first sampled - 1, at most
+        the drafted) to their sources (src [B, k])."""
+        n = torch.minimum((sampled.long() - 1).clamp(min=0), drafted)
+        take = (torch.arange(src.shape[1], device=src.device)[None] < n[:, None]) & (src >= 0)
+        self.accepted.scatter_add_(0, src.clamp(min=0).flatten(), take.flatten().long())
 
     def add(self, active: torch.Tensor, counts: torch.Tensor, src: torch.Tensor) -> None:
         self.steps += 1
@@ -209,6 +264,7 @@ class _Stats:
                 "drafted_tokens": int(self.drafted),
                 **{f"drafts_ge_{i + 1}": int(v) for i, v in enumerate(self.pos.tolist())},
                 **{f"drafted_{s}": int(v) for s, v in zip(SOURCES, self.by_source.tolist())},
+                **{f"accepted_{s}": int(v) for s, v in zip(SOURCES, self.accepted.tolist())},
                 "shadow_responses": 0, "shadow_rows": 0, **self.shadow}
 
 
@@ -323,6 +379,9 @@ def begin_call(worker, draft: bool = True, prompt_len_of: dict[str, int] | None 
     p.drafting = draft
     p.prompt_len_of = prompt_len_of or {}
     p.stats = _Stats(p.k, p.device)
+    p.pending.n.zero_()
+    if hasattr(p, "pending_ids"):
+        p.pending_ids = []
 
 
 def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:

@@ -98,15 +98,24 @@ def test_the_v2_speculator_drafts_from_the_runners_request_states():
     assert out.tolist() == [[40] * 4, [13, 14, 15, 16]]
     st = spec.stats.as_dict()
     assert st["drafted_tokens"] == 4 and (st["drafted_history"], st["drafted_global"]) == (4, 0)
-    # 'auto': the step's k (V2 passes it; it keeps that many drafts a row); k=0 looks nothing up
-    out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None,
+    # 'auto': the step's k (V2 passes it; it keeps that many drafts a row); k=0 looks nothing up.
+    # The next step's verification of slot 3 sampled 3 tokens: 2 of its history draft accepted
+    out = spec.propose(batch, None, None, None, None, torch.tensor([1, 3]), torch.zeros(2), last, None, None, None,
                        num_speculative_tokens=2)
     assert out[:, :2].tolist() == [[40] * 2, [13, 14]]
     st = spec.stats.as_dict()
     assert st["drafted_tokens"] == 6 and [st[f"drafts_ge_{i}"] for i in range(1, 5)] == [2, 2, 1, 1]
-    out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None,
+    assert (st["accepted_history"], sum(st[f"accepted_{s}"] for s in SOURCES)) == (2, 2)
+    # the batch's rows swapped: credits follow the request states; slot 3 sampled 5 tokens, but its
+    # last draft was 2 long
+    swapped = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([3, 6]))
+    out = spec.propose(swapped, None, None, None, None, torch.tensor([5, 1]), torch.zeros(2), last, None, None, None,
                        num_speculative_tokens=0)
-    assert out.tolist() == [[40] * 4, [12] * 4] and spec.stats.as_dict()["drafted_tokens"] == 6
+    st = spec.stats.as_dict()
+    assert out.tolist() == [[12] * 4, [40] * 4] and st["drafted_tokens"] == 6 and st["accepted_history"] == 4
+    # a step that drafted nothing leaves nothing to credit
+    spec.propose(swapped, None, None, None, None, torch.tensor([5, 5]), torch.zeros(2), last, None, None, None)
+    assert spec.stats.as_dict()["accepted_history"] == 4
 
 
 def test_the_v2_speculator_drafts_a_resumed_answer_under_its_own_prompt():
@@ -198,6 +207,11 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     assert h["matched"] - len(prompts) <= second.spec.drafts <= h["matched"], (second.spec, h)
     assert second.spec.accepted_tokens <= h["drafted_tokens"], (second.spec, h)
     assert sum(h[f"drafted_{s}"] for s in SOURCES) == h["drafted_tokens"] and h["drafted_history"] > 0, h
+    # accepted by source: what vLLM accepted, and at a request's last verification up to k more (it
+    # counts them before vLLM cuts the answer at its stop)
+    accepted = sum(h[f"accepted_{s}"] for s in SOURCES)
+    assert h["accepted_history"] > 0 and all(h[f"accepted_{s}"] <= h[f"drafted_{s}"] for s in SOURCES), h
+    assert second.spec.accepted_tokens <= accepted <= second.spec.accepted_tokens + 5 * len(prompts), (second.spec, h)
     state = ray.get(dev.history_state.remote(), timeout=60)
     ray.kill(dev)
     resumed = start_generator(["speculation=history", "speculation.history.drafter=device"])
@@ -206,6 +220,56 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     assert again.response_ids == base.response_ids
     assert again.spec.accepted_tokens == second.spec.accepted_tokens
     ray.kill(resumed)
+
+
+def test_device_drafting_with_auto_k_is_exact_and_drafts_the_k_it_is_given(ray_session, prompts):
+    """Under 'auto' the scheduler's k per batch size reaches the device drafter, and its drafts are
+    that wide (vLLM's synchronous scheduler places every column it is given): at k=1 every verified
+    draft is one token, at k=0 and with speculation off vLLM verifies none; greedy answers equal no
+    speculation's throughout."""
+    import ray
+
+    from conftest import sampling, start_generator
+    from rlspec.speculation.history_stats import per_pos
+
+    plain = start_generator([])
+    base = _gen(plain, prompts, 1, 0.0)
+    ray.kill(plain)
+    auto = start_generator(["speculation=history", "speculation.history.drafter=device",
+                            "speculation.num_speculative_tokens=auto", "speculation.max_speculative_tokens=3",
+                            "speculation.auto_buckets=[1,4]"])
+    for _ in range(2):
+        ro = _gen(auto, prompts, 1, 0.0)
+        assert ro.response_ids == base.response_ids
+        schedule = ray.get(auto.__ray_call__.remote(lambda g: g.adaptive.draft_schedule()), timeout=60)
+        k_call = max((k for _, _, k in schedule), default=0)
+        assert per_pos(ro.history, "drafts_ge", 3)[k_call:] == [0] * (3 - k_call), (schedule, ro.history)
+        assert ro.spec.draft_tokens <= k_call * ro.spec.drafts, (schedule, ro.spec)
+    # the planner read the drafter's counters: per position, the share of rows drafting it among
+    # those that drafted the one before
+    fill, counts = ray.get(auto.__ray_call__.remote(lambda g: (g.adaptive.planner.fill,
+                                                               g.adaptive.planner.fill_counts)), timeout=60)
+    measured = [f for f, c in zip(fill, counts) if c[1] > 0]
+    assert measured and all(0 < f <= 1 for f in measured), (fill, counts)
+
+    def generate_at(gen, k, prompts, s):  # the engine alone, at a k set as 'auto' sets it
+        from rlspec.speculation import device_proposer
+        from rlspec.speculation.adaptive import OFF
+
+        gen.adaptive.set_k(OFF if k == OFF else (lambda b: k))
+        gen.engine.llm.collective_rpc(device_proposer.begin_call, args=(True,))
+        ro = gen.engine.generate(prompts, s, 0)
+        return ro, gen.engine.llm.collective_rpc(device_proposer.finish_call)[0]
+
+    for k in (1, 0, -1):
+        ro, h = ray.get(auto.__ray_call__.remote(generate_at, k, prompts, sampling(1, 0.0, 48)), timeout=600)
+        assert ro.response_ids == base.response_ids
+        if k == 1:
+            assert ro.spec.drafts > 0 and ro.spec.draft_tokens == ro.spec.drafts and h["drafts_ge_2"] == 0, h
+            assert ro.spec.accepted_tokens <= sum(h[f"accepted_{s}"] for s in SOURCES) > 0, (ro.spec, h)
+        else:  # k=0 everywhere, or 'auto' off: no lookup, nothing placed for vLLM to verify
+            assert ro.spec.draft_tokens == 0 and h["drafted_tokens"] == 0, (ro.spec, h)
+    ray.kill(auto)
 
 
 def test_a_store_saved_by_the_other_drafter_is_refused(tmp_path):
