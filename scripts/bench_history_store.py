@@ -155,10 +155,14 @@ class Device:
     def __init__(self, k: int, max_tokens: int, **settings):
         import torch
 
+        from rlspec.config import HistoryConfig
         from rlspec.speculation.device_history import DeviceHistory
 
         torch.set_num_threads(1)   # as the host store drafts: one core
-        self.h = DeviceHistory(**{"max_tokens": min(max_tokens, DEVICE_ARENA), **DEVICE_SETTINGS, **settings})
+        # the per-prompt bound a run gives it (speculation.history.max_rollouts_per_prompt), as the host store has
+        self.h = DeviceHistory(**{"max_tokens": min(max_tokens, DEVICE_ARENA),
+                                  "max_per_prompt": HistoryConfig().max_rollouts_per_prompt, **DEVICE_SETTINGS,
+                                  **settings})
         self.prompts: set = set()
         self.done: list = []   # answers finished since the last step
 

@@ -14,7 +14,8 @@ run cut off by --budget-s still says most:
    Model Runner V2 on a GPU), against rlspec's rule (speculation.vllm_config.gpu_model_runner;
    V1 on CPU), and each engine built reports the same;
 2. greedy: with speculation (eagle3, history, history_device, draft_model, ngram under `auto`),
-   token for token the rollouts of the engine without;
+   token for token the rollouts of the engine without; EAGLE-3's again after its engine slept and
+   woke (sleep level 1, no draft refit: on a GPU), with the same accepted draft tokens;
 3. refit: after sleep and wake, target and draft weights refit through vLLM's weight-transfer API
    from device tensors; greedy rollouts and accepted draft tokens then equal those of a fresh
    engine built on the new weights;
@@ -241,7 +242,11 @@ def main() -> int:
             ok = ok and all(x > 0 for x in ro.spec.accepted_per_pos)
         if method == "draft_model":
             state["refit_engine"] = (gen, cfg)
-        if method == "eagle3":
+        if method == "eagle3":  # the Generator slept (level 1) and woke again since that call: no draft refit
+            again = gen.generate(held_out, Sampling(1, 0.0, max_new))
+            figures["after_sleep_wake"] = {"sleep_mode": bool(cfg.generation.sleep_mode),
+                                           "accepted": [ro.spec.accepted_tokens, again.spec.accepted_tokens]}
+            ok = ok and again.response_ids == state["greedy"] and again.spec.accepted_tokens == ro.spec.accepted_tokens
             ids = held_out[:SAMPLED_PROMPTS]
             got = gen.generate(ids, Sampling(a.samples, 1.0, SAMPLED_TOKENS, seed=1, rollout=False))
             state["eagle3_sampled"] = got

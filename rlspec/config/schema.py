@@ -257,7 +257,8 @@ class HistoryConfig:
     # engine's device (rlspec/speculation/device_history.py, in vLLM's ngram_gpu slot: no copy of
     # the rows to the host, async scheduling kept on a GPU). The device store is a ring of
     # device_max_tokens tokens (about 110 bytes each: the ring, its buckets and the count table); it takes the
-    # key settings above but not the per-prompt bounds, and not num_speculative_tokens=auto yet.
+    # key settings above and max_rollouts_per_prompt, not min_rollouts_per_prompt or max_tokens (the ring
+    # drops the oldest tokens).
     drafter: str = "host"
     device_max_tokens: int = 1 << 22
 

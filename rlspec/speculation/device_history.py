@@ -23,7 +23,10 @@ The numba store (rlspec/speculation/store.py) drafts by this rule over hash chai
   draft is taken where its match is longer and it drafts at least one token, the own draft
   otherwise (a global match whose vote stops at once falls back to the own sources).
 - eviction is a ring: the oldest stored tokens are overwritten, their bucket entries dropped by a
-  position check; no per-prompt bound (the store keeps per-prompt bounds).
+  position check; past max_per_prompt answers of a prompt its oldest are blanked in place (their
+  tokens no longer match, their bucket entries go when the ring comes round), as the store drops
+  them. The ring has no min_rollouts_per_prompt (it cannot keep an old answer without copying it)
+  and no resident set of prompts (the store's max_tokens policy).
 
 Alternatives kept measurable (docs/bench/history_rule_variants_default.json, the default run's
 replay at k=5): select=score, suffix decoding's rule (per source and match length, the draft with
@@ -76,7 +79,8 @@ class DeviceHistory:
     batch read per prompt (the row itself included); max_voters: candidates of the longest match
     that vote, the highest ranked (the row itself, its siblings, then the newest stored);
     live_matches: positions read per row of the batch and key length (the latest; suffix decoding's
-    tree of a request counts every earlier occurrence).
+    tree of a request counts every earlier occurrence); max_per_prompt: stored answers a prompt
+    keeps, the newest (None: as many as the ring holds).
 
     global_source: the global draft's source: `counts`, a count table over the stored answers
     (rlspec/speculation/device_counts.py: contexts of count_keys tokens, default 1..max_match, in
@@ -91,7 +95,8 @@ class DeviceHistory:
                  vocab_size: int | None = None,
                  select: str = "longest", spec_factor: float = 0.0, pooled: bool = False, live_matches: int = 1,
                  global_source: str = "counts", count_keys=None, count_width: int = WIDTH,
-                 count_buckets: int | None = None, count_min_prob: float = MIN_PROB, count_select: str = SELECT):
+                 count_buckets: int | None = None, count_min_prob: float = MIN_PROB, count_select: str = SELECT,
+                 max_per_prompt: int | None = None):
         self.device = torch.device(device)
         if global_source not in ("buckets", "counts"):
             raise ValueError(f"device history: global_source must be buckets or counts, got {global_source!r}")
@@ -128,7 +133,13 @@ class DeviceHistory:
         self.fill = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.written = torch.zeros((), dtype=torch.int64, device=self.device)  # tokens ever written
         self._written = 0  # the same on the host: inserts are planned there
-        self._seqs: deque = deque()  # (start, size, head) of the ring's whole sequences
+        # the ring's whole sequences, oldest first: start -> (size, head, prompt salt); per prompt its
+        # sequences' starts, oldest first
+        self._seqs: dict[int, tuple[int, int, int]] = {}
+        self._by_prompt: dict[int, deque] = {}
+        if max_per_prompt is not None and int(max_per_prompt) < 1:
+            raise ValueError(f"device history: max_per_prompt must be at least 1, got {max_per_prompt}")
+        self.max_per_prompt = None if max_per_prompt is None else int(max_per_prompt)
         self.counts = None
         if global_source == "counts":
             keys = sorted({int(c) for c in count_keys or range(1, self.max_match + 1) if 1 <= int(c) <= self.max_match})
@@ -174,7 +185,7 @@ class DeviceHistory:
         pos = self._written + torch.arange(total, device=dev)
         new_written = self._written + total
         keep = pos >= new_written - self.capacity   # a batch over the ring writes its last tokens only
-        self._track_sequences(body, sizes, torch.tensor(heads, device=dev), start, new_written)
+        self._track_sequences(body, sizes, torch.tensor(heads, device=dev), start, new_written, salts)
         self.tok[pos[keep] % self.capacity] = body[keep].int()
         self.pid[pos[keep] % self.capacity] = salt[keep]
         keys, ok = [], []
@@ -188,38 +199,65 @@ class DeviceHistory:
         self._add_entries(key[ok] & (self.n_buckets - 1), at)
         self._written = new_written
         self.written.fill_(new_written)
+        self._bound_prompts()
 
-    def _track_sequences(self, body, sizes, heads, start, new_written: int) -> None:
-        """The ring's whole sequences (start, size, head) on the host, and the count table
-        (global_source=counts) with them: sequences whose start the write overwrites leave (read
-        before the write), the new ones that fit whole join. Call before the ring is written."""
+    def _track_sequences(self, body, sizes, heads, start, new_written: int, salts) -> None:
+        """The ring's whole sequences on the host, and the count table (global_source=counts) with
+        them: sequences whose start the write overwrites leave (read before the write), the new
+        ones that fit whole join. Call before the ring is written."""
         oldest = new_written - self.capacity
         gone = []
-        while self._seqs and self._seqs[0][0] < oldest:
-            gone.append(self._seqs.popleft())
+        while self._seqs and next(iter(self._seqs)) < oldest:
+            gone.append(self._forget(next(iter(self._seqs))))
+        self._count_out(gone)
         first = self._written + start
         whole = first >= oldest
-        self._seqs.extend(zip(first[whole].tolist(), sizes[whole].tolist(), heads[whole].tolist()))
-        if self.counts is None:
-            return
-        if gone:
-            at = torch.cat([torch.arange(a, a + n, device=self.device) for a, n, _ in gone]) % self.capacity
-            self.counts.add(self.tok[at].long(), *(torch.tensor(x, device=self.device) for x in list(zip(*gone))[1:]),
-                            -1)
-        if bool(whole.any()):
+        for a, n, h, salt in zip(first[whole].tolist(), sizes[whole].tolist(), heads[whole].tolist(),
+                                 salts[whole].tolist()):
+            self._seqs[a] = (n, h, salt)
+            self._by_prompt.setdefault(salt, deque()).append(a)
+        if self.counts is not None and bool(whole.any()):
             self.counts.add(body[torch.repeat_interleave(whole, sizes)], sizes[whole], heads[whole], 1)
+
+    def _forget(self, start: int) -> tuple[int, int, int]:
+        """A sequence leaves the host's records (it is its prompt's oldest): its (start, size, head)."""
+        n, h, salt = self._seqs.pop(start)
+        starts = self._by_prompt[salt]
+        starts.remove(start)
+        if not starts:
+            del self._by_prompt[salt]
+        return start, n, h
+
+    def _count_out(self, seqs: list[tuple[int, int, int]]) -> None:
+        """Sequences (start, size, head) still in the ring leave the count table."""
+        if self.counts is not None and seqs:
+            at = torch.cat([torch.arange(a, a + n, device=self.device) for a, n, _ in seqs]) % self.capacity
+            self.counts.add(self.tok[at].long(), *(torch.tensor(x, device=self.device) for x in list(zip(*seqs))[1:]),
+                            -1)
+
+    def _bound_prompts(self) -> None:
+        """Past max_per_prompt answers a prompt's oldest leave: counted out, their tokens blanked
+        (EMPTY matches no context: their bucket entries draft nothing until the ring overwrites them)."""
+        if self.max_per_prompt is None:
+            return
+        over = [(salt, len(starts) - self.max_per_prompt) for salt, starts in self._by_prompt.items()
+                if len(starts) > self.max_per_prompt]
+        drop = [self._forget(self._by_prompt[salt][0]) for salt, n in over for _ in range(n)]
+        if drop:
+            self._count_out(drop)
+            at = torch.cat([torch.arange(a, a + n, device=self.device) for a, n, _ in drop]) % self.capacity
+            self.tok[at] = EMPTY
 
     def state_dict(self) -> dict:
         """The ring's whole sequences, oldest first, on the host: their tokens ([prompt tail |
         response | END], concatenated: int32), their prompts' salts (int64) and tails' lengths."""
-        seqs = list(self._seqs)
+        seqs = list(self._seqs.items())
         at = torch.cat([torch.zeros(0, dtype=torch.int64, device=self.device)] + [
-            torch.arange(a, a + n, device=self.device) for a, n, _ in seqs]) % self.capacity
-        starts = at[torch.tensor(np.cumsum([0] + [n for _, n, _ in seqs[:-1]]), device=self.device)] if seqs else at
+            torch.arange(a, a + n, device=self.device) for a, (n, _, _) in seqs]) % self.capacity
         return {"format": "device", "tokens": self.tok[at].cpu().numpy().astype(np.int32),
-                "salts": self.pid[starts].cpu().numpy().astype(np.int64),
-                "sizes": np.array([n for _, n, _ in seqs], np.int64),
-                "heads": np.array([h for _, _, h in seqs], np.int64)}
+                "salts": np.array([salt for _, (_, _, salt) in seqs], np.int64),
+                "sizes": np.array([n for _, (n, _, _) in seqs], np.int64),
+                "heads": np.array([h for _, (_, h, _) in seqs], np.int64)}
 
     def load_state_dict(self, state: dict) -> None:
         """A saved ring (state_dict; several engines' states, merge_device_states), inserted afresh
@@ -237,6 +275,7 @@ class DeviceHistory:
         self._written = 0
         self.written.fill_(0)
         self._seqs.clear()
+        self._by_prompt.clear()
         if self.counts is not None:
             self.counts.clear()
         if len(sizes):

@@ -98,7 +98,8 @@ def _proposer_class(base):
             keep = torch.arange(k, device=self.device)[None] < room[:, None]
             drafts = torch.where(keep, drafts, -1)
             counts = torch.minimum(counts, room.int())
-            self.pending.put(torch.arange(batch, device=self.device), src, torch.zeros_like(counts) if self.full else counts)
+            self.pending.put(torch.arange(batch, device=self.device), src,
+                             torch.zeros_like(counts) if self.full else counts)
             if not self.full:
                 self.stats.add(active, counts, src)
             if k < width:
@@ -201,6 +202,7 @@ def settings() -> dict:
         return {}
     return {"max_tokens": cfg["device_max_tokens"], "max_match": cfg["max_match"], "min_prob": cfg["min_prob"],
             "prompt_keys": tuple(cfg["prompt_keys"]), "width": cfg["max_candidates"],
+            "max_per_prompt": cfg["max_rollouts_per_prompt"],
             # the global source is the count table (global_keys are the host store's); off: none
             **({} if cfg["global_source"] else {"global_source": "buckets", "global_keys": ()})}
 

@@ -3,11 +3,12 @@ and the device drafter (device_history.py, torch over buckets) fed the same rand
 same tokens, whole drafts, from every source (the prompt's stored answers, the row itself, its
 siblings, the count table).
 
-Where the two may part by design, the traces stay inside both: nothing is evicted (the ring and the
-count table hold every token, no per-prompt bound bites), a key's chain and bucket hold fewer than
-max_candidates matches, groups have at most MAX_SIBLINGS rows, and a finished answer stays in the
-batch (drafting nothing) until the call ends, when both store it."""
+Where the two may part by design, the traces stay inside both: nothing is evicted by size (the
+ring and the count table hold every token; the per-prompt bound bites, in both), chain heads and
+buckets enough that no key shares one with a full one, groups have at most MAX_SIBLINGS rows, and a
+finished answer stays in the batch (drafting nothing) until the call ends, when both store it."""
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -28,13 +29,14 @@ def drafters(rng: random.Random):
     keys = [m for m in rng.choice([[8, 3, 1], [3, 1], [4, 2], [2], [1]]) if m <= max_match]
     counts = rng.random() < 0.75
     cfg = HistoryConfig(prompt_keys=keys, max_match=max_match, min_prob=rng.choice([0.25, 0.5]),
-                        global_source=counts, count_tokens=RING, max_rollouts_per_prompt=1 << 10, max_tokens=1 << 20)
+                        global_source=counts, count_tokens=RING, max_rollouts_per_prompt=rng.choice([2, 5, 1 << 10]),
+                        max_tokens=1 << 20)
     host = HistoryIndex(cfg, k_max=K)
     host.walk = 1 << 30   # the live walks read every match (the device reads every row)
     # chain heads and buckets enough that no key shares a slot with another's full one
     host.arena = HistoryArena(len(host.pkeys), len(host.gkeys), 1 << 16, heads=1 << 20)
     device = DeviceHistory(max_tokens=RING, max_match=max_match, prompt_keys=tuple(keys), min_prob=cfg.min_prob,
-                           width=cfg.max_candidates, buckets=1 << 16,
+                           width=cfg.max_candidates, buckets=1 << 16, max_per_prompt=cfg.max_rollouts_per_prompt,
                            **({"count_buckets": host.count_table.table.buckets} if counts else
                               {"global_source": "buckets", "global_keys": ()}))
     return cfg, host, device
@@ -87,5 +89,9 @@ def test_the_host_store_and_the_device_drafter_draft_the_same_tokens(seed):
         ps, rs = [p for _, p in group], [answers[key] for key, _ in group]
         host.record(ps, rs, wait=True)
         device.insert(ps, rs)
+        # both hold the same number of answers per prompt: at most the bound, the newest
+        held = Counter(device.state_dict()["salts"].tolist())
+        assert sorted(held.values()) == sorted(len(r.seqs) for r in host.prompts.values()), held
+        assert max(held.values()) <= cfg.max_rollouts_per_prompt
     assert checked > 100, checked
     assert sum(x > 0 for x in by_source) >= 3, by_source

@@ -281,10 +281,11 @@ def test_each_drafted_token_is_told_by_its_source(source):
         DeviceHistory(**{**SMALL, "select": "score"}).propose(*args, 2, sources=True)
 
 
-def test_the_count_table_follows_the_ring_and_its_saved_state():
-    """Past the ring's size, the count table is the one built afresh from the ring's whole answers
-    (a saved and restored store's), entry for entry."""
-    cfg = {**COUNTS, "max_tokens": 200, "count_buckets": 64, "count_width": 64}
+@pytest.mark.parametrize("bound", [None, 2])
+def test_the_count_table_follows_the_ring_and_its_saved_state(bound):
+    """Past the ring's size (and past a per-prompt bound), the count table is the one built afresh
+    from the ring's whole answers still held (a saved and restored store's), entry for entry."""
+    cfg = {**COUNTS, "max_tokens": 200, "count_buckets": 64, "count_width": 64, "max_per_prompt": bound}
 
     def table(h):
         held = h.counts.cnt > 0
@@ -297,6 +298,22 @@ def test_the_count_table_follows_the_ring_and_its_saved_state():
         fresh.load_state_dict(dev.state_dict())
         assert table(dev) == table(fresh) and int((dev.counts.cnt > 0).sum(1).max()) < 64   # no bucket overflowed
     assert dev._written > 3 * dev.capacity and table(dev)
+
+
+def test_a_prompt_keeps_its_newest_answers_up_to_the_bound():
+    """max_per_prompt: a prompt's oldest answers past the bound draft nothing (their tokens are
+    blanked, their bucket entries match nothing); another prompt's are untouched; a saved store holds
+    the answers kept."""
+    dev = DeviceHistory(**{**SMALL, "global_keys": (), "max_per_prompt": 2})
+    p, q = [1, 2, 3], [7, 8, 9]
+    dev.insert([p, q], [[10, 11, 12, 13], [10, 11, 40, 41]])
+    dev.insert([p, p], [[10, 11, 20, 21], [10, 11, 20, 21]])        # p holds three: its first goes
+    assert device_drafts(dev, [p + [10, 11], q + [10, 11]], [3, 3], 2) == [[20, 21], [40, 41]]
+    dev.insert([p], [[10, 11, 30, 31]])
+    # one of the two [20, 21] answers went: one vote each, the newest wins (held, 20 would have two)
+    assert device_drafts(dev, [p + [10, 11]], [3], 2) == [[30, 31]]
+    state = dev.state_dict()
+    assert state["sizes"].tolist() == [3 + 4 + 1] * 3 and len(set(state["salts"].tolist())) == 2
 
 
 def test_the_ring_evicts_the_oldest():
