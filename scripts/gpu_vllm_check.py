@@ -19,16 +19,17 @@ run cut off by --budget-s still says most:
 3. refit: after sleep and wake, target and draft weights refit through vLLM's weight-transfer API
    from device tensors; greedy rollouts and accepted draft tokens then equal those of a fresh
    engine built on the new weights;
-4. sampled: speculation keeps the distribution (EAGLE-3 at temperature 1; chi-square per prompt
-   and position, Bonferroni level 0.01, power stated at the observed distributions);
+4. sampled: speculation keeps the distribution (EAGLE-3, and history drafted on the device, at
+   temperature 1; chi-square per prompt and position, Bonferroni level 0.01, power stated at the
+   observed distributions);
 5. acceptance > 0 at every draft position; under `auto` every k of the schedule ran (its
    calibration times each k at each batch size, under CUDA graphs on a GPU);
 6. tokens/s with and without speculation at batch 1, 8 and 64 (reported; eagle3, and both history
    drafters on answers they have seen), and on a GPU the memory a sleeping engine keeps against
    the memory model's figure.
 They run in this order: the runner check, the engine without speculation, then an engine a method
-(--methods) with its greedy check, EAGLE-3's sampled test right after EAGLE-3's, the refit after
-the draft model's. Before the first, vLLM's compiled parts the kit carries are loaded explicitly
+(--methods) with its greedy check, a sampled test right after EAGLE-3's and history_device's, the
+refit after the draft model's. Before the first, vLLM's compiled parts the kit carries are loaded explicitly
 (`compiled_parts` in the JSON; vLLM itself only warns when one fails). A pass/fail table, exit 1
 if a check failed (a check not reached is 'not run'). The JSON is rewritten after every check; at
 --stop-s a watchdog marks the running check 'interrupted', writes the JSON and exits (status 3), so
@@ -249,8 +250,11 @@ def main() -> int:
             ok = ok and again.response_ids == state["greedy"] and again.spec.accepted_tokens == ro.spec.accepted_tokens
             ids = held_out[:SAMPLED_PROMPTS]
             got = gen.generate(ids, Sampling(a.samples, 1.0, SAMPLED_TOKENS, seed=1, rollout=False))
-            state["eagle3_sampled"] = got
+            state["spec_sampled"] = got
             figures["speed"] = {"speculation": speeds(gen), "none": state["speed_none"]}
+        if method == "history_device":  # a training call (history drafts in it) on prompts it has answered
+            ids = held_out[:SAMPLED_PROMPTS]
+            state["spec_sampled"] = gen.generate(ids, Sampling(a.samples, 1.0, SAMPLED_TOKENS, seed=1))
         if method.startswith("history"):  # the host drafter against the device drafter, each beside none
             figures["speed"] = {"speculation": speeds(gen, rollout=True), "none": state["speed_none"]}
         if method != "draft_model":
@@ -281,7 +285,7 @@ def main() -> int:
                                                                            want.spec.accepted_tokens]}
 
     def sampled():
-        got, ref = state["eagle3_sampled"], state["sampled"]
+        got, ref = state["spec_sampled"], state["sampled"]
         n = a.samples
         pad = lambda ro: [r + [-1] * (SAMPLED_TOKENS - len(r)) for r in ro.response_ids]  # noqa: E731
         g, r = pad(got), pad(ref)
@@ -297,9 +301,9 @@ def main() -> int:
 
     for method in methods:
         run(f"greedy: {method} equals no speculation, token for token", lambda m=method: spec_engine(m))
-        if "eagle3_sampled" in state:  # the sampled test right after its engine: it outranks the later engines
-            run("sampled: EAGLE-3 speculation keeps the distribution", sampled)
-            del state["eagle3_sampled"]
+        if "spec_sampled" in state:  # the sampled test right after its engine: it outranks the later engines
+            run(f"sampled: {method} speculation keeps the distribution", sampled)
+            del state["spec_sampled"]
         if "refit_engine" in state:  # before another engine starts: a second live engine in the process
             run("refit: sleep, wake, target + draft refit equal a fresh engine", refit)  # broke its draft refit
             if "refit_engine" in state:

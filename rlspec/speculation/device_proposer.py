@@ -286,9 +286,57 @@ def append_sampled(token_ids: torch.Tensor, lengths: torch.Tensor, sampled: torc
     return (lengths + count).to(torch.int32)
 
 
+# What the drafter is written against (vLLM 0.32): the slots' modules, names and propose() parameters
+PINNED_VLLM = "0.32"
+V1_PROPOSE = ("num_speculative_tokens", "num_tokens_no_spec", "token_ids_gpu", "valid_sampled_token_ids_gpu",
+              "valid_sampled_tokens_count")
+V2_PROPOSE = ("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states",
+              "num_sampled", "num_rejected", "last_sampled", "next_prefill_tokens", "temperature", "seeds")
+SLOTS = (("vllm.v1.spec_decode.ngram_proposer_gpu", "NgramProposerGPU", V1_PROPOSE),
+         ("vllm.v1.worker.gpu.spec_decode.ngram.speculator", "NgramGPUSpeculator", V2_PROPOSE),
+         (_RUNNER, "NgramProposerGPU", None),   # the name V1's runner builds its ngram_gpu drafter from
+         (_RUNNER, "update_ngram_gpu_tensors_incremental", None),   # the CPU stand-ins replace these two
+         (_RUNNER, "copy_num_valid_draft_tokens", None))
+
+
+def slots_changed(runner: bool = True) -> list[str]:
+    """How the installed vLLM's ngram_gpu slots differ from those this drafter plugs into ([]: they
+    are the same): a module, a name or a propose() parameter list that moved. runner=False: the two
+    drafter classes only (V1's runner module is not imported)."""
+    import importlib
+    import inspect
+
+    out = []
+    for module, name, params in SLOTS if runner else SLOTS[:2]:
+        try:
+            obj = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            out.append(f"{module}.{name} is gone ({type(exc).__name__}: {exc})")
+            continue
+        if params is not None:
+            got = tuple(inspect.signature(getattr(obj, "propose")).parameters)[1: 1 + len(params)]
+            if got != params:
+                out.append(f"{module}.{name}.propose takes {got}, not {params}")
+    return out
+
+
+def require_slots() -> None:
+    """At a run's start (speculation.history.drafter=device): a clear error where vLLM's slots moved."""
+    problems = slots_changed()
+    if problems:
+        import vllm
+
+        raise RuntimeError(f"speculation.history.drafter=device plugs into vLLM {PINNED_VLLM}'s ngram_gpu slots, and "
+                           f"the installed vLLM {vllm.__version__} differs: " + "; ".join(problems)
+                           + ". Use speculation.history.drafter=host, or the vLLM version pyproject.toml pins.")
+
+
 def install() -> None:
     """rlspec's vLLM plugin: the subclass under vLLM's NgramProposerGPU name (and the CPU platform's
-    stand-ins). Run where a model runner may be built, before it is."""
+    stand-ins). Run where a model runner may be built, before it is; in a vLLM whose slots moved it
+    installs nothing (the run that asks for the drafter stops at require_slots)."""
+    if slots_changed(runner=False):
+        return
     from vllm.platforms import current_platform
     from vllm.v1.spec_decode import ngram_proposer_gpu
 

@@ -32,6 +32,7 @@ class Generator(RefitReceiver):
         if self.history and speculation.history.drafter == "device":  # its store is built with the runner
             from rlspec.speculation import device_proposer
 
+            device_proposer.require_slots()
             self.drafter = device_proposer
             os.environ[device_proposer.ENV] = json.dumps(asdict(speculation.history))
             # in this process whether or not rlspec's vLLM plugins are installed here (an unpacked

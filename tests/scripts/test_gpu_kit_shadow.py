@@ -96,14 +96,18 @@ def test_the_gpu_engine_check_passes_in_the_shadow_of_the_lent_machine(shadow, t
     assert r["passed"] and r["complete"] and all(c["passed"] for c in r["checks"]), r["checks"]
     names = [c["check"].split(":")[0] for c in r["checks"]]
     assert names == ["runner", "baseline engine (no speculation) starts and generates", "greedy", "sampled", "greedy",
-                     "greedy", "greedy", "refit", "greedy"]
+                     "greedy", "sampled", "greedy", "refit", "greedy"]
     runner = r["checks"][0]
     assert {m: v["model_runner"] for m, v in runner.items() if isinstance(v, dict)} == dict.fromkeys(
         ("none", "eagle3", "draft_model", "ngram", "history", "history_device"), "V1")   # no Model Runner V2 on CPU
     host, device = r["checks"][4], r["checks"][5]   # history drafted on the host, then on the engine's device
     assert "history_device" in device["check"] and device["greedy_equal"] and min(device["accepted_per_pos"]) > 0
     assert set(host["speed"]["speculation"]) == set(device["speed"]["speculation"]) == {"1", "8", "64"}
-    assert r["checks"][7]["outputs_changed"] and r["checks"][7]["accepted"][0] == r["checks"][7]["accepted"][1] > 0
-    assert r["checks"][8]["calibrated_k"] == [-1, 0, 1, 2, 3]
+    # EAGLE-3 called again after its engine slept and woke (no sleep mode on CPU: the same engine)
+    again = r["checks"][2]["after_sleep_wake"]
+    assert again["accepted"][0] == again["accepted"][1] > 0 and not again["sleep_mode"]
+    assert "history_device" in r["checks"][6]["check"] and r["checks"][6]["accepted_draft_tokens"] > 0
+    assert r["checks"][8]["outputs_changed"] and r["checks"][8]["accepted"][0] == r["checks"][8]["accepted"][1] > 0
+    assert r["checks"][9]["calibrated_k"] == [-1, 0, 1, 2, 3]
     assert set(r["platform"]["compiled_parts"]) == set(gpu_kit.VLLM_KERNELS)   # probed, absent on a CPU build
     assert "all passed" in p.stdout

@@ -164,6 +164,36 @@ def test_the_v2_speculator_drafts_a_resumed_answer_under_its_own_prompt():
     assert seen[-1] == [4, 6]
 
 
+def test_a_vllm_whose_slots_moved_stops_the_run_naming_what_moved(monkeypatch):
+    """The installed vLLM has the slots the drafter plugs into; one whose V1 drafter's propose()
+    changed, or whose runner lost a name, stops a device-history run at its start naming it, and
+    the plugin then installs nothing (vLLM's own drafter stays)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.spec_decode import ngram_proposer_gpu
+    from vllm.v1.worker import gpu_model_runner
+
+    from rlspec.speculation import device_proposer
+
+    assert device_proposer.slots_changed() == []
+
+    class Moved:
+        drafting = None
+
+        def propose(self, num_speculative_tokens, token_ids, lengths):
+            pass
+
+    monkeypatch.setattr(ngram_proposer_gpu, "NgramProposerGPU", Moved)
+    monkeypatch.delattr(gpu_model_runner, "copy_num_valid_draft_tokens")
+    with pytest.raises(RuntimeError) as err:
+        device_proposer.require_slots()
+    msg = str(err.value)
+    assert "vllm.v1.spec_decode.ngram_proposer_gpu.NgramProposerGPU.propose takes" in msg, msg
+    assert "vllm.v1.worker.gpu_model_runner.copy_num_valid_draft_tokens is gone" in msg, msg
+    assert "speculation.history.drafter=host" in msg
+    device_proposer.install()
+    assert ngram_proposer_gpu.NgramProposerGPU is Moved
+
+
 # -- through real vLLM (V1's ngram_gpu slot), in a Generator actor ---------------------------------------
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
