@@ -141,6 +141,10 @@ class PartialRolloutConfig:
     # A carried answer (finished or not) with a token sampled more than this many policy versions
     # before the weights that would resume it is started again, and counted (partial/dropped_answers).
     max_carry_versions: int = 2
+    # Refill: a call also holds num_prompts_per_step - 1 spare groups, one started each time a group
+    # completes, so the running batch stays at over_provision x the step's groups until the call
+    # returns (false: it thins out as groups complete, as in APRIL).
+    refill: bool = False
 
 
 @dataclass

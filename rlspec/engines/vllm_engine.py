@@ -266,15 +266,19 @@ class VLLMEngine:
         return f"rlspec-{group}-{answer}"
 
     def generate_groups(self, groups: list[Group], sampling: Sampling, policy_version: int,
-                        needed: int | None = None, max_carry_versions: int | None = None) -> RolloutBatch:
+                        needed: int | None = None, max_carry_versions: int | None = None,
+                        start: int | None = None) -> RolloutBatch:
         """Partial rollouts (rlspec/loops/partial.py): every unfinished answer of `groups` is
         continued (prompt plus its tokens so far, with what is left of sampling.max_tokens) until
         `needed` groups (None: all) are complete; the rest are aborted (vLLM's abort) and come back
         in the batch's `carry` with the tokens they had, each with its behaviour log-prob and this
         call's policy_version. The batch's rows are the first `needed` groups to complete, in the
-        order given; groups already complete count at once. An answer holding a token sampled
-        more than max_carry_versions versions before policy_version is started again first.
-        The batch's `partial` counts answers resumed, dropped so and carried out."""
+        order given; groups already complete count at once. start: the first `start` groups run
+        from the call's start, the others (spares) one each time a group completes, so the batch
+        stays full (None: all at once); spares never started come back in `carry` as they were.
+        An answer holding a token sampled more than max_carry_versions versions before
+        policy_version is started again first. The batch's `partial` counts answers resumed,
+        dropped so and carried out, and spares started and not."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -283,8 +287,10 @@ class VLLMEngine:
             torch.manual_seed(sampling.seed)
         engine = self.llm.llm_engine
         needed = len(groups) if needed is None else min(needed, len(groups))
+        start = len(groups) if start is None else min(max(start, needed), len(groups))
         stats = dict.fromkeys(("resumed_answers", "resumed_tokens", "dropped_answers", "dropped_tokens",
-                               "carried_groups", "carried_answers", "new_tokens"), 0)
+                               "carried_groups", "carried_answers", "new_tokens", "spares_started",
+                               "spares_unstarted"), 0)
         oldest_kept = None if max_carry_versions is None else policy_version - max_carry_versions
         for g in groups:
             for j, a in enumerate(g.answers):
@@ -298,7 +304,9 @@ class VLLMEngine:
         live: dict[str, tuple[int, int]] = {}
         before = self.spec_counters()
         t0 = time.perf_counter()
-        for gi, g in enumerate(groups):
+
+        def begin(gi: int) -> None:
+            g = groups[gi]
             for j, a in enumerate(g.answers):
                 if a.done:
                     continue
@@ -308,6 +316,10 @@ class VLLMEngine:
                     max_tokens=sampling.max_tokens - len(a.response_ids), logprobs=0, detokenize=False,
                     seed=None if engine_seeded else g.answer_seed(j), output_kind=RequestOutputKind.DELTA))
                 live[rid] = (gi, j)
+
+        for gi in range(start):
+            begin(gi)
+        spare = start  # the next group to start when one completes
         complete = [gi for gi, g in enumerate(groups) if g.done]
         with self.timed_steps() as steps:
             while len(complete) < needed and engine.has_unfinished_requests():
@@ -322,7 +334,11 @@ class VLLMEngine:
                     if out.finished:
                         a.done, a.truncated = True, c.finish_reason == "length"
                         del live[out.request_id]
-                        complete += [gi] if groups[gi].done else []
+                        if groups[gi].done:
+                            complete.append(gi)
+                            if len(complete) < needed and spare < len(groups):
+                                begin(spare)
+                                spare += 1
             if live:
                 engine.abort_request(list(live))
                 for gi, j in live.values():
@@ -332,7 +348,8 @@ class VLLMEngine:
         seconds = time.perf_counter() - t0
         chosen = set(complete[:needed])
         carry = [g for gi, g in enumerate(groups) if gi not in chosen]
-        stats["carried_groups"] = len(carry)
+        stats["spares_started"], stats["spares_unstarted"] = spare - start, len(groups) - spare
+        stats["carried_groups"] = len(carry) - stats["spares_unstarted"]
         stats["carried_answers"] = sum(not a.done for g in carry for a in g.answers)
         rows = [(g, a) for gi, g in enumerate(groups) if gi in chosen for a in g.answers]
         spec = None if before is None else self.spec_counters() - before

@@ -8,6 +8,11 @@ behaviour PPO, per token) applies to each token as sampled.
     call s:    carried groups of call s-1 + new prompts up to over_provision x P groups
                -> the first P groups to complete (trained at step s), the rest carried
 
+With refill, the call also holds P - 1 spare groups (new prompts, or spares of call s-1 never
+started), one started each time a group completes before the P-th: the batch stays at
+over_provision x P groups until the call returns, instead of thinning as groups complete. A spare
+never started is carried as it was (no tokens), first in line for the next call.
+
 Every group is trained once or still carried; an answer is never trained twice. An answer whose
 oldest token trails the resuming weights by more than max_carry_versions is started again and
 counted. The carried groups (with the prompts they belong to) are part of the data position a
@@ -32,11 +37,15 @@ class PartialRollouts:
     """The carried groups between a run's generate calls, and the prompts they belong to."""
 
     def __init__(self, sampler: PromptSampler, prompts: list[Prompt], groups_per_step: int, group_size: int,
-                 over_provision: float, max_carry_versions: int):
+                 over_provision: float, max_carry_versions: int, refill: bool = False):
         self.sampler, self.prompts = sampler, prompts
         self.index = {id(p): i for i, p in enumerate(prompts)}
         self.P, self.G = groups_per_step, group_size
         self.in_flight = groups_in_flight(groups_per_step, over_provision)
+        # refill: the groups a call starts at once (VLLMEngine.generate_groups' start), P - 1 spares
+        # beside them; None: every group at once
+        self.start = self.in_flight if refill else None
+        self.spares = groups_per_step - 1 if refill else 0
         self.max_carry_versions = max_carry_versions
         self.carry: list[Group] = []
         self.owner: dict[int, int] = {}  # a carried group's tag -> its prompt's index in `prompts`
@@ -54,8 +63,9 @@ class PartialRollouts:
         return self.carry + new
 
     def draw(self) -> list[Prompt]:
-        """New prompts for the next call: enough to hold over_provision x P groups beside the carried."""
-        return self.sampler.next_batch(max(0, self.in_flight - len(self.carry)))
+        """New prompts for the next call: enough to hold over_provision x P groups (and the spares)
+        beside the carried."""
+        return self.sampler.next_batch(max(0, self.in_flight + self.spares - len(self.carry)))
 
     def returned(self, ro: RolloutBatch) -> list[Prompt]:
         """The prompts of the groups `ro` completed (in its row order); its unfinished groups are

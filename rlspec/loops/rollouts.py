@@ -69,7 +69,8 @@ def submit_partial(run: Run, partial: PartialRollouts, seed: int) -> Call:
     that returns once P groups are complete (their prompts: `partial.returned` of its result)."""
     sampling = Sampling.of(run.cfg.generation, seed)
     groups = partial.groups(partial.draw(), sampling)
-    return run.actors.generators.generate_groups(groups, sampling, partial.P, partial.max_carry_versions)
+    return run.actors.generators.generate_groups(groups, sampling, partial.P, partial.max_carry_versions,
+                                                 partial.start)
 
 
 def generate_partial(run: Run, partial: PartialRollouts, seed: int, timer: StageTimer, totals: GenTotals):

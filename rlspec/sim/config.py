@@ -89,6 +89,9 @@ class WorkloadConfig:
     # seeded lengths, steady state; 1.0 is whole calls in the same simulation, the like-for-like
     # baseline).
     partial_over_provision: float = 0.0
+    # ... with refill (generation.partial.refill): each group completed before the step's last starts
+    # a new one (its prompt prefilled), so the batch holds over_provision x the step's groups throughout.
+    partial_refill: bool = False
     # Log-prob and train batches padded to the longest sequence (rlspec) instead of packed (NeMo RL).
     padded: bool = False
     # A reference-policy forward in the log-prob stage (KL penalty on).

@@ -217,9 +217,11 @@ def rollout_partial(cfg: SimConfig, calls: int = 12, warm_up: int = 4, seed: int
     """Partial rollouts on one engine (its share of the step's groups, P_e): every call holds
     ceil(over_provision x P_e) groups, carried ones first, and returns once P_e groups are complete
     (a group when all its answers are); the unfinished answers are resumed by the next call, whose
-    prefill covers prompt + answer so far. Between completions every running answer advances tau
-    tokens a verification, at the running batch's cost. Lengths are drawn (seeded) from the step's
-    length distribution (`response_lengths`); the estimate is the mean of calls after `warm_up`."""
+    prefill covers prompt + answer so far. With workload.partial_refill each group completed before
+    the P_e-th starts a new one at once (its prompts prefilled). Between completions every running
+    answer advances tau tokens a verification, at the running batch's cost. Lengths are drawn
+    (seeded) from the step's length distribution (`response_lengths`); the estimate is the mean of
+    calls after `warm_up`."""
     w, m, g = cfg.workload, cfg.model.target, cfg.cluster.gen_tp
     tau = tokens_per_verification(cfg.spec)
     G, P = w.num_generations_per_prompt, float(w.prompt_tokens)
@@ -251,7 +253,13 @@ def rollout_partial(cfg: SimConfig, calls: int = 12, warm_up: int = 4, seed: int
             kv_peak = max(kv_peak, float((P + np.minimum(done + adv, total))[run].sum()))
             done = np.where(run, np.minimum(done + adv, total), done)
             ended = np.bincount(gid, weights=(done >= total), minlength=len(groups))
-            complete = ended >= G
+            was, complete = int(complete.sum()), ended >= G
+            for _ in range(min(int(complete.sum()) - was, need - int(complete.sum())) if w.partial_refill else 0):
+                groups.append((rng.choice(pool, G), np.zeros(G)))
+                total, done = np.concatenate([total, groups[-1][0]]), np.concatenate([done, groups[-1][1]])
+                gid = np.concatenate([gid, np.full(G, len(groups) - 1)])
+                complete = np.append(complete, False)
+                t += forward_seconds(m, cfg.gpu, cfg.eff, g, G, P, P / 2)
         returned = set(np.flatnonzero(complete)[:need].tolist())
         groups = [(tt, done[i * G:(i + 1) * G]) for i, (tt, _) in enumerate(groups) if i not in returned]
         if c >= warm_up:

@@ -79,11 +79,14 @@ def test_aborted_answers_resume_to_the_uninterrupted_greedy_answers(engines, pro
             assert max((abs(a - b) for a, b in zip(lps, whole.logprobs[i])), default=0.0) < 1e-4
 
 
-def test_over_calls_every_group_is_returned_once_and_no_token_is_lost(engines, tokenizer):
-    """Six partial calls (3 groups of 3 needed, 6 in flight) through the driver's PartialRollouts:
-    each call returns exactly the groups it needed, each complete, with its own prompt; no group
-    comes back twice; every group made is returned or still carried; and every token sampled is in
-    a returned answer or a carried one (tokens sampled = tokens returned + tokens carried)."""
+@pytest.mark.parametrize("refill", [False, True])
+def test_over_calls_every_group_is_returned_once_and_no_token_is_lost(engines, tokenizer, refill):
+    """Six partial calls (3 groups of 3 needed, 6 in flight; with refill 2 spares beside them,
+    started as groups complete) through the driver's PartialRollouts: each call returns exactly the
+    groups it needed, each complete, with its own prompt; no group comes back twice; every group
+    made is returned or still carried; and every token sampled is in a returned answer or a carried
+    one (tokens sampled = tokens returned + tokens carried); a spare never started is carried
+    without a token."""
     from collections import Counter
 
     from rlspec.data.loading import Prompt, PromptSampler, PromptSet
@@ -92,14 +95,18 @@ def test_over_calls_every_group_is_returned_once_and_no_token_is_lost(engines, t
 
     prompts = [Prompt(str(i), "", ids, i + 1) for i, ids in enumerate(heldout_prompts(tokenizer, 16, seed=9))]
     part = PartialRollouts(PromptSampler(PromptSet("test", prompts), seed=0), prompts, groups_per_step=3,
-                           group_size=3, over_provision=2.0, max_carry_versions=2)
-    seen, sampled, returned, resumed = Counter(), 0, 0, 0
+                           group_size=3, over_provision=2.0, max_carry_versions=2, refill=refill)
+    seen, sampled, returned, resumed, spares = Counter(), 0, 0, 0, 0
     for c in range(6):
         s = Sampling(3, 1.0, 48, seed=c + 1)
         groups = part.groups(part.draw(), s)
-        assert len(groups) == 6
-        ro = call(engines["ngram"].generate_groups, groups, s, 3, 2)
+        assert len(groups) == (8 if refill else 6)
+        ro = call(engines["ngram"].generate_groups, groups, s, 3, 2, part.start)
         got = part.returned(ro)
+        spares += ro.partial["spares_started"]
+        unstarted = ro.carry[len(ro.carry) - ro.partial["spares_unstarted"]:]
+        assert all(not a.response_ids and not a.done and a.resumes == 0 for g in unstarted for a in g.answers)
+        assert ro.partial["spares_started"] + ro.partial["spares_unstarted"] == (2 if refill else 0)
         assert len(ro.tags) == 3 and len(ro.response_ids) == 9
         assert sorted(ro.tags + [g.tag for g in ro.carry]) == sorted(g.tag for g in groups)
         assert [p.token_ids for p in got] == ro.prompt_ids[::3]
@@ -112,6 +119,7 @@ def test_over_calls_every_group_is_returned_once_and_no_token_is_lost(engines, t
     assert max(seen.values()) == 1 and len(seen) + len(part.carry) == part.next_tag
     assert sampled == returned + carried
     assert resumed > 0 and part.totals["dropped_answers"] == 0  # the weights never moved: nothing too old
+    assert (spares > 0) == refill
     print(f"6 calls: {len(seen)} groups returned, {len(part.carry)} carried, {resumed} answers resumed; "
           f"{sampled} tokens sampled = {returned} returned + {carried} carried")
 
