@@ -49,19 +49,21 @@ def test_async_partial_rollouts_keep_every_token_within_both_bounds(tmp_path):
 
 
 @pytest.mark.slow  # three CLI runs
-def test_a_run_resumed_with_carried_answers_continues_exactly(tmp_path):
+@pytest.mark.parametrize("refill", [False, True])
+def test_a_run_resumed_with_carried_answers_continues_exactly(tmp_path, refill):
     """Async GRPO at lag 0 with partial rollouts trains on the synchronous loop's rollouts (the same
     floats). Its step-2 checkpoint, written with step 3's call already out, holds the unfinished
     answers as they were before that call; a run resumed from it trains steps 3 and 4 exactly as
     the others did. In these runs answers are resumed and no trained token trails the learner by
-    more than max_carry_versions (2)."""
+    more than max_carry_versions (2). With refill, spares started mid-call too."""
     from rlspec.loops.checkpoint import read_driver_state
 
-    extra = (PARTIAL, "generation.max_new_tokens=64")
+    extra = (PARTIAL, "generation.max_new_tokens=64", f"generation.partial.refill={str(refill).lower()}")
     ref = train(tmp_path / "ref", *extra)
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = records(tmp_path / "ref")
     assert sum(partial_counts(want, "resumed_answers")) > 0
+    assert (sum(partial_counts(want, "spares_started")) > 0) == refill
     assert all(r["policy_lag_max"] <= 2 for r in want) and max(r["extra"]["policy_lag_mean"] for r in want) > 0
 
     lag0 = (*extra, ASYNC, "async_grpo.max_policy_lag=0")
