@@ -260,7 +260,7 @@ def test_device_drafting_with_auto_k_is_exact_and_drafts_the_k_it_is_given(ray_s
     import ray
 
     from conftest import sampling, start_generator
-    from rlspec.speculation.history_stats import per_pos
+    from helpers.auto_k import auto_calls_keep_to_their_schedule
 
     plain = start_generator([])
     base = _gen(plain, prompts, 1, 0.0)
@@ -268,19 +268,8 @@ def test_device_drafting_with_auto_k_is_exact_and_drafts_the_k_it_is_given(ray_s
     auto = start_generator(["speculation=history", "speculation.history.drafter=device",
                             "speculation.num_speculative_tokens=auto", "speculation.max_speculative_tokens=3",
                             "speculation.auto_buckets=[1,4]"])
-    for _ in range(2):
-        ro = _gen(auto, prompts, 1, 0.0)
-        assert ro.response_ids == base.response_ids
-        schedule = ray.get(auto.__ray_call__.remote(lambda g: g.adaptive.draft_schedule()), timeout=60)
-        k_call = max((k for _, _, k in schedule), default=0)
-        assert per_pos(ro.history, "drafts_ge", 3)[k_call:] == [0] * (3 - k_call), (schedule, ro.history)
-        assert ro.spec.draft_tokens <= k_call * ro.spec.drafts, (schedule, ro.spec)
-    # the planner read the drafter's counters: per position, the share of rows drafting it among
-    # those that drafted the one before
-    fill, counts = ray.get(auto.__ray_call__.remote(lambda g: (g.adaptive.planner.fill,
-                                                               g.adaptive.planner.fill_counts)), timeout=60)
-    measured = [f for f, c in zip(fill, counts) if c[1] > 0]
-    assert measured and all(0 < f <= 1 for f in measured), (fill, counts)
+    # the planner read the drafter's per-position counters
+    auto_calls_keep_to_their_schedule(auto, lambda a: _gen(a, prompts, 1, 0.0), base.response_ids)
 
     def generate_at(gen, k, prompts, s):  # the engine alone, at a k set as 'auto' sets it
         from rlspec.speculation import device_proposer
