@@ -155,14 +155,14 @@ def _speculator_class(base):
             n = input_batch.num_reqs
             if dummy_run:
                 return self.drafts[:n]
-            rs, idx = self.req_states, input_batch.idx_mapping[:n]
+            rs, idx = self.req_states, input_batch.idx_mapping[:n].long()
             fill = last_sampled.view(-1)[idx].long()
-            self.stats.accept(*self.pending.rows(idx.long()), num_sampled[:n])
+            self.stats.accept(*self.pending.rows(idx), num_sampled[:n])
             # 'auto': the scheduler's k for this step (V2 keeps that many of each row's drafts)
             step_k = kwargs.get("num_speculative_tokens")
             k = self.k if step_k is None else min(self.k, int(step_k))
             if k <= 0 or not self.drafting:
-                self.pending.n[idx.long()] = 0
+                self.pending.n[idx] = 0
                 self.drafts[:n] = fill[:, None]
                 return self.drafts[:n]
             token_ids = rs.all_token_ids.gpu[idx]                       # [B, max_model_len]
@@ -176,7 +176,7 @@ def _speculator_class(base):
             active = num_sampled[:n] > 0
             drafts, counts, src = self.history.propose(token_ids, lengths, prompt_hash(token_ids, prompt_lens),
                                                        prompt_lens, k, active, sources=True)
-            self.pending.put(idx.long(), src, torch.zeros_like(counts) if self.full else counts)
+            self.pending.put(idx, src, torch.zeros_like(counts) if self.full else counts)
             if not self.full:
                 self.stats.add(active, counts, src)
             drafts = torch.nn.functional.pad(drafts, (0, self.k - k), value=-1)
