@@ -40,7 +40,6 @@ fallback (measured with the same script's `variants` mode).
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +49,7 @@ from rlspec.speculation import GLOBAL, HISTORY, MAX_SIBLINGS, MAX_VOTERS, PROMPT
 from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable, default_buckets
 from rlspec.speculation.device_ops import (first_of, fold, last_n_true, leading_run, prompt_hash,
                                          prompt_siblings, salted, window_keys, window_prints)
+from rlspec.speculation.device_ring import RingSequences
 
 END = -1      # a stored sequence's last token
 UNKNOWN = -2  # past a running row's last token: not yet written
@@ -133,10 +133,7 @@ class DeviceHistory:
         self.fill = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.written = torch.zeros((), dtype=torch.int64, device=self.device)  # tokens ever written
         self._written = 0  # the same on the host: inserts are planned there
-        # the ring's whole sequences, oldest first: start -> (size, head, prompt salt); per prompt its
-        # sequences' starts, oldest first
-        self._seqs: dict[int, tuple[int, int, int]] = {}
-        self._by_prompt: dict[int, deque] = {}
+        self._ring = RingSequences()  # the ring's whole sequences, on the host
         if max_per_prompt is not None and int(max_per_prompt) < 1:
             raise ValueError(f"device history: max_per_prompt must be at least 1, got {max_per_prompt}")
         self.max_per_prompt = None if max_per_prompt is None else int(max_per_prompt)
@@ -206,54 +203,41 @@ class DeviceHistory:
         them: sequences whose start the write overwrites leave (read before the write), the new
         ones that fit whole join. Call before the ring is written."""
         oldest = new_written - self.capacity
-        gone = []
-        while self._seqs and next(iter(self._seqs)) < oldest:
-            gone.append(self._forget(next(iter(self._seqs))))
-        self._count_out(gone)
+        self._count_out(self._ring.starting_before(oldest))
         first = self._written + start
         whole = first >= oldest
         for a, n, h, salt in zip(first[whole].tolist(), sizes[whole].tolist(), heads[whole].tolist(),
                                  salts[whole].tolist()):
-            self._seqs[a] = (n, h, salt)
-            self._by_prompt.setdefault(salt, deque()).append(a)
+            self._ring.add(a, n, h, salt)
         if self.counts is not None and bool(whole.any()):
             self.counts.add(body[torch.repeat_interleave(whole, sizes)], sizes[whole], heads[whole], 1)
-
-    def _forget(self, start: int) -> tuple[int, int, int]:
-        """A sequence leaves the host's records (it is its prompt's oldest): its (start, size, head)."""
-        n, h, salt = self._seqs.pop(start)
-        starts = self._by_prompt[salt]
-        starts.remove(start)
-        if not starts:
-            del self._by_prompt[salt]
-        return start, n, h
 
     def _count_out(self, seqs: list[tuple[int, int, int]]) -> None:
         """Sequences (start, size, head) still in the ring leave the count table."""
         if self.counts is not None and seqs:
-            at = torch.cat([torch.arange(a, a + n, device=self.device) for a, n, _ in seqs]) % self.capacity
-            self.counts.add(self.tok[at].long(), *(torch.tensor(x, device=self.device) for x in list(zip(*seqs))[1:]),
-                            -1)
+            self.counts.add(self.tok[self._positions(seqs)].long(),
+                            *(torch.tensor(x, device=self.device) for x in list(zip(*seqs))[1:]), -1)
+
+    def _positions(self, seqs) -> torch.Tensor:
+        """The ring positions of sequences (start, size, ...), one after another."""
+        return torch.cat([torch.zeros(0, dtype=torch.int64, device=self.device)] + [
+            torch.arange(a, a + n, device=self.device) for a, n, *_ in seqs]) % self.capacity
 
     def _bound_prompts(self) -> None:
         """Past max_per_prompt answers a prompt's oldest leave: counted out, their tokens blanked
         (EMPTY matches no context: their bucket entries draft nothing until the ring overwrites them)."""
         if self.max_per_prompt is None:
             return
-        over = [(salt, len(starts) - self.max_per_prompt) for salt, starts in self._by_prompt.items()
-                if len(starts) > self.max_per_prompt]
-        drop = [self._forget(self._by_prompt[salt][0]) for salt, n in over for _ in range(n)]
+        drop = self._ring.over_bound(self.max_per_prompt)
         if drop:
             self._count_out(drop)
-            at = torch.cat([torch.arange(a, a + n, device=self.device) for a, n, _ in drop]) % self.capacity
-            self.tok[at] = EMPTY
+            self.tok[self._positions(drop)] = EMPTY
 
     def state_dict(self) -> dict:
         """The ring's whole sequences, oldest first, on the host: their tokens ([prompt tail |
         response | END], concatenated: int32), their prompts' salts (int64) and tails' lengths."""
-        seqs = list(self._seqs.items())
-        at = torch.cat([torch.zeros(0, dtype=torch.int64, device=self.device)] + [
-            torch.arange(a, a + n, device=self.device) for a, (n, _, _) in seqs]) % self.capacity
+        seqs = list(self._ring.seqs.items())
+        at = self._positions([(a, n) for a, (n, _, _) in seqs])
         return {"format": "device", "tokens": self.tok[at].cpu().numpy().astype(np.int32),
                 "salts": np.array([salt for _, (_, _, salt) in seqs], np.int64),
                 "sizes": np.array([n for _, (n, _, _) in seqs], np.int64),
@@ -274,8 +258,7 @@ class DeviceHistory:
             torch.zeros_like(self.fill)
         self._written = 0
         self.written.fill_(0)
-        self._seqs.clear()
-        self._by_prompt.clear()
+        self._ring.clear()
         if self.counts is not None:
             self.counts.clear()
         if len(sizes):
@@ -509,12 +492,3 @@ class DeviceHistory:
         if ranks:
             return drafts, won
         return drafts if cap is None else (drafts, score)
-
-
-def merge_device_states(states: list[dict]) -> dict:
-    """Several engines' saved rings (DeviceHistory.state_dict) as one: their sequences one after
-    another."""
-    return {"format": "device", **{key: np.concatenate([np.zeros(0, t)] + [np.asarray(s[key], t) for s in states])
-                                   for key, t in (("tokens", np.int32), ("salts", np.int64), ("sizes", np.int64))},
-            "heads": np.concatenate([np.zeros(0, np.int64)] + [np.asarray(s.get("heads", np.zeros(len(s["sizes"]))),
-                                                                          np.int64) for s in states])}

@@ -113,7 +113,7 @@ class Generator(RefitReceiver):
 
     def load_history(self, paths: list[str]) -> None:
         """The stores saved at `paths`, merged (least recently seen first, bounds applied)."""
-        from rlspec.speculation.device_history import merge_device_states
+        from rlspec.speculation.device_ring import merge_device_states
         from rlspec.speculation.history_state import STATE_GLOBALS, merge_states
 
         with torch.serialization.safe_globals(STATE_GLOBALS):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rlspec.speculation import SOURCES
-from rlspec.speculation.device_history import END, DeviceHistory, merge_device_states, prompt_hash
+from rlspec.speculation.device_history import END, DeviceHistory, prompt_hash
+from rlspec.speculation.device_ring import merge_device_states
 
 SMALL = dict(max_tokens=1 << 12, width=8, max_match=8, prompt_keys=(4, 2, 1), global_keys=(4, 1))
 
