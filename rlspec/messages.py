@@ -138,6 +138,9 @@ class RolloutBatch:
     tags: list[int] | None = None
     carry: list[Group] | None = None
     partial: dict | None = None       # the call's counts (VLLMEngine.generate_groups)
+    # [engine steps, rows summed over them] over every step of the call, prefill steps included
+    # (a step's rows: the requests running or waiting before it); additive like decode_moments
+    step_rows: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +151,8 @@ class RolloutBatch:
                             [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
                             self.policy_version, self.seconds, self.spec, self.draft_schedule,
                             self.decode_moments, self.history,
-                            None if self.token_versions is None else [self.token_versions[i] for i in idx])
+                            None if self.token_versions is None else [self.token_versions[i] for i in idx],
+                            step_rows=self.step_rows)
 
     def versions(self) -> list[list[int]]:
         """[N][R_i] the policy version that sampled each token."""

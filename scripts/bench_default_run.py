@@ -64,9 +64,12 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
         accepted = sum((r["spec"] or {}).get("accepted_tokens", 0) for r in part)
         moments = [r["decode_step_moments"] for r in part if r.get("decode_step_moments")]
         running = sum(m[1] for m in moments) / max(sum(m[0] for m in moments), 1.0)
+        steps = sum(r["extra"].get("engine_steps", 0) for r in part)  # every engine step, prefills too
+        rows_all = sum(r["extra"].get("engine_step_rows", 0) for r in part) / max(steps, 1.0)
         epochs.append({"steps": [part[0]["step"], part[-1]["step"]],
                        # the engine's mean running batch over its decode steps, and over the rows it held
                        "running_batch": running, "batch_fill": running / held if held and moments else None,
+                       "batch_fill_all": rows_all / held if held and steps else None,
                        "generation_seconds": statistics.mean(r["stage_seconds"]["generation"] for r in part),
                        "step_seconds": statistics.mean(r["step_seconds"] for r in part),
                        "acceptance_length": 1 + accepted / drafts if drafts else None,
@@ -84,6 +87,10 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
             "tokens_per_second": s["tokens_per_second"], "epochs": epochs,
             "partial": {k[len("partial/"):]: sum(x[k] for x in ex) for k in ex[0] if k.startswith("partial/")}
             if partial else None,
+            # versions between a trained token's sampling weights and the learner's: the run's
+            # largest, and the mean of the steps' per-token means
+            "policy_lag": {"max": s["policy_lag_max"],
+                           "mean": statistics.mean(x.get("policy_lag_mean", 0.0) for x in ex)},
             # the lengths of the first step's rollouts (the shipped policy's) and over the whole run:
             # the mean of the steps' medians and 90th percentiles, the longest answer of any step
             "response_length_first": {q: ex[0][f"response_length_{q}"] for q in ("p50", "p90", "max")},
@@ -146,12 +153,18 @@ def summarise(runs: list[dict], target: float = 0.9) -> list[dict]:
                      for r in mine if r["seed"] in base]
             acc = [r["epochs"][e]["acceptance_length"] for r in mine if r["epochs"][e]["acceptance_length"]]
             fill = [r["epochs"][e]["batch_fill"] for r in mine if r["epochs"][e].get("batch_fill") is not None]
+            fill_all = [r["epochs"][e]["batch_fill_all"] for r in mine
+                        if r["epochs"][e].get("batch_fill_all") is not None]
             row["epochs"].append({"steps": mine[0]["epochs"][e]["steps"], "generation_seconds": harness.mean_std(gen),
                                   "batch_fill": harness.mean_std(fill) if fill else None,
+                                  "batch_fill_all": harness.mean_std(fill_all) if fill_all else None,
                                   "speedup_vs_none": harness.mean_std(speed) if speed else None,
                                   "acceptance_length": statistics.mean(acc) if acc else None})
         if all(r.get("partial") for r in mine):  # partial rollouts: counts over the run, mean over seeds
             row["partial"] = {k: statistics.mean(r["partial"][k] for r in mine) for k in mine[0]["partial"]}
+        if all("policy_lag" in r for r in mine):  # the largest over the seeds, the mean of their means
+            row["policy_lag"] = {"max": max(r["policy_lag"]["max"] for r in mine),
+                                 "mean": statistics.mean(r["policy_lag"]["mean"] for r in mine)}
         for which in ("first", "run"):
             row[f"response_length_{which}"] = {q: statistics.mean(r[f"response_length_{which}"][q] for r in mine)
                                                for q in ("p50", "p90", "max")}
@@ -228,16 +241,21 @@ def table(rows: list[dict]) -> str:
                   f", {pm(e['speedup_vs_none'], unit='x', spread=spread)}")
             acc = "" if e["acceptance_length"] is None else f", {e['acceptance_length']:.2f} tok/verif."
             fill = "" if not e.get("batch_fill") else f", batch {pm(e['batch_fill'], '.0%', spread=False)} full"
+            if e.get("batch_fill_all"):  # over every engine step, and over the decode steps alone
+                fill = (f", batch {pm(e['batch_fill_all'], '.0%', spread=False)} full "
+                        f"({pm(e['batch_fill'], '.0%', spread=False)} over decode steps)")
             cells.append(f"{pm(e['generation_seconds'], spread=spread)} s{sp}{acc}{fill}")
         out.append(f"| {label(r)} | " + " | ".join(cells) + " |")
     if any(r.get("partial") for r in rows):  # partial rollouts: what the run's calls carried (mean over seeds)
-        out += ["", "| setting | groups carried | answers carried | answers resumed | answers dropped (too old) |",
-                "|---|---|---|---|---|"]
+        out += ["", "| setting | groups carried | answers carried | answers resumed | answers dropped (too old) | "
+                "tokens sampled / dropped | policy lag per token: mean, max |", "|---|---|---|---|---|---|---|"]
         for r in rows:
             if r.get("partial"):
-                c = r["partial"]
+                c, lag = r["partial"], r.get("policy_lag")
                 out.append(f"| {label(r)} | {c['carried_groups']:.0f} | {c['carried_answers']:.0f} | "
-                           f"{c['resumed_answers']:.0f} | {c['dropped_answers']:.0f} |")
+                           f"{c['resumed_answers']:.0f} | {c['dropped_answers']:.0f} | "
+                           f"{c['new_tokens']:.0f} / {c.get('dropped_tokens', 0):.0f} | "
+                           f"{'-' if lag is None else format(lag['mean'], '.2f') + ', ' + str(lag['max'])} |")
     return "\n".join(out)
 
 

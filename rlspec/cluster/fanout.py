@@ -72,6 +72,7 @@ def merge_rollouts(parts: list[RolloutBatch], mixed_versions: bool = False) -> R
     out.history = {k: sum(h[k] for h in hist) for k in hist[0]} if hist else None
     for p in parts:
         out.decode_moments = add_moments(out.decode_moments, p.decode_moments)
+        out.step_rows = add_moments(out.step_rows, p.step_rows)
     return out
 
 

@@ -124,6 +124,12 @@ def decode_only(log: list[tuple[int, int, float]]) -> list[tuple[int, float]]:
     return out
 
 
+def step_rows(log: list[tuple[int, int, float]]) -> list[float]:
+    """Engine steps (running, waiting, seconds) -> [steps, rows summed over them]: every step,
+    prefills too, its rows the requests running or waiting before it (RolloutBatch.step_rows)."""
+    return [float(len(log)), float(sum(n + waiting for n, waiting, _ in log))]
+
+
 class VLLMEngine:
     """One vLLM LLM. speculative_config: vLLM's dict (rlspec.speculation.vllm_config), or None."""
 
@@ -258,7 +264,7 @@ class VLLMEngine:
         spec = None if before is None else self.spec_counters() - before
         self.decode_steps = decode_only(steps)
         return RolloutBatch(prompts, responses, logprobs, truncated, policy_version, seconds, spec,
-                            decode_moments=step_moments(self.decode_steps))
+                            decode_moments=step_moments(self.decode_steps), step_rows=step_rows(steps))
 
     @staticmethod
     def request_id(group: int, answer: int) -> str:
@@ -359,7 +365,8 @@ class VLLMEngine:
             [g.prompt_ids for g, _ in rows], [a.response_ids for _, a in rows], [a.logprobs for _, a in rows],
             [a.truncated for _, a in rows], min((v for vs in versions for v in vs), default=policy_version), seconds,
             spec, decode_moments=step_moments(self.decode_steps), token_versions=versions,
-            tags=[g.tag for gi, g in enumerate(groups) if gi in chosen], carry=carry, partial=stats)
+            tags=[g.tag for gi, g in enumerate(groups) if gi in chosen], carry=carry, partial=stats,
+            step_rows=step_rows(steps))
 
     def sleep(self) -> None:
         """Sleep mode: weights to CPU memory, KV cache freed (vLLM sleep level 1; the draft's

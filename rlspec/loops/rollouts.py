@@ -36,6 +36,7 @@ class GenTotals:
     decode_moments: list | None = None  # engine decode steps' step_moments(), every call and engine
     history: dict | None = None  # speculation=history: the drafter's counters, summed over calls
     partial: dict | None = None  # partial rollouts: the calls' counts (VLLMEngine.generate_groups), summed
+    step_rows: list | None = None  # [engine steps, their rows summed], every call and engine
 
     def add(self, ro: RolloutBatch) -> None:
         self.tokens += ro.num_tokens if ro.partial is None else ro.partial["new_tokens"]
@@ -48,6 +49,7 @@ class GenTotals:
         self.seconds += ro.seconds
         self.draft_schedule = ro.draft_schedule
         self.decode_moments = add_moments(self.decode_moments, ro.decode_moments)
+        self.step_rows = add_moments(self.step_rows, ro.step_rows)
         if ro.spec is not None:
             self.spec = ro.spec if self.spec is None else self.spec + ro.spec
 

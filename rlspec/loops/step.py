@@ -180,7 +180,9 @@ def step_record(step: int, version: int, ro: RolloutBatch, rw: torch.Tensor, tim
                **length_quantiles([len(r) for r in ro.response_ids]),
                "truncated_frac": sum(ro.truncated) / len(ro.truncated),
                "behaviour_version": float(ro.policy_version), **token_lag(step, ro),
-               **{f"partial/{k}": float(v) for k, v in (totals.partial or {}).items()}},
+               **{f"partial/{k}": float(v) for k, v in (totals.partial or {}).items()},
+               **({} if totals.step_rows is None else
+                  {"engine_steps": totals.step_rows[0], "engine_step_rows": totals.step_rows[1]})},
         decode_step_moments=totals.decode_moments)
 
 

@@ -188,12 +188,14 @@ def test_every_call_reports_its_decode_steps(plain, prompts):
     """The engine-step moments `rlspec.sim calibrate` fits: without speculation every running
     sequence gains one token per decode step, so the running counts summed over the decode steps
     are the tokens left after the prefill step and the step after it (2 per sequence), and the
-    steps' seconds are part of the call's."""
+    steps' seconds are part of the call's. Over every step (step_rows, the prefill step too) a
+    sequence is in one step per token it sampled."""
     ro = generate(plain, prompts, 4, 1.0, 32)
     count, sum_n, sum_nn, sum_t, sum_nt = ro.decode_moments
     lengths = [len(r) for r in ro.response_ids]
     assert count == max(lengths) - 2
     assert sum_n == sum(max(0, n - 2) for n in lengths)
+    assert ro.step_rows == [max(lengths), sum(lengths)]
     assert sum_n <= sum_nn <= sum_n * len(lengths)
     assert 0 < sum_t < ro.seconds and sum_nt <= sum_t * len(lengths)
 
