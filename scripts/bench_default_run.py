@@ -85,6 +85,9 @@ def read_run(setting: str, seed: int, run_dir: Path, per_epoch: float) -> dict:
             "seconds_at_val": [sum(r["step_seconds"] for r in recs if r["step"] <= v) for v in s["val_steps"]],
             "acceptance_length": s["acceptance_length"],
             "tokens_per_second": s["tokens_per_second"], "epochs": epochs,
+            # per step: [engine steps, rows summed over them, the engine's seconds] (engine_cost's points)
+            "engine_points": [[r["extra"]["engine_steps"], r["extra"]["engine_step_rows"], r["engine_seconds"]]
+                              for r in recs if "engine_steps" in r["extra"] and r.get("engine_seconds")],
             "partial": {k[len("partial/"):]: sum(x[k] for x in ex) for k in ex[0] if k.startswith("partial/")}
             if partial else None,
             # versions between a trained token's sampling weights and the learner's: the run's
@@ -162,6 +165,7 @@ def summarise(runs: list[dict], target: float = 0.9) -> list[dict]:
                                   "acceptance_length": statistics.mean(acc) if acc else None})
         if all(r.get("partial") for r in mine):  # partial rollouts: counts over the run, mean over seeds
             row["partial"] = {k: statistics.mean(r["partial"][k] for r in mine) for k in mine[0]["partial"]}
+        row["engine_cost"] = engine_cost([r for r in runs if arm(r["setting"]) == arm(name)])
         if all("policy_lag" in r for r in mine):  # the largest over the seeds, the mean of their means
             row["policy_lag"] = {"max": max(r["policy_lag"]["max"] for r in mine),
                                  "mean": statistics.mean(r["policy_lag"]["mean"] for r in mine)}
@@ -170,6 +174,28 @@ def summarise(runs: list[dict], target: float = 0.9) -> list[dict]:
                                                for q in ("p50", "p90", "max")}
         rows.append(row)
     return rows
+
+
+def arm(setting: str) -> str:
+    """The setting without its partial-rollout overrides: the runs one engine cost fit pools."""
+    return "+".join(p for p in setting.split("+") if not p.startswith("generation.partial."))
+
+
+def engine_cost(runs: list[dict]) -> dict | None:
+    """Least squares over the runs' steps of the engine's seconds = a x engine steps + b x rows
+    (a step's fixed cost, a row's) and the share of the seconds' variance it explains (R^2). Fit
+    over an arm's runs with and without partial rollouts, whose rows per step differ: where b
+    dominates, a fuller batch costs about what it holds and fewer steps gain little."""
+    import numpy as np
+
+    pts = np.array([p for r in runs for p in r.get("engine_points", [])], dtype=float)
+    if len(pts) < 3:
+        return None
+    (a, b), *_ = np.linalg.lstsq(pts[:, :2], pts[:, 2], rcond=None)
+    resid = pts[:, 2] - pts[:, :2] @ np.array([a, b])
+    r2 = 1 - float(resid @ resid) / float(((pts[:, 2] - pts[:, 2].mean()) ** 2).sum())
+    steps, rows, secs = pts.sum(axis=0)
+    return {"per_step_ms": 1e3 * a, "per_row_ms": 1e3 * b, "r2": r2, "row_share": b * rows / secs}
 
 
 def pm(v: tuple[float, float] | None, spec: str = ".2f", unit: str = "", spread: bool = True) -> str:
@@ -256,6 +282,12 @@ def table(rows: list[dict]) -> str:
                            f"{c['resumed_answers']:.0f} | {c['dropped_answers']:.0f} | "
                            f"{c['new_tokens']:.0f} / {c.get('dropped_tokens', 0):.0f} | "
                            f"{'-' if lag is None else format(lag['mean'], '.2f') + ', ' + str(lag['max'])} |")
+    fits = {arm(r["setting"]): r["engine_cost"] for r in rows if r.get("engine_cost")}
+    if fits:  # one fit an arm: its runs with and without partial rollouts pooled
+        out += ["", "| arm (with and without partial rollouts) | engine s = a x steps + b x rows: a (ms) | b (ms) | "
+                "R^2 over steps | rows' share of the seconds |", "|---|---|---|---|---|"]
+        out += [f"| {name} | {c['per_step_ms']:.2f} | {c['per_row_ms']:.3f} | {c['r2']:.2f} | {c['row_share']:.0%} |"
+                for name, c in fits.items()]
     return "\n".join(out)
 
 
