@@ -145,7 +145,9 @@ class PartialRolloutConfig:
     over_provision: float = 1.5
     # A carried answer (finished or not) with a token sampled more than this many policy versions
     # before the weights that would resume it is started again, and counted (partial/dropped_answers).
-    max_carry_versions: int = 2
+    # It caps a trained token's lag; a tight cap restarts the long answers that need several calls,
+    # and the tokens they had are sampled again (docs/async.md#partial-rollouts-the-long-tail).
+    max_carry_versions: int = 8
     # Refill: a call also holds num_prompts_per_step - 1 spare groups, one started each time a group
     # completes, so the running batch stays at over_provision x the step's groups until the call
     # returns (false: it thins out as groups complete, as in APRIL).

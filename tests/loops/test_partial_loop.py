@@ -58,7 +58,8 @@ def test_a_run_resumed_with_carried_answers_continues_exactly(tmp_path, refill):
     more than max_carry_versions (2). With refill, spares started mid-call too."""
     from rlspec.loops.checkpoint import read_driver_state
 
-    extra = (PARTIAL, "generation.max_new_tokens=64", f"generation.partial.refill={str(refill).lower()}")
+    extra = (PARTIAL, "generation.max_new_tokens=64", f"generation.partial.refill={str(refill).lower()}",
+             "generation.partial.max_carry_versions=2")
     ref = train(tmp_path / "ref", *extra)
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = records(tmp_path / "ref")
