@@ -268,8 +268,8 @@ def table(rows: list[dict]) -> str:
             acc = "" if e["acceptance_length"] is None else f", {e['acceptance_length']:.2f} tok/verif."
             fill = "" if not e.get("batch_fill") else f", batch {pm(e['batch_fill'], '.0%', spread=False)} full"
             if e.get("batch_fill_all"):  # over every engine step, and over the decode steps alone
-                fill = (f", batch {pm(e['batch_fill_all'], '.0%', spread=False)} full "
-                        f"({pm(e['batch_fill'], '.0%', spread=False)} over decode steps)")
+                fill = f", batch {pm(e['batch_fill_all'], '.0%', spread=False)} full" + (
+                    f" ({pm(e['batch_fill'], '.0%', spread=False)} over decode steps)" if e.get("batch_fill") else "")
             cells.append(f"{pm(e['generation_seconds'], spread=spread)} s{sp}{acc}{fill}")
         out.append(f"| {label(r)} | " + " | ".join(cells) + " |")
     if any(r.get("partial") for r in rows):  # partial rollouts: what the run's calls carried (mean over seeds)

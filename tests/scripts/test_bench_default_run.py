@@ -7,14 +7,19 @@ import pytest
 import bench_default_run as bdr
 
 
-def write_run(path, gen_seconds, spec=None, val=(0.3, 0.5, 0.8)):
-    """A summary.json of len(gen_seconds) steps; spec: per step (drafts, accepted) or None."""
+def write_run(path, gen_seconds, spec=None, val=(0.3, 0.5, 0.8), engine=None, lag=(0, 0.0)):
+    """A summary.json of len(gen_seconds) steps; spec: per step (drafts, accepted) or None;
+    engine: per step (engine steps, rows, engine seconds) or None; lag: (run's max, every step's
+    per-token mean)."""
     recs = []
     for i, g in enumerate(gen_seconds):
         d = None if spec is None else {"drafts": spec[i][0], "accepted_tokens": spec[i][1]}
+        extra = {"response_length_p50": 10 + i, "response_length_p90": 30 + i, "response_length_max": 50 + 10 * i,
+                 "policy_lag_mean": lag[1]}
+        if engine is not None:
+            extra |= {"engine_steps": engine[i][0], "engine_step_rows": engine[i][1]}
         recs.append({"step": i + 1, "step_seconds": g + 1.0, "stage_seconds": {"generation": g}, "spec": d,
-                     "extra": {"response_length_p50": 10 + i, "response_length_p90": 30 + i,
-                               "response_length_max": 50 + 10 * i}})
+                     "engine_seconds": None if engine is None else engine[i][2], "extra": extra})
     (path / ".hydra").mkdir(parents=True)
     method, k = ("none", 3) if spec is None else ("history", 8)  # the run's composed speculation group
     (path / ".hydra" / "config.yaml").write_text(
@@ -23,7 +28,7 @@ def write_run(path, gen_seconds, spec=None, val=(0.3, 0.5, 0.8)):
         "records": recs, "steps": len(recs), "wall_seconds": 60.0 * len(recs), "step_seconds": 2.0,
         "stage_share": {"generation": 0.6}, "stage_seconds": {"generation": sum(gen_seconds) / len(recs)},
         "val_steps": [0, 2, 4], "val_accuracy": list(val), "val_seconds": [3.0, 1.0, 2.0], "acceptance_length": None,
-        "tokens_per_second": 1.0}))
+        "tokens_per_second": 1.0, "policy_lag_max": lag[0]}))
     return path
 
 
@@ -134,3 +139,30 @@ def test_add_grows_a_grid_run_by_run_and_keeps_what_is_done(tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="grid.json: its runs were made with --set"):
         bdr.main()  # another set of overrides is another grid: nothing is mixed or lost
     assert len(json.loads(out.read_text())["runs"]) == 4 and len(made) == 4
+
+
+def test_batch_fill_over_every_step_lag_and_the_engine_cost_fit(tmp_path):
+    """Fill over every engine step = rows per step / the rows a call holds (P x G: 2 x 3 here);
+    the lag is the run's largest and the mean of the steps'; the engine cost fit pools an arm's
+    runs with and without partial rollouts and recovers a step's and a row's cost where the
+    seconds are exactly a x steps + b x rows (a = 2 ms, b = 0.1 ms)."""
+    cost = lambda steps, rows: (steps, rows, 2e-3 * steps + 1e-4 * rows)  # noqa: E731
+    (tmp_path / "h").mkdir()
+    whole = write_run(tmp_path / "w", [1.0, 1.0], engine=[cost(10, 30), cost(20, 30)])
+    part = write_run(tmp_path / "p", [1.0, 1.0], engine=[cost(5, 30), cost(5, 25)], lag=(3, 0.5))
+    for d in (whole, part):
+        (d / ".hydra" / "config.yaml").write_text((d / ".hydra" / "config.yaml").read_text() + (
+            "generation:\n  num_prompts_per_step: 2\n  num_generations_per_prompt: 3\n"
+            "  partial:\n    enabled: false\n    over_provision: 1.5\n"))
+    runs = [bdr.read_run("none", 0, whole, per_epoch=2), bdr.read_run("none+generation.partial.x=1", 0, part, 2)]
+    assert runs[0]["epochs"][0]["batch_fill_all"] == pytest.approx(60 / 30 / 6)
+    assert runs[1]["epochs"][0]["batch_fill_all"] == pytest.approx(55 / 10 / 6)
+    assert runs[1]["policy_lag"] == {"max": 3, "mean": 0.5}
+    rows = bdr.summarise(runs)
+    fit = rows[1]["engine_cost"]
+    assert rows[0]["engine_cost"] == fit   # one fit for the arm
+    assert fit["per_step_ms"] == pytest.approx(2.0) and fit["per_row_ms"] == pytest.approx(0.1)
+    assert fit["r2"] == pytest.approx(1.0)
+    assert fit["row_share"] == pytest.approx(1e-4 * 115 / (2e-3 * 40 + 1e-4 * 115))
+    text = bdr.table(rows)
+    assert "batch 33% full |" in text and "| none | 2.00 | 0.100 | 1.00 |" in text  # no decode steps timed
