@@ -33,6 +33,17 @@ def engines(ray_session):
         ray.kill(a)
 
 
+@pytest.fixture(scope="module")
+def auto_engine(ray_session):
+    """History drafting under 'auto' k (k <= 3, batch buckets 1 and 4)."""
+    import ray
+
+    actor = start_generator(["speculation=history", "speculation.num_speculative_tokens=auto",
+                             "speculation.max_speculative_tokens=3", "speculation.auto_buckets=[1,4]"])
+    yield actor
+    ray.kill(actor)
+
+
 def test_a_call_that_needs_every_group_samples_what_generate_samples(engines, prompts):
     """Seeded sampling at T=1 with nothing aborted: the same tokens and behaviour log-probs as the
     whole-call path. Where requests carry seeds (GPUs) answer j of a group is seeded as vLLM seeds
@@ -48,14 +59,15 @@ def test_a_call_that_needs_every_group_samples_what_generate_samples(engines, pr
     assert got.token_versions == [[0] * len(r) for r in got.response_ids]
 
 
-@pytest.mark.parametrize("method", ["ngram", "history"])
-def test_aborted_answers_resume_to_the_uninterrupted_greedy_answers(engines, prompts, method):
+@pytest.mark.parametrize("method", ["ngram", "history", "history-auto"])
+def test_aborted_answers_resume_to_the_uninterrupted_greedy_answers(engines, prompts, method, request):
     """Greedy (groups of two answers, each the prompt's greedy answer): a call that needs one group
     of six returns the first complete one and aborts the others mid-answer; the next call resumes
     them (prompt plus partial answer) and every answer, joined, is the uninterrupted greedy answer
     token for token, its behaviour log-probs equal to the uninterrupted ones within float32
-    rounding of a prefill against a decode (1e-4)."""
-    actor = engines[method]
+    rounding of a prefill against a decode (1e-4). Under 'auto' k each partial call keeps to the
+    k its planner scheduled (no draft wider than the call's largest)."""
+    actor = request.getfixturevalue("auto_engine") if method == "history-auto" else engines[method]
     n, max_tokens = 2, 48
     whole = call(actor.generate, prompts, sampling(1, 0.0, max_tokens))  # vLLM: greedy needs n=1
     first = call(actor.generate_groups, groups_of(prompts, n), sampling(n, 0.0, max_tokens), 1)
@@ -66,6 +78,11 @@ def test_aborted_answers_resume_to_the_uninterrupted_greedy_answers(engines, pro
     assert all(len(a.logprobs) == len(a.versions) == len(a.response_ids) for a in cut)
     second = call(actor.generate_groups, first.carry, sampling(n, 0.0, max_tokens), None)
     assert second.carry == [] and sorted(first.tags + second.tags) == list(range(len(prompts)))
+    if method == "history-auto":
+        for ro in (first, second):
+            k_call = max((k for _, _, k in ro.draft_schedule), default=0)
+            assert ro.spec.draft_tokens <= k_call * ro.spec.drafts, (ro.draft_schedule, ro.spec)
+        assert first.spec.drafts + second.spec.drafts > 0
     got = {}
     for ro in (first, second):
         for g, tag in enumerate(ro.tags):
