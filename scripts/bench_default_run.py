@@ -21,6 +21,7 @@ import os
 import statistics
 from pathlib import Path
 
+import numpy as np
 from omegaconf import OmegaConf
 
 import harness
@@ -126,6 +127,7 @@ def summarise(runs: list[dict], target: float = 0.9) -> list[dict]:
     seconds to held-out accuracy `target` over the seeds that reached it."""
     settings = list(dict.fromkeys(r["setting"] for r in runs))
     base = {r["seed"]: r for r in runs if r["setting"] == "none"}
+    fits = {a: engine_cost([r for r in runs if arm(r["setting"]) == a]) for a in {arm(s) for s in settings}}
     rows = []
     for name in settings:
         mine = [r for r in runs if r["setting"] == name]
@@ -165,7 +167,7 @@ def summarise(runs: list[dict], target: float = 0.9) -> list[dict]:
                                   "acceptance_length": statistics.mean(acc) if acc else None})
         if all(r.get("partial") for r in mine):  # partial rollouts: counts over the run, mean over seeds
             row["partial"] = {k: statistics.mean(r["partial"][k] for r in mine) for k in mine[0]["partial"]}
-        row["engine_cost"] = engine_cost([r for r in runs if arm(r["setting"]) == arm(name)])
+        row["engine_cost"] = fits[arm(name)]
         if all("policy_lag" in r for r in mine):  # the largest over the seeds, the mean of their means
             row["policy_lag"] = {"max": max(r["policy_lag"]["max"] for r in mine),
                                  "mean": statistics.mean(r["policy_lag"]["mean"] for r in mine)}
@@ -186,8 +188,6 @@ def engine_cost(runs: list[dict]) -> dict | None:
     (a step's fixed cost, a row's) and the share of the seconds' variance it explains (R^2). Fit
     over an arm's runs with and without partial rollouts, whose rows per step differ: where b
     dominates, a fuller batch costs about what it holds and fewer steps gain little."""
-    import numpy as np
-
     pts = np.array([p for r in runs for p in r.get("engine_points", [])], dtype=float)
     if len(pts) < 3:
         return None
