@@ -98,11 +98,14 @@ class Group:
     """A prompt's G answers as a partial-rollout call takes and returns them (rlspec/loops/partial.py).
     seed: the group's sampling seed (answer j samples with seed + j, as vLLM seeds a request of
     n > 1; a resumed answer with a seed of its own, Group.answer_seed); tag: the driver's name for
-    the group (its prompt)."""
+    the group (its prompt); carried: how many calls it has been carried out of after starting
+    (VLLMEngine.generate_groups runs a group carried generation.partial.max_carries times to the
+    end)."""
     prompt_ids: list[int]
     answers: list[Answer]
     seed: int | None
     tag: int
+    carried: int = 0  # calls it was started in and carried out of unfinished
 
     @property
     def done(self) -> bool:

@@ -72,13 +72,14 @@ class Generators(Group):
         return fan_out(self.role, Generator.generate.__name__, parts, fanout.merge_rollouts)
 
     def generate_groups(self, groups: list, sampling: Sampling, needed: int | None,
-                        max_carry_versions: int | None, start: int | None = None) -> Call:
+                        max_carry_versions: int | None, start: int | None = None,
+                        max_carries: int | None = None) -> Call:
         """Partial rollouts (Generator.generate_groups): the groups spread over the engines (by
         prompt under history), each engine needing its share of `needed` and starting its share of
         `start` at once; results in engine order."""
         method = Generator.generate_groups
         if len(self.handles) == 1:
-            return self.one(0, method, groups, sampling, needed, max_carry_versions, start)
+            return self.one(0, method, groups, sampling, needed, max_carry_versions, start, max_carries)
         from rlspec.cluster import fanout
 
         E = len(self.handles)
@@ -87,7 +88,7 @@ class Generators(Group):
         used = [(e, r) for e, r in enumerate(routes) if r]
         sizes = [len(r) for _, r in used]
         starts = fanout.shares(start, sizes)
-        parts = [self.one(e, method, [groups[i] for i in r], sampling, k, max_carry_versions, s)
+        parts = [self.one(e, method, [groups[i] for i in r], sampling, k, max_carry_versions, s, max_carries)
                  for (e, r), k, s in zip(used, fanout.shares(needed, sizes), starts)]
         return fan_out(self.role, method.__name__, parts, fanout.merge_groups)
 

@@ -124,6 +124,7 @@ def _validate_generation(cfg: RLSpecConfig) -> None:
         _check(pr.over_provision >= 1.0, "generation.partial.over_provision",
                "must be >= 1 (groups in flight over the groups a step trains)")
         _check(pr.max_carry_versions >= 0, "generation.partial.max_carry_versions", "must be >= 0")
+        _check(pr.max_carries >= 0, "generation.partial.max_carries", "must be >= 0")
 
 
 def _validate_speculation(cfg: RLSpecConfig) -> None:

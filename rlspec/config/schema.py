@@ -148,6 +148,12 @@ class PartialRolloutConfig:
     # It caps a trained token's lag; a tight cap restarts the long answers that need several calls,
     # and the tokens they had are sampled again (docs/async.md#partial-rollouts-the-long-tail).
     max_carry_versions: int = 8
+    # A group started and carried out of this many calls unfinished is run to its end by the next
+    # call, which returns it first (partial/forced_groups): every group is trained within
+    # max_carries + 1 calls of its start, the long answers too. Without the bound a group that
+    # loses every call's race (its answers longer than the others') is carried for the rest of the
+    # run, holds its slot and never trains: the long tail is left out.
+    max_carries: int = 4
     # Refill: a call also holds num_prompts_per_step - 1 spare groups, one started each time a group
     # completes, so the running batch stays at over_provision x the step's groups until the call
     # returns (false: it thins out as groups complete, as in APRIL).

@@ -169,6 +169,7 @@ class VLLMEngine:
         self.partial_engine_seeded = current_platform.is_cpu()
         self.step_log: list[tuple[int, int, float]] | None = None  # while set: (running, waiting, seconds)
         self.decode_steps: list[tuple[int, float]] = []  # the last generate call's (running batch, seconds)
+        self.steps: list[tuple[int, int, float]] = []  # the last call's every step: (running, waiting, seconds)
         self._time_engine_steps()
 
     def close(self) -> None:
@@ -262,7 +263,7 @@ class VLLMEngine:
                 logprobs.append([float(step[t].logprob) for t, step in zip(ids, c.logprobs)])
                 truncated.append(c.finish_reason == "length")
         spec = None if before is None else self.spec_counters() - before
-        self.decode_steps = decode_only(steps)
+        self.steps, self.decode_steps = steps, decode_only(steps)
         return RolloutBatch(prompts, responses, logprobs, truncated, policy_version, seconds, spec,
                             decode_moments=step_moments(self.decode_steps), step_rows=step_rows(steps))
 
@@ -273,7 +274,7 @@ class VLLMEngine:
 
     def generate_groups(self, groups: list[Group], sampling: Sampling, policy_version: int,
                         needed: int | None = None, max_carry_versions: int | None = None,
-                        start: int | None = None) -> RolloutBatch:
+                        start: int | None = None, max_carries: int | None = None) -> RolloutBatch:
         """Partial rollouts (rlspec/loops/partial.py): every unfinished answer of `groups` is
         continued (prompt plus its tokens so far, with what is left of sampling.max_tokens) until
         `needed` groups (None: all) are complete; the rest are aborted (vLLM's abort) and come back
@@ -283,8 +284,10 @@ class VLLMEngine:
         from the call's start, the others (spares) one each time a group completes, so the batch
         stays full (None: all at once); spares never started come back in `carry` as they were.
         An answer holding a token sampled more than max_carry_versions versions before
-        policy_version is started again first. The batch's `partial` counts answers resumed,
-        dropped so and carried out, and spares started and not."""
+        policy_version is started again first. A group carried out of max_carries calls (None: no
+        bound) is due: it starts at once, the call runs until it is complete too, and it comes
+        first among the returned groups (the others by completion). The batch's `partial` counts
+        answers resumed, dropped so and carried out, spares started and not, and groups forced so."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -296,7 +299,7 @@ class VLLMEngine:
         start = len(groups) if start is None else min(max(start, needed), len(groups))
         stats = dict.fromkeys(("resumed_answers", "resumed_tokens", "dropped_answers", "dropped_tokens",
                                "carried_groups", "carried_answers", "new_tokens", "spares_started",
-                               "spares_unstarted"), 0)
+                               "spares_unstarted", "forced_groups"), 0)
         oldest_kept = None if max_carry_versions is None else policy_version - max_carry_versions
         for g in groups:
             for j, a in enumerate(g.answers):
@@ -323,12 +326,14 @@ class VLLMEngine:
                     seed=None if engine_seeded else g.answer_seed(j), output_kind=RequestOutputKind.DELTA))
                 live[rid] = (gi, j)
 
-        for gi in range(start):
+        due = {gi for gi, g in enumerate(groups) if max_carries is not None and g.carried >= max_carries
+               and not g.done}
+        for gi in sorted(set(range(start)) | due):
             begin(gi)
         spare = start  # the next group to start when one completes
         complete = [gi for gi, g in enumerate(groups) if g.done]
         with self.timed_steps() as steps:
-            while len(complete) < needed and engine.has_unfinished_requests():
+            while (len(complete) < needed or not due <= set(complete)) and engine.has_unfinished_requests():
                 for out in engine.step():
                     gi, j = live[out.request_id]
                     c, a = out.outputs[0], groups[gi].answers[j]
@@ -342,6 +347,8 @@ class VLLMEngine:
                         del live[out.request_id]
                         if groups[gi].done:
                             complete.append(gi)
+                            while len(complete) < needed and spare < len(groups) and spare in due:
+                                spare += 1  # started already
                             if len(complete) < needed and spare < len(groups):
                                 begin(spare)
                                 spare += 1
@@ -352,14 +359,20 @@ class VLLMEngine:
         if engine.has_unfinished_requests():
             raise RuntimeError(f"vLLM still runs requests after aborting {len(live)}: the engine is not idle")
         seconds = time.perf_counter() - t0
-        chosen = set(complete[:needed])
-        carry = [g for gi, g in enumerate(groups) if gi not in chosen]
-        stats["spares_started"], stats["spares_unstarted"] = spare - start, len(groups) - spare
+        chosen = set(([gi for gi in complete if gi in due] + [gi for gi in complete if gi not in due])[:needed])
+        stats["forced_groups"] = len(due & chosen)
+        started = set(range(spare)) | due
+        carry = []
+        for gi, g in enumerate(groups):
+            if gi not in chosen:
+                g.carried += gi in started and not g.done
+                carry.append(g)
+        stats["spares_started"], stats["spares_unstarted"] = spare - start, len(groups) - len(started)
         stats["carried_groups"] = len(carry) - stats["spares_unstarted"]
         stats["carried_answers"] = sum(not a.done for g in carry for a in g.answers)
         rows = [(g, a) for gi, g in enumerate(groups) if gi in chosen for a in g.answers]
         spec = None if before is None else self.spec_counters() - before
-        self.decode_steps = decode_only(steps)
+        self.steps, self.decode_steps = steps, decode_only(steps)
         versions = [a.versions for _, a in rows]
         return RolloutBatch(
             [g.prompt_ids for g, _ in rows], [a.response_ids for _, a in rows], [a.logprobs for _, a in rows],

@@ -15,7 +15,8 @@ never started is carried as it was (no tokens), first in line for the next call.
 
 Every group is trained once or still carried; an answer is never trained twice. An answer whose
 oldest token trails the resuming weights by more than max_carry_versions is started again and
-counted. The carried groups (with the prompts they belong to) are part of the data position a
+counted. A group carried out of max_carries calls is run to its end by the next and trained
+there, so no group (the long answers the feature is for) is carried for ever. The carried groups (with the prompts they belong to) are part of the data position a
 checkpoint saves, so a resumed run continues them exactly.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ class PartialRollouts:
     """The carried groups between a run's generate calls, and the prompts they belong to."""
 
     def __init__(self, sampler: PromptSampler, prompts: list[Prompt], groups_per_step: int, group_size: int,
-                 over_provision: float, max_carry_versions: int, refill: bool = False):
+                 over_provision: float, max_carry_versions: int, refill: bool = False, max_carries: int | None = None):
         self.sampler, self.prompts = sampler, prompts
         self.index = {id(p): i for i, p in enumerate(prompts)}
         self.P, self.G = groups_per_step, group_size
@@ -46,11 +47,11 @@ class PartialRollouts:
         # beside them; None: every group at once
         self.start = self.in_flight if refill else None
         self.spares = groups_per_step - 1 if refill else 0
-        self.max_carry_versions = max_carry_versions
+        self.max_carry_versions, self.max_carries = max_carry_versions, max_carries
         self.carry: list[Group] = []
         self.owner: dict[int, int] = {}  # a carried group's tag -> its prompt's index in `prompts`
         self.next_tag = 0
-        self.totals = {"dropped_answers": 0, "resumed_answers": 0}  # over the run
+        self.totals = {"dropped_answers": 0, "resumed_answers": 0, "forced_groups": 0}  # over the run
 
     def groups(self, fresh: list[Prompt], sampling: Sampling) -> list[Group]:
         """The call's groups: every carried one, then one for each prompt of `fresh` (seeded by
@@ -90,7 +91,7 @@ class PartialRollouts:
         if part is None:
             raise ValueError("the checkpoint was saved without partial rollouts (generation.partial.enabled=false); "
                              "resume it with the setting it was saved with")
-        self.carry = [Group(g["prompt_ids"], [Answer(**a) for a in g["answers"]], g["seed"], g["tag"])
-                      for g in part["carry"]]
+        self.carry = [Group(g["prompt_ids"], [Answer(**a) for a in g["answers"]], g["seed"], g["tag"],
+                            g.get("carried", 0)) for g in part["carry"]]
         self.owner = {int(k): v for k, v in part["owner"].items()}
-        self.next_tag, self.totals = part["next_tag"], dict(part["totals"])
+        self.next_tag, self.totals = part["next_tag"], {**dict.fromkeys(self.totals, 0), **part["totals"]}

@@ -72,7 +72,7 @@ def submit_partial(run: Run, partial: PartialRollouts, seed: int) -> Call:
     sampling = Sampling.of(run.cfg.generation, seed)
     groups = partial.groups(partial.draw(), sampling)
     return run.actors.generators.generate_groups(groups, sampling, partial.P, partial.max_carry_versions,
-                                                 partial.start)
+                                                 partial.start, partial.max_carries)
 
 
 def generate_partial(run: Run, partial: PartialRollouts, seed: int, timer: StageTimer, totals: GenTotals):

@@ -64,7 +64,9 @@ def collect_groups(run: Run, sampler: PromptSampler, step: int, timer: StageTime
     stats["groups_dropped"] = float(len(spare))
     weight = torch.tensor([1.0] * min(len(keep), P) + [0.0] * max(P - len(keep), 0))
     chosen = (keep + spare)[:P]
-    ro = RolloutBatch.concat([c[0] for c in chosen], mixed_versions=queue is not None)
+    # rounds sample other weights (async: the queue's round is older) or carry answers of other
+    # versions (partial rollouts): their batches hold several versions
+    ro = RolloutBatch.concat([c[0] for c in chosen], mixed_versions=queue is not None or partial is not None)
     return ro, torch.stack([c[1] for c in chosen]), weight, stats
 
 

@@ -31,7 +31,8 @@ def run_loop(run: Run, resume_from: Path | None = None, restarts: int = 0) -> di
     sampler = PromptSampler(run.train, seed=t.seed, shuffle=cfg.data.shuffle)
     g = cfg.generation
     partial = (PartialRollouts(sampler, run.train.prompts, g.num_prompts_per_step, g.num_generations_per_prompt,
-                               g.partial.over_provision, g.partial.max_carry_versions, g.partial.refill)
+                               g.partial.over_provision, g.partial.max_carry_versions, g.partial.refill,
+                               g.partial.max_carries)
                if g.partial.enabled else None)
     data = partial or sampler  # the data position: the sampler's, and the carried groups under partial rollouts
     ckpt = Checkpointer(run.ckpt_root, t.checkpoint_keep, run.actors, run.log,

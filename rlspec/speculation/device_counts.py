@@ -13,7 +13,6 @@ import torch
 
 from rlspec.speculation.device_ops import _C1, _P, _powers, _signed, mix
 
-_COUNT = 1 << 48  # a next token's score: count first, the lower token second
 # The defaults both backends count and draft with (the host store's count table is this one:
 # rlspec/speculation/store_counts.py)
 WIDTH, MIN_PROB, SELECT = 16, 0.1, "score"
@@ -150,7 +149,10 @@ class CountTable:
             at = torch.searchsorted(self.levels, m + t, right=True) - 1
             key = (k0 if t == 0 else self._keys(seq, pw)).gather(1, at.clamp(min=0)[:, None])[:, 0]
             cnt, tok = self._look(key)
-            best = torch.where(cnt > 0, cnt * _COUNT - tok, -(1 << 62)).argmax(1, keepdim=True)
+            # the highest count, ties to the lower token: two reductions (a packed count * 2^s - token
+            # key would wrap for counts the ring reaches)
+            top = cnt.amax(1, keepdim=True)
+            best = torch.where((cnt == top) & (cnt > 0), tok, 1 << 62).argmin(1, keepdim=True)
             x, votes = tok.gather(1, best)[:, 0], cnt.gather(1, best)[:, 0]
             share = votes.double() / cnt.sum(1).clamp(min=1).double()
             prob = prob * share   # the share first, as the host's walk and the reference

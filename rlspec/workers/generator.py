@@ -58,7 +58,8 @@ class Generator(RefitReceiver):
         return self._call(prompt_ids, sampling, lambda: self.engine.generate(prompt_ids, sampling, self.policy_version))
 
     def generate_groups(self, groups: list[Group], sampling: Sampling, needed: int | None = None,
-                        max_carry_versions: int | None = None, start: int | None = None) -> RolloutBatch:
+                        max_carry_versions: int | None = None, start: int | None = None,
+                        max_carries: int | None = None) -> RolloutBatch:
         """Partial rollouts: `groups` continued until `needed` of them are complete, the rest carried
         (VLLMEngine.generate_groups), the call otherwise as `generate` runs it. The groups' finished
         answers join the history when their group is returned; a resumed answer is drafted under its
@@ -66,7 +67,7 @@ class Generator(RefitReceiver):
         resumed = {VLLMEngine.request_id(gi, j): len(g.prompt_ids) for gi, g in enumerate(groups)
                    for j, a in enumerate(g.answers) if a.response_ids and not a.done}
         return self._call([g.prompt_ids for g in groups], sampling, lambda: self.engine.generate_groups(
-            groups, sampling, self.policy_version, needed, max_carry_versions, start), resumed)
+            groups, sampling, self.policy_version, needed, max_carry_versions, start, max_carries), resumed)
 
     def _call(self, prompt_ids: list[list[int]], sampling: Sampling, run, resumed: dict | None = None) -> RolloutBatch:
         """One generate call around `run()` (the engine's): wake, 'auto' planning, the history
@@ -130,6 +131,10 @@ class Generator(RefitReceiver):
     def decode_steps(self) -> list[tuple[int, float]]:
         """The last generate call's decode steps: (running batch, seconds) each, in order."""
         return list(self.engine.decode_steps)
+
+    def engine_steps(self) -> list[tuple[int, int]]:
+        """The last generate call's engine steps, prefills too: (running, waiting) before each."""
+        return [(n, waiting) for n, waiting, _ in self.engine.steps]
 
     def runner_info(self) -> dict:
         """The model runner vLLM gave this engine, async scheduling, CUDA graphs (VLLMEngine.runner_info)."""

@@ -48,6 +48,20 @@ def test_async_partial_rollouts_keep_every_token_within_both_bounds(tmp_path):
                                                                         for r in recs)
 
 
+def test_synchronous_partial_rollouts_with_dynamic_sampling_run_to_the_end(tmp_path):
+    """The synchronous loop with partial rollouts and dynamic sampling: each extra round is a
+    partial call whose carried answers are of other versions than the first round's, so the
+    rounds' groups join as a batch of several versions (sampling_rounds > 1 somewhere, a resumed
+    answer trained), and the run ends."""
+    p = train(tmp_path / "run", PARTIAL, "generation.max_new_tokens=64", "algo.dynamic_sampling=true",
+              "generation.partial.max_carry_versions=2", "trainer.max_steps=6")
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = records(tmp_path / "run")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert any(r["extra"]["sampling_rounds"] > 1 for r in recs)
+    assert any(r["policy_lag_max"] > 0 for r in recs) and all(r["policy_lag_max"] <= 2 for r in recs)
+
+
 @pytest.mark.slow  # three CLI runs
 @pytest.mark.parametrize("refill", [False, True])
 def test_a_run_resumed_with_carried_answers_continues_exactly(tmp_path, refill):

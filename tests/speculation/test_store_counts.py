@@ -149,3 +149,19 @@ def test_a_record_whose_counting_fails_leaves_the_store_and_an_empty_table(monke
     monkeypatch.undo()
     h.record([[8, 9]], [[4, 5, 6, 1]], wait=True)   # counted from here on
     assert h.draft_context([7, 7, 4, 5, 6], 12345, 3)[0] == [1]
+
+
+def test_a_count_past_2_to_the_15_still_ranks_first_on_both_backends():
+    """40,000 answers' worth of 5 -> 7 and 10 of 5 -> 9 in one context: both tables draft 7 after a
+    5 (a count packed above the token in one int64 wrapped past 2^15 and drafted nothing)."""
+    body = np.array([5, 7] * 40_000 + [-1] + [5, 9, -1] * 10, np.int32)
+    sizes, heads = [80_001] + [3] * 10, [0] * 11
+    host = HostCounts(2, 200_000, 1 << 30, width=4, buckets=16)
+    host._add(np.split(body, np.cumsum(sizes)[:-1]), heads, 1)
+    table = CountTable("cpu", [1, 2], 4, 16, 0.1, "longest", 1 << 30)
+    table.add(torch.from_numpy(body.astype(np.int64)), torch.tensor(sizes), torch.tensor(heads), 1)
+    assert torch.equal(table.cnt, host.table.cnt) and int(table.cnt.max()) == 40_000
+    for select in ("longest", "score"):
+        table.select = select
+        assert torch_draft(table, [3, 5], 1) == ([7], 1)
+    assert numba_draft(host, [3, 5], 1, 1 << 30) == ([7], 1)

@@ -103,7 +103,7 @@ def test_over_calls_every_group_is_returned_once_and_no_token_is_lost(engines, t
     groups it needed, each complete, with its own prompt; no group comes back twice; every group
     made is returned or still carried; and every token sampled is in a returned answer or a carried
     one (tokens sampled = tokens returned + tokens carried); a spare never started is carried
-    without a token; the call's engine steps hold on average no more rows than its groups in flight."""
+    without a token; no engine step of a call holds more rows than its groups in flight."""
     from collections import Counter
 
     from rlspec.data.loading import Prompt, PromptSampler, PromptSet
@@ -126,7 +126,8 @@ def test_over_calls_every_group_is_returned_once_and_no_token_is_lost(engines, t
         assert ro.partial["spares_started"] + ro.partial["spares_unstarted"] == (2 if refill else 0)
         assert len(ro.tags) == 3 and len(ro.response_ids) == 9
         steps, rows = ro.step_rows  # spares start only as groups complete: 6 x 3 rows held, not 8 x 3
-        assert 0 < steps <= rows <= 18 * steps
+        each = [n + waiting for n, waiting in call(engines["ngram"].engine_steps)]
+        assert 0 < steps == len(each) and rows == sum(each) and max(each) <= 18, each
         assert sorted(ro.tags + [g.tag for g in ro.carry]) == sorted(g.tag for g in groups)
         assert [p.token_ids for p in got] == ro.prompt_ids[::3]
         assert all(len(r) == len(lp) == len(v) for r, lp, v in zip(ro.response_ids, ro.logprobs, ro.token_versions))
@@ -141,6 +142,56 @@ def test_over_calls_every_group_is_returned_once_and_no_token_is_lost(engines, t
     assert (spares > 0) == refill
     print(f"6 calls: {len(seen)} groups returned, {len(part.carry)} carried, {resumed} answers resumed; "
           f"{sampled} tokens sampled = {returned} returned + {carried} carried")
+
+
+def test_a_group_carried_max_carries_times_is_run_to_its_end_and_returned_first(engines, prompts):
+    """A group started and carried out of max_carries (2) calls unfinished is due: a call that needs
+    one group, with a complete one waiting, still runs the due group to its end and returns it
+    (partial/forced_groups 1); the complete group is carried as it is. Below the bound the same
+    call returns the complete group at once and the unfinished one is carried once more (without
+    the bound a group that loses every race is never trained)."""
+    from rlspec.messages import Answer
+
+    actor = engines["ngram"]
+    s = sampling(2, 1.0, 48, seed=3)
+
+    def pair(carried):
+        waiting, done = groups_of(prompts[:2], 2, seed=3)
+        waiting.carried = carried
+        done.answers = [Answer([5, 6], [-0.5, -0.5], [0, 0], done=True) for _ in range(2)]
+        return [waiting, done]
+
+    below = call(actor.generate_groups, pair(1), s, 1, 8, None, 2)
+    assert below.tags == [1] and below.partial["forced_groups"] == 0 and below.partial["new_tokens"] == 0
+    assert [g.tag for g in below.carry] == [0] and below.carry[0].carried == 2  # started, carried once more
+    due = call(actor.generate_groups, pair(2), s, 1, 8, None, 2)
+    assert due.tags == [0] and due.partial["forced_groups"] == 1 and len(due.response_ids) == 2
+    assert all(len(r) > 0 for r in due.response_ids)
+    assert [g.tag for g in due.carry] == [1] and due.carry[0].done
+
+
+def test_over_calls_with_max_carries_every_group_trains_within_the_bound(engines, tokenizer):
+    """Ten calls that each need one group of six in flight (five carried every call) with
+    max_carries=1: no group is carried unfinished out of more than one call (a group due in a call
+    leaves it complete, returned then or first in line after), and the calls report the groups
+    they forced."""
+    from rlspec.data.loading import Prompt, PromptSampler, PromptSet
+    from rlspec.loops.partial import PartialRollouts
+    from rlspec.messages import Sampling
+
+    prompts = [Prompt(str(i), "", ids, i + 1) for i, ids in enumerate(heldout_prompts(tokenizer, 40, seed=5))]
+    part = PartialRollouts(PromptSampler(PromptSet("test", prompts), seed=0), prompts, groups_per_step=1,
+                           group_size=2, over_provision=6.0, max_carry_versions=8, max_carries=1)
+    for c in range(10):
+        s = Sampling(2, 1.0, 48, seed=c + 1)
+        groups = part.groups(part.draw(), s)
+        due = {g.tag for g in groups if g.carried >= 1 and not g.done}
+        ro = call(engines["ngram"].generate_groups, groups, s, 1, 8, None, 1)
+        part.returned(ro)
+        assert len(ro.tags) == 1 and ro.partial["forced_groups"] == len(due & set(ro.tags))
+        assert all(g.done for g in ro.carry if g.tag in due), c
+        assert all(g.done or g.carried <= 1 for g in ro.carry), c
+    assert part.totals["forced_groups"] > 0
 
 
 def test_a_resumed_answer_is_drafted_under_its_own_prompt():
