@@ -16,8 +16,9 @@ never started is carried as it was (no tokens), first in line for the next call.
 Every group is trained once or still carried; an answer is never trained twice. An answer whose
 oldest token trails the resuming weights by more than max_carry_versions is started again and
 counted. A group carried out of max_carries calls is run to its end by the next and trained
-there, so no group (the long answers the feature is for) is carried for ever. The carried groups (with the prompts they belong to) are part of the data position a
-checkpoint saves, so a resumed run continues them exactly.
+there, so no group (the long answers the feature is for) is carried for ever. The carried groups
+(with the prompts they belong to) are part of the data position a checkpoint saves, so a resumed
+run continues them exactly.
 """
 from __future__ import annotations
 

@@ -400,14 +400,14 @@ class DeviceHistory:
     def _live_candidates(self, token_ids, n, salt, plen, ctx, k) -> Candidates:
         """Per prompt key length m, the latest position p (the latest live_matches) whose m tokens
         before it have the row's last m tokens' fingerprint: in the row itself (any position), and
-        in each of its siblings (an answer position) where the row is among the first max_siblings
-        rows of its prompt (row order). Each row's windows are compared once with the queries of its prompt's first
-        max_siblings rows: [B, G, L+1], no gather of rows."""
+        in each of its max_siblings - 1 siblings (an answer position), the rows of its prompt that
+        follow it in row order, cyclically (prompt_siblings: every row of a group larger than
+        max_siblings reads as many siblings as the host store's walk takes). Each row's windows are
+        compared once with the queries of the rows that read it: [B, G-1, L+1], no gather of rows."""
         B, L = token_ids.shape
         dev, G, N = n.device, min(self.max_siblings, B), self.live_matches
-        sib, sib_ok, slot = prompt_siblings(salt, G)                                   # [B, G], [B, G], [B]
+        sib, reader, listed = prompt_siblings(salt, G)                           # [B, G-1] each
         rows = torch.arange(B, device=dev)
-        listed = (slot < G)[:, None] & sib_ok & (sib != rows[:, None])           # [B, G] sibling candidates
         cols = torch.arange(L + 1, device=dev)
         before_end = cols < n[:, None]
         cands, levels = [], self.prompt_keys
@@ -416,16 +416,16 @@ class DeviceHistory:
             query = win.gather(1, n[:, None].clamp(max=L)) | 1                   # [B, 1]
             as_sibling = win | (before_end & (cols >= plen[:, None].clamp(min=m)))
             as_self = win | (before_end & (cols >= m))
-            # in row j, the latest N matches of the query of row sib[j, g] (a group lists the same rows for all)
-            hit = as_sibling[:, None, :] == query[:, 0][sib][:, :, None]          # [B, G, L+1]
-            found = last_n_true(hit, N)                                          # [B, G, N]
-            p_sib = found[sib, slot.clamp(max=G - 1)[:, None]]                  # [B, G, N]: row i's in sib[i, g]
+            # in row j, the latest N matches of the query of reader[j, g], whose g-th sibling j is
+            hit = as_sibling[:, None, :] == query[:, 0][reader][:, :, None]      # [B, G-1, L+1]
+            found = last_n_true(hit, N)                                          # [B, G-1, N]
+            p_sib = found[sib, torch.arange(G - 1, device=dev)[None]]           # [B, G-1, N]: row i's in sib[i, g]
             p_self = last_n_true(as_self == query, N)                            # [B, N]
-            ok = torch.cat([listed, torch.ones_like(listed[:, :1])], 1) & (n >= m)[:, None]
+            ok = torch.cat([listed, listed.new_ones(B, 1)], 1) & (n >= m)[:, None]
             cands.append(torch.where(ok[:, :, None], torch.cat([p_sib, p_self[:, None, :]], 1), -1).flatten(1))
-        p = torch.cat(cands, 1)                                                  # [B, (G + 1) * N * levels]
+        p = torch.cat(cands, 1)                                                  # [B, G * N * levels]
         row = torch.cat([sib, rows[:, None]], 1).repeat_interleave(N, 1).repeat(1, len(levels))
-        need = torch.cat([torch.full(((G + 1) * N,), m, device=dev) for m in levels])[None]   # no host copy
+        need = torch.cat([torch.full((G * N,), m, device=dev) for m in levels])[None]   # no host copy
         is_self = row == rows[:, None]
         back = p[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
         src = token_ids[row[:, :, None], back.clamp(min=0)].long()

@@ -109,13 +109,16 @@ def first_of(valid: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 
 def prompt_siblings(salt: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row, the first G rows (in row order) of its prompt: [B, G] rows and which exist, and
-    the row's own place among its prompt's rows [B]."""
+    """Per row, the G - 1 rows of its prompt that follow it in row order, cyclically within the
+    prompt's rows (a group of any size: every row reads min(G, group) - 1 siblings, and each row is
+    read by as many): sib [B, G-1] (row i's (g+1)-th follower), reader [B, G-1] (the row whose
+    (g+1)-th follower row i is) and ok [B, G-1] (g+1 < the group's size: distinct siblings)."""
     B = salt.shape[0]
     order = torch.sort(salt, stable=True)
     first = torch.searchsorted(order.values, salt)                            # start of the row's group
-    at = first[:, None] + torch.arange(G, device=salt.device)
-    ok = at < B
-    at = at.clamp(max=B - 1)
-    place = torch.empty_like(first).scatter_(0, order.indices, torch.arange(B, device=salt.device))
-    return order.indices[at], ok & (order.values[at] == salt[:, None]), place - first
+    size = torch.searchsorted(order.values, salt, right=True) - first
+    place = torch.empty_like(first).scatter_(0, order.indices, torch.arange(B, device=salt.device)) - first
+    g = torch.arange(1, max(G, 1), device=salt.device)[None]                  # [1, G-1]
+    sib = order.indices[first[:, None] + (place[:, None] + g) % size[:, None]]
+    reader = order.indices[first[:, None] + (place[:, None] - g) % size[:, None]]
+    return sib, reader, g < size[:, None]

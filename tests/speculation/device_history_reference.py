@@ -122,8 +122,8 @@ class Reference:
                     continue
                 cands[("h", pos)] = [length, pos, lambda t, pos=pos: self.tok[pos + t]
                                      if pos + t < self.written else UNKNOWN, g]
-        listed = [j for j in range(len(rows)) if salts[j] == salt][: min(self.G, len(rows))]
-        sibs = [j for j in listed if j != i] if i in listed else []
+        group = [j for j in range(len(rows)) if salts[j] == salt]   # the rows following it, cyclically
+        sibs = [group[(group.index(i) + g) % len(group)] for g in range(1, min(self.G, len(rows), len(group)))]
         for m in self.prompt_keys:
             if n < m:
                 continue

@@ -95,3 +95,30 @@ def test_the_host_store_and_the_device_drafter_draft_the_same_tokens(seed):
         assert max(held.values()) <= cfg.max_rollouts_per_prompt
     assert checked > 100, checked
     assert sum(x > 0 for x in by_source) >= 3, by_source
+
+
+def test_every_row_of_a_group_larger_than_max_siblings_drafts_from_its_siblings():
+    """A group of 2 x MAX_SIBLINGS rows after a refit: the store holds the old policy's answer, the
+    running siblings agree on the new one. Every row, the last of the group included, drafts the
+    siblings' continuation in both backends (the device drafter read siblings for the first
+    MAX_SIBLINGS rows of a prompt only, and the rest drafted the stale answer)."""
+    from rlspec.speculation import MAX_SIBLINGS
+
+    cfg = HistoryConfig(prompt_keys=[3, 1], max_match=8, global_source=False, max_tokens=1 << 20)
+    host = HistoryIndex(cfg, k_max=K)
+    device = DeviceHistory(max_tokens=RING, max_match=8, prompt_keys=(3, 1), width=cfg.max_candidates,
+                           buckets=1 << 16, global_source="buckets", global_keys=())
+    p, old, new = [1, 2, 3, 4, 5], [30, 31, 40, 41, 42, 43], [30, 31, 32, 33, 34, 35]
+    host.record([p], [old], wait=True)
+    device.insert([p], [old])
+    host.begin_call()
+    G = 2 * MAX_SIBLINGS
+    rows = [p + new] * (G - 1) + [p + new[:2]]   # the siblings ran ahead; the last row is at 30 31
+    keys, plens = [f"r{i}" for i in range(G)], [len(p)] * G
+    # the siblings' tokens join the host's live arena in an earlier step, as an engine's would
+    host.propose([np.asarray(r[:len(p) + 1], np.int32) for r in rows], [[0]] * G, K, keys=keys, prompt_lens=plens)
+    got = host.propose([np.asarray(r, np.int32) for r in rows], [[0] * (len(r) - len(p) - 1) or [0] for r in rows],
+                       K, keys=keys, prompt_lens=plens)
+    want, _ = device_step(device, rows, plens, [True] * G)
+    assert got[-1] == [32, 33, 34, 35], got[-1]
+    assert want[-1] == got[-1], (want[-1], got[-1])
