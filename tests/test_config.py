@@ -89,6 +89,14 @@ def test_wrong_type_fails_naming_key():
     ("generation.partial.enabled=true generation.partial.over_provision=0.5", "generation.partial.over_provision"),
     ("generation.partial.enabled=true generation.partial.max_carry_versions=-1",
      "generation.partial.max_carry_versions"),
+    ("generation.partial.enabled=true generation.partial.over_provision=64", "generation.partial.over_provision"),
+    ("generation.partial.enabled=true generation.partial.max_carries=-1", "generation.partial.max_carries"),
+    # partial calls never drop a stale batch (they are submitted within the lag): only regenerate holds
+    ("generation.partial.enabled=true async_grpo.enabled=true async_grpo.on_stale=drop", "async_grpo.on_stale"),
+    # tokens of older weights trained as if on-policy
+    ("async_grpo.enabled=true async_grpo.max_policy_lag=1 algo.off_policy_correction=none",
+     "algo.off_policy_correction"),
+    ("generation.partial.enabled=true algo.off_policy_correction=none", "algo.off_policy_correction"),
     ("algo.off_policy_correction=vtrace", "algo.off_policy_correction"),
     ("algo.behaviour_weight_cap=0.5", "algo.behaviour_weight_cap"),
     ("algo.recompute_logprobs=false algo.kl_coef=0.1", "algo.recompute_logprobs"),
@@ -132,6 +140,9 @@ def test_sleep_mode_is_on_for_colocated_gpus_only():
     ("speculation=draft_model speculation.draft_sample_method=typical", "speculation.draft_sample_method"),
     ("speculation=history speculation.history.drafter=gpu", "speculation.history.drafter"),
     ("speculation=history speculation.history.device_max_tokens=10", "speculation.history.device_max_tokens"),
+    # bounds against memory: 2^31 ring tokens are about 236 GB
+    ("speculation=history speculation.history.device_max_tokens=2147483648", "speculation.history.device_max_tokens"),
+    ("speculation=history speculation.history.count_tokens=2147483648", "speculation.history.count_tokens"),
 ])
 def test_invalid_speculation_and_sampling_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

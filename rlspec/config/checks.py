@@ -83,6 +83,11 @@ def _validate_algo(cfg: RLSpecConfig) -> None:
     _check(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
     _check(a.off_policy_correction in ("auto", *CORRECTIONS), "algo.off_policy_correction",
            f"{a.off_policy_correction!r} not in {['auto', *CORRECTIONS]}")
+    stale = (cfg.async_grpo.enabled and cfg.async_grpo.max_policy_lag >= 1) or (
+        g.partial.enabled and g.partial.max_carry_versions >= 1)
+    _check(not (stale and a.off_policy_correction == "none"), "algo.off_policy_correction",
+           "none, but tokens can be sampled by older weights (async_grpo.max_policy_lag >= 1 or "
+           "generation.partial.max_carry_versions >= 1): choose decoupled_ppo, tis, behaviour_ppo or auto")
     _check(a.recompute_logprobs is not False or a.kl_coef == 0, "algo.recompute_logprobs",
            "false, but the KL term (algo.kl_coef > 0) needs the reference policy's log-probs")
     _check(a.recompute_logprobs is not False or not cfg.speculation.online.enabled, "algo.recompute_logprobs",
@@ -121,8 +126,12 @@ def _validate_generation(cfg: RLSpecConfig) -> None:
            "must be float32, bfloat16, float16 or null (auto)")
     pr = g.partial
     if pr.enabled:
-        _check(pr.over_provision >= 1.0, "generation.partial.over_provision",
-               "must be >= 1 (groups in flight over the groups a step trains)")
+        _check(1.0 <= pr.over_provision <= 8.0, "generation.partial.over_provision",
+               "must be in [1, 8] (groups in flight over the groups a step trains; each holds its KV cache "
+               "and its carried tokens)")
+        _check(not (cfg.async_grpo.enabled and cfg.async_grpo.on_stale != "regenerate"), "async_grpo.on_stale",
+               f"{cfg.async_grpo.on_stale!r} with generation.partial.enabled: a partial call goes out only within "
+               "the lag bound and an answer past max_carry_versions is started again (regenerate), never dropped")
         _check(pr.max_carry_versions >= 0, "generation.partial.max_carry_versions", "must be >= 0")
         _check(pr.max_carries >= 0, "generation.partial.max_carries", "must be >= 0")
 
@@ -173,8 +182,10 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
     _check(h.max_candidates >= 1, "speculation.history.max_candidates", "must be >= 1")
     _check(h.global_index in ("counts", "chains"), "speculation.history.global_index",
            f"must be counts or chains, got {h.global_index!r}")
-    _check(1 << 10 <= h.count_tokens <= 1 << 31, "speculation.history.count_tokens",
-           f"must be in [2^10, 2^31], got {h.count_tokens}")
+    # bounds against memory: about 64 bytes a counted token, 110 a device-ring token (2^28: 16 and
+    # 28 GiB), on the engine's device or its host
+    _check(1 << 10 <= h.count_tokens <= 1 << 28, "speculation.history.count_tokens",
+           f"must be in [2^10, 2^28] (about 64 bytes each: 16 GiB at 2^28), got {h.count_tokens}")
     keys = list(h.global_keys)
     _check(all(1 <= g <= h.max_match for g in keys) and keys == sorted(set(keys), reverse=True),
            "speculation.history.global_keys",
@@ -183,8 +194,9 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
            "must be in [0, speculation.history.max_rollouts_per_prompt]")
     _check(h.shadow_rows >= 0, "speculation.history.shadow_rows", f"must be >= 0, got {h.shadow_rows}")
     _check(h.drafter in ("host", "device"), "speculation.history.drafter", f"must be host or device, got {h.drafter!r}")
-    _check(1 << 10 <= h.device_max_tokens <= 1 << 31, "speculation.history.device_max_tokens",
-           f"must be in [2^10, 2^31], got {h.device_max_tokens}")
+    _check(1 << 10 <= h.device_max_tokens <= 1 << 28, "speculation.history.device_max_tokens",
+           f"must be in [2^10, 2^28] (about 110 bytes each on the engine's device: 28 GiB at 2^28), "
+           f"got {h.device_max_tokens}")
     o = sp.online
     if o.enabled:
         _check(sp.method == "eagle3", "speculation.online.enabled",

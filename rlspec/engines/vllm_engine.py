@@ -170,6 +170,7 @@ class VLLMEngine:
         self.step_log: list[tuple[int, int, float]] | None = None  # while set: (running, waiting, seconds)
         self.decode_steps: list[tuple[int, float]] = []  # the last generate call's (running batch, seconds)
         self.steps: list[tuple[int, int, float]] = []  # the last call's every step: (running, waiting, seconds)
+        self.calls = 0  # generate_groups calls so far (their request ids)
         self._time_engine_steps()
 
     def close(self) -> None:
@@ -268,9 +269,12 @@ class VLLMEngine:
                             decode_moments=step_moments(self.decode_steps), step_rows=step_rows(steps))
 
     @staticmethod
-    def request_id(group: int, answer: int) -> str:
-        """The request id generate_groups gives vLLM for answer `answer` of its group `group`."""
-        return f"rlspec-{group}-{answer}"
+    def request_id(call: int, group: int, answer: int) -> str:
+        """The request id generate_groups gives vLLM for answer `answer` of its group `group` in its
+        call `call` (VLLMEngine.calls before it): unique over the engine's life, so that an aborted
+        request's late output never meets a later call's, also where vLLM adds no random suffix
+        (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)."""
+        return f"rlspec-{call}-{group}-{answer}"
 
     def generate_groups(self, groups: list[Group], sampling: Sampling, policy_version: int,
                         needed: int | None = None, max_carry_versions: int | None = None,
@@ -295,6 +299,7 @@ class VLLMEngine:
         if engine_seeded and sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         engine = self.llm.llm_engine
+        call, self.calls = self.calls, self.calls + 1
         needed = len(groups) if needed is None else min(needed, len(groups))
         start = len(groups) if start is None else min(max(start, needed), len(groups))
         stats = dict.fromkeys(("resumed_answers", "resumed_tokens", "dropped_answers", "dropped_tokens",
@@ -319,7 +324,7 @@ class VLLMEngine:
             for j, a in enumerate(g.answers):
                 if a.done:
                     continue
-                rid = self.request_id(gi, j)
+                rid = self.request_id(call, gi, j)
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=g.prompt_ids + a.response_ids), SamplingParams(
                     n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                     max_tokens=sampling.max_tokens - len(a.response_ids), logprobs=0, detokenize=False,

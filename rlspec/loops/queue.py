@@ -124,14 +124,19 @@ class RolloutQueue:
         """(prompts, rollouts, stale groups dropped) of `step`, waiting (timed as 'generation':
         the exposed generation time) until they are ready and no older than max_policy_lag."""
         item = self.pending[0]
-        assert item.step == step, f"rollout queue holds step {item.step}, the learner wants {step}"
+        if item.step != step:  # the loop's and the queue's steps parted: a defect, never silent (python -O)
+            raise RuntimeError(f"rollout queue holds step {item.step}, the learner wants {step}")
         run, dropped, attempt = self.run, 0, 0
         if self.partial is not None:
             with timer("generation"):
                 ro = self._collect(item)
             self.pending.popleft()
-            # submitted within the bound (fill), sampled by the version it was submitted behind
-            assert step - 1 - ro.policy_version <= self.lag + self.partial.max_carry_versions
+            # submitted within the bound (fill), sampled by the version it was submitted behind;
+            # the engine restarts an answer past max_carry_versions
+            if step - 1 - ro.policy_version > self.lag + self.partial.max_carry_versions:
+                raise RuntimeError(f"step {step}: partial rollouts hold a token of policy {ro.policy_version}, older "
+                                   f"than async_grpo.max_policy_lag={self.lag} + generation.partial."
+                                   f"max_carry_versions={self.partial.max_carry_versions} allow")
             self.fill()
             return item.prompts, ro, 0
         while True:

@@ -74,10 +74,12 @@ class HistoryProposer:
 
 def own_prompt_lens(prompt_lens, req_ids, prompt_len_of: dict[str, int]) -> np.ndarray:
     """Rows' prompt lengths with those of resumed answers (partial rollouts) set to their own
-    prompt's: vLLM's request id is the one rlspec gave plus '-' and 8 random characters."""
+    prompt's: vLLM's request id is the one rlspec gave, plus '-' and 8 random characters unless
+    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set."""
     out = np.array(prompt_lens, np.int64)
     for i, rid in enumerate(req_ids):
-        n = prompt_len_of.get(rid.rpartition("-")[0])
+        n = prompt_len_of.get(rid)
+        n = prompt_len_of.get(rid.rpartition("-")[0]) if n is None else n
         if n is not None:
             out[i] = n
     return out

@@ -64,7 +64,7 @@ class Generator(RefitReceiver):
         (VLLMEngine.generate_groups), the call otherwise as `generate` runs it. The groups' finished
         answers join the history when their group is returned; a resumed answer is drafted under its
         own prompt, not vLLM's (prompt + answer so far)."""
-        resumed = {VLLMEngine.request_id(gi, j): len(g.prompt_ids) for gi, g in enumerate(groups)
+        resumed = {VLLMEngine.request_id(self.engine.calls, gi, j): len(g.prompt_ids) for gi, g in enumerate(groups)
                    for j, a in enumerate(g.answers) if a.response_ids and not a.done}
         return self._call([g.prompt_ids for g in groups], sampling, lambda: self.engine.generate_groups(
             groups, sampling, self.policy_version, needed, max_carry_versions, start, max_carries), resumed)

@@ -197,13 +197,18 @@ def test_over_calls_with_max_carries_every_group_trains_within_the_bound(engines
 def test_a_resumed_answer_is_drafted_under_its_own_prompt():
     """vLLM's prompt of a resumed answer holds the answer so far; history finds the prompt's
     earlier answers and siblings by the prompt rlspec names (request ids as vLLM makes them:
-    rlspec's id, '-', 8 random characters)."""
+    rlspec's id, '-', 8 random characters; or rlspec's id alone under
+    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION). Ids differ between calls, so an aborted request's
+    late output never meets a later call's request."""
     import numpy as np
 
     from rlspec.engines.vllm_engine import VLLMEngine
     from rlspec.speculation.history_proposer import own_prompt_lens
 
-    ids = [VLLMEngine.request_id(0, 1) + "-abcdefgh", "0_other-12345678", VLLMEngine.request_id(2, 0) + "-1a2b3c4d"]
-    own = {VLLMEngine.request_id(0, 1): 12, VLLMEngine.request_id(2, 0): 9}
-    got = own_prompt_lens(np.array([30, 25, 41]), ids, own)
-    assert got.tolist() == [12, 25, 9]
+    rid = VLLMEngine.request_id
+    own = {rid(4, 0, 1): 12, rid(4, 2, 0): 9}
+    for suffix in ("-abcdefgh", ""):
+        ids = [rid(4, 0, 1) + suffix, "0_other-12345678", rid(4, 2, 0) + suffix, rid(4, 2, 1) + suffix]
+        got = own_prompt_lens(np.array([30, 25, 41, 41]), ids, own)
+        assert got.tolist() == [12, 25, 9, 41], suffix
+    assert rid(4, 0, 1) != rid(5, 0, 1)
