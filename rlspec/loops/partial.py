@@ -75,7 +75,7 @@ class PartialRollouts:
         prompts = [self.prompts[self.owner.pop(t)] for t in ro.tags]
         self.carry = list(ro.carry)
         for k in self.totals:
-            self.totals[k] += ro.partial[k]
+            self.totals[k] += ro.partial.get(k, 0)
         return prompts
 
     # -- checkpoint: the data position ----------------------------------------------------------------

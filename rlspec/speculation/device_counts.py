@@ -48,6 +48,21 @@ class CountTable:
         for t in (self.key, self.tok, self.cnt):
             t.zero_()
 
+    def held(self) -> dict:
+        """The held entries (count > 0) as they are, on the host: flat slots, keys, tokens, counts.
+        A full bucket kept its highest counts as each insert came; counting the same sequences
+        afresh in one merge keeps others, so an exact resume loads these."""
+        at = torch.nonzero(self.cnt.view(-1) > 0)[:, 0]
+        return {"at": at.cpu().numpy(), **{k: getattr(self, k).view(-1)[at].cpu().numpy()
+                                           for k in ("key", "tok", "cnt")}}
+
+    def load_held(self, held: dict) -> None:
+        self.clear()
+        at = torch.from_numpy(np.asarray(held["at"], np.int64)).to(self.device)
+        for k in ("key", "tok", "cnt"):
+            view = getattr(self, k).view(-1)
+            view[at] = torch.from_numpy(np.asarray(held[k])).to(device=self.device, dtype=view.dtype)
+
     # -- insert and remove (between calls) ------------------------------------------------------------
     def add(self, body: torch.Tensor, sizes: torch.Tensor, heads: torch.Tensor, delta: int) -> None:
         """Sequences ([prompt tail of heads[i] tokens | answer | END], concatenated in body) counted

@@ -47,7 +47,9 @@ class RingSequences:
 
 def merge_device_states(states: list[dict]) -> dict:
     """Several engines' saved rings (DeviceHistory.state_dict) as one: their sequences one after
-    another."""
+    another (one ring: as saved, held state included)."""
+    if len(states) == 1:
+        return states[0]
     return {"format": "device", **{key: np.concatenate([np.zeros(0, t)] + [np.asarray(s[key], t) for s in states])
                                    for key, t in (("tokens", np.int32), ("salts", np.int64), ("sizes", np.int64))},
             "heads": np.concatenate([np.zeros(0, np.int64)] + [np.asarray(s.get("heads", np.zeros(len(s["sizes"]))),

@@ -288,15 +288,20 @@ class HistoryIndex:
                         key=lambda x: x[0])
         written = a.tok[: a.used]
         body = written[written != S.DEAD]   # evicted sequences hold DEAD, stored ones never do
-        return {"version": STATE_VERSION, "admit_below": str(self.admit_below), "heads": a.heads,
-                "salt": np.array([salt for _, salt, _ in placed], np.uint64),
-                "tokens": np.array([seq.tokens for _, _, seq in placed], np.int64),
-                "stored": np.array([seq.stored for _, _, seq in placed], np.int64), "arena": body}
+        out = {"version": STATE_VERSION, "admit_below": str(self.admit_below), "heads": a.heads,
+               "salt": np.array([salt for _, salt, _ in placed], np.uint64),
+               "tokens": np.array([seq.tokens for _, _, seq in placed], np.int64),
+               "stored": np.array([seq.stored for _, _, seq in placed], np.int64), "arena": body}
+        if self.count_table is not None:   # the table as held, and which stored sequences it counts
+            out["counts"] = {**self.count_table.state(),
+                             "counted": np.array([seq.counted for _, _, seq in placed], np.bool_)}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """A saved state (history_state.py; several: merge_states), every bound applied, relinked
-        with its chain-head count: where nothing had been evicted, every draft is as before. A
-        state that fails to load leaves the store as it was."""
+        with its chain-head count, and its count table as it was held where the settings are the
+        same and no sequence is dropped: then every draft is as before. A state that fails to
+        load leaves the store as it was."""
         self.flush()
         fresh = HistoryIndex(self.cfg, self.k_max, self.vocab)
         arrays = loadable(state)
@@ -332,7 +337,13 @@ class HistoryIndex:
         starts = self.arena.insert(salts, body, offsets, self.pkeys, self.gkeys)
         for seq, start in zip(seqs, starts.tolist()):
             seq.start = start
-        if self.count_table is not None:
+        if self.count_table is None:
+            return
+        saved = state.get("counts")
+        if saved is not None and keep.all() and saved["settings"] == self.count_table.settings():
+            # the table as the run held it (a full bucket's entries depend on the order of inserts)
+            self.count_table.load(saved, [seq for seq, c in zip(seqs, np.asarray(saved["counted"])) if c])
+        else:   # other bounds or settings, or merged stores: counted afresh
             self.count_table.update(None, [], [(seq, body[a:b]) for seq, a, b in zip(seqs, offsets[:-1], offsets[1:])])
 
     # -- drafting --------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ STATE_VERSION = 3
 # What a saved state's numpy arrays unpickle through: a file written by torch.save loads with
 # torch.load(path, weights_only=True) under torch.serialization.safe_globals(STATE_GLOBALS).
 STATE_GLOBALS = [np.zeros(0).__reduce__()[0], np.ndarray, np.dtype,
-                 *(type(np.dtype(t)) for t in (np.int32, np.int64, np.uint64))]
+                 *(type(np.dtype(t)) for t in (np.int32, np.int64, np.uint64, np.bool_))]
 
 
 def merge_states(states: list[dict]) -> dict:
@@ -21,6 +21,8 @@ def merge_states(states: list[dict]) -> dict:
     takes: their sequences one store after another, each in its own order, the most permissive
     admission limit and the largest chain-head count (loading applies the bounds). Every state must
     be of one format version."""
+    if len(states) == 1:   # one engine's store: as saved (its count table too)
+        return states[0]
     versions = {s.get("version") for s in states}
     if len(versions) > 1:
         raise ValueError(f"history stores of different format versions {sorted(map(str, versions))} cannot merge")

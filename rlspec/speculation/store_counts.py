@@ -279,3 +279,22 @@ class HostCounts:
             s.counted = False
         self.seqs, self.total = deque(), 0
         self.table.clear()
+
+    def settings(self) -> str:
+        """What decides the table's layout and contents (a saved table loads only into its like)."""
+        t = self.table
+        return repr((self.max_tokens, t.keys, t.width, t.buckets, t.min_prob, t.select, t.vocab))
+
+    def state(self) -> dict:
+        """The table's held entries as they are: a full bucket kept its highest counts as each
+        record came, which counting the stored sequences afresh in one merge does not repeat."""
+        return {"settings": self.settings(), **self.table.held()}
+
+    def load(self, state: dict, counted: list) -> None:
+        """A saved table (state) over the stored sequences `counted` (oldest first, as history.Seq)."""
+        self.clear()
+        self.table.load_held(state)
+        for s in counted:
+            s.counted = True
+        self.seqs, self.total = deque(counted), sum(s.stored for s in counted)
+

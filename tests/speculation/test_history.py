@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from helpers.states import same_state
 from rlspec.config import HistoryConfig
 from rlspec.speculation.arena import HistoryArena
 from rlspec.speculation.history import SOURCES, HistoryIndex
@@ -333,9 +334,6 @@ def test_a_budget_under_the_store_keeps_a_fixed_resident_set_under_reshuffled_ep
     assert hits[0] == set() and 5 <= len(hits[1]) <= 10 and hits[1] == hits[2] == hits[3]
 
 
-def same_state(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k]
-                                        for k in a)
 
 
 @pytest.mark.parametrize("global_index", ["counts", "chains"])

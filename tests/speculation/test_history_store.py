@@ -295,9 +295,6 @@ def test_drafting_waits_for_the_responses_being_recorded():
         h.flush()
 
 
-def same_state(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k]
-                                        for k in a)
 
 
 def test_a_failed_insert_leaves_the_store_as_it_was():
@@ -314,6 +311,8 @@ def test_a_failed_insert_leaves_the_store_as_it_was():
         with pytest.raises((OverflowError, ValueError)):
             h.flush()
     assert h.tokens() == total and all(q.start >= 0 for r in h.prompts.values() for q in r.seqs)
+    from helpers.states import same_state  # this module is also imported where tests/ is not on the path
+
     assert same_state(h.state_dict(), before)
     h.begin_call()
     assert ask(h, [PROMPT + [10, 11]], [[11]], 3) == [[12]]
@@ -336,6 +335,8 @@ def test_an_insert_that_cannot_allocate_leaves_the_store_as_it_was(monkeypatch):
     monkeypatch.setattr(h.arena, "grown", no_memory)
     with pytest.raises(MemoryError):
         h.record([[7, 7, 7]] * 4, [[9] * 20_000] * 4, wait=True)
+    from helpers.states import same_state
+
     assert same_state(h.state_dict(), before) and h.prompts == held and h.admit_below == limit
     assert h.tokens() == 320
 
