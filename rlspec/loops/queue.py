@@ -106,19 +106,22 @@ class RolloutQueue:
             with timer("generation"):
                 self.drain()
 
-    def refit(self, to_generator: list[Call], others: list[Call]) -> None:
+    def refit(self, to_generator: list[Call], others: list[Call], fill: bool = True) -> None:
         """Wait for the refit calls the learner needs done, then fill the queue: later generate
         calls sample the new weights. Collective (drained before): the Generator joins at once,
         and waiting on its side too names a Generator that dies now instead of stalling the
         collective. Otherwise the Generator takes the weights after the rollouts already
-        queued on it; the next `take` waits for that."""
+        queued on it; the next `take` waits for that. fill=False: the next calls wait for `fill`
+        (a checkpoint is saved first: the Generator's history store is saved behind the calls
+        queued on it, and must not hold the answers of a call the saved data position redoes)."""
         if self.run.actors.refit.collective:
             wait([*to_generator, *others], self.run.actors.timeout_s)
         else:
             wait(others, self.run.actors.timeout_s)
             self.refits.extend(to_generator)
         self.version += 1
-        self.fill()
+        if fill:
+            self.fill()
 
     def take(self, step: int, timer: StageTimer) -> tuple[list[Prompt], RolloutBatch, int]:
         """(prompts, rollouts, stale groups dropped) of `step`, waiting (timed as 'generation':

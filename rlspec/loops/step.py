@@ -98,7 +98,10 @@ def mini_batches(batch: TrainBatch, weight: torch.Tensor, size: int | None, worl
 
 
 def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
-               queue: RolloutQueue | None = None, partial: PartialRollouts | None = None) -> StepRecord:
+               queue: RolloutQueue | None = None, partial: PartialRollouts | None = None,
+               checkpoint_due=lambda: False) -> StepRecord:
+    """One step. Async: checkpoint_due() (asked at the refit) true holds the queue's next calls
+    back until the loop has saved its checkpoint and called queue.fill()."""
     cfg, actors = run.cfg, run.actors
     timer, totals, t0 = StageTimer(), GenTotals(), time.perf_counter()
     ro, rw, group_weight, stats = collect_groups(run, sampler, step, timer, totals, queue, partial)
@@ -142,7 +145,7 @@ def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
         if queue is None:
             wait([*to_generator, *others], actors.timeout_s)
         else:
-            queue.refit(to_generator, others)
+            queue.refit(to_generator, others, fill=not checkpoint_due())
         refit_s = time.perf_counter() - refit_t0
     draft = {} if draft_call is None else online_draft(run, counters, draft_call, step, version, ro.policy_version,
                                                        timer)

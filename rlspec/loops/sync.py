@@ -48,10 +48,15 @@ def run_loop(run: Run, resume_from: Path | None = None, restarts: int = 0) -> di
     # before the oldest untrained step (the queue's), so a resume draws those prompts again.
     queue = RolloutQueue(run, sampler, start, partial) if cfg.async_grpo.enabled else None
     position = queue or data
+    stop = run.stop
+
+    def checkpoint_due(step: int) -> bool:
+        return stop.preempt or stop.checkpoint_now or bool(t.checkpoint_every and step % t.checkpoint_every == 0)
+
     for step in range(start, t.max_steps + 1):
         at_start = position.state()
         try:
-            rec = train_step(run, counters, sampler, step, queue, partial)
+            rec = train_step(run, counters, sampler, step, queue, partial, lambda: checkpoint_due(step))
         except Abandoned:  # before the update: the step is redone (identically when sync) after the resume
             data.load_state(at_start)
             ckpt.save(data.state(), step - 1, counters)
@@ -61,10 +66,16 @@ def run_loop(run: Run, resume_from: Path | None = None, restarts: int = 0) -> di
                                                                                           counters))
         if step == t.max_steps or (t.val_every and step % t.val_every == 0):
             validate(run, step)
-        stop = run.stop
-        if stop.preempt or stop.checkpoint_now or (t.checkpoint_every and step % t.checkpoint_every == 0):
+        if checkpoint_due(step):
+            # async: saved before the next call goes out (train_step held it), so at lag 0 the
+            # Generator's history store holds no answer of a call the saved position redoes. At
+            # lag L >= 1 the L calls submitted at earlier steps are on it already (and a signal come
+            # after the refit finds the next out): the resumed run redraws those calls on-policy,
+            # drafting from their earlier answers (lossless; not the uninterrupted run's drafts).
             stop.checkpoint_now = False
             ckpt.save(position.state(), step, counters)
+        if queue is not None:
+            queue.fill()
         if stop.preempt:
             raise Preempted(step, stop.preempt_signal)
     if queue is not None:
