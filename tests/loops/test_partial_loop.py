@@ -66,7 +66,7 @@ def test_synchronous_partial_rollouts_with_dynamic_sampling_run_to_the_end(tmp_p
 @pytest.mark.parametrize("refill", [False, True])
 def test_a_run_resumed_with_carried_answers_continues_exactly(tmp_path, refill):
     """Async GRPO at lag 0 with partial rollouts trains on the synchronous loop's rollouts (the same
-    floats). Its step-2 checkpoint, written with step 3's call already out, holds the unfinished
+    floats). Its step-2 checkpoint, written before step 3's call goes out, holds the unfinished
     answers as they were before that call; a run resumed from it trains steps 3 and 4 exactly as
     the others did. In these runs answers are resumed and no trained token trails the learner by
     more than max_carry_versions (2). With refill, spares started mid-call too."""

@@ -685,35 +685,6 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
 
 
 @pytest.mark.slow
-def test_a_run_keeps_its_history_through_a_checkpoint(tmp_path):
-    """8 prompts, 4 per step: steps 3-4 are the second epoch. A run stopped after step 2 and
-    resumed drafts step 3 from step 1-2's rollouts, restored from the checkpoint, exactly as the
-    run that never stopped: the same drafts and acceptance, the same losses (exact resume)."""
-    from helpers.cli import records, train
-
-    hist = ["speculation=history", "data.train.num_rows=8", "trainer.checkpoint_every=2"]
-    whole = train(tmp_path / "whole", *hist, "trainer.max_steps=4")
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    first = train(tmp_path / "run", *hist, "trainer.max_steps=2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert (tmp_path / "run" / "checkpoints" / "step_00000002" / "history_0.pt").is_file()
-    resumed = train(tmp_path / "run", *hist, "trainer.max_steps=4")
-    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
-    recs, want = records(tmp_path / "run"), records(tmp_path / "whole")
-    assert [r["step"] for r in recs] == [1, 2, 3, 4]
-    s1, s3 = recs[0]["spec"], recs[2]["spec"]
-    assert s1["history_prompts"] == 0 and s1["history_drafted_history"] == 0
-    assert s3["history_prompts"] == 8 and s3["history_accepted_history"] > 0, s3
-    spec = ("drafts", "drafted_tokens", "accepted_tokens", "history_drafted_history", "history_accepted_history")
-    for g, w in zip(recs, want):  # exact: same floats and counts, not approximately
-        assert (g["loss"], g["reward_mean"], g["generated_tokens"]) == (w["loss"], w["reward_mean"],
-                                                                        w["generated_tokens"])
-        assert [g["spec"].get(key) for key in spec] == [w["spec"].get(key) for key in spec], (g["spec"], w["spec"])
-    print("tokens per verification by step, resumed / whole:",
-          [(round(g["acceptance_length"], 3), round(w["acceptance_length"], 3)) for g, w in zip(recs, want)])
-
-
-@pytest.mark.slow
 def test_async_grpo_drafts_from_history(tmp_path):
     """Async GRPO (lag 1, generation a step ahead of the learner) over 8 prompts, 4 per step: steps
     3-4 come back to step 1-2's prompts and draft from their rollouts (recorded by the Generator as
