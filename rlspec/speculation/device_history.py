@@ -8,9 +8,10 @@ The numba store (rlspec/speculation/store.py) drafts by this rule over hash chai
   length in `prompt_keys`, salted by the prompt, and in `global_keys`, unsalted), not from chain
   walks (the store reads `width` links of a key's chain). The running group is read from the
   batch itself: per sibling row (the row itself included: prompt lookup) and key length, the
-  latest position whose window has the row's suffix's fingerprint. A finished answer drafts for
-  its siblings once inserted (the replay inserts it when it finishes; the store reads a finished
-  answer of its call until the call ends).
+  latest position whose window has the row's suffix's fingerprint. A finished answer of the call
+  stays readable until the call ends, as in the store: the engine's drafter keeps the finished
+  rows and passes them after the running ones (propose's `done` rows, which draft nothing; the
+  replay inserts an answer when it finishes).
 - the global source is a count table over the stored answers (global_source=counts, the
   default; see DeviceHistory), the same table store.py drafts from by default (its global_index=
   chains walks chains of any prompt's positions instead); the hashed buckets of global_keys
@@ -321,19 +322,23 @@ class DeviceHistory:
 
     # -- propose (every engine step) ------------------------------------------------------------------
     def propose(self, token_ids: torch.Tensor, lengths: torch.Tensor, prompt_ids: torch.Tensor,
-                prompt_lens: torch.Tensor, k: int, active: torch.Tensor | None = None, sources: bool = False
-                ) -> tuple[torch.Tensor, ...]:
+                prompt_lens: torch.Tensor, k: int, active: torch.Tensor | None = None, sources: bool = False,
+                done: int = 0) -> tuple[torch.Tensor, ...]:
         """Drafts for every row: token_ids [B, L] (row i's first lengths[i] tokens, prompt_lens[i]
         of them its prompt, prompt_ids[i] its prompt_hash), active [B] (rows to draft for; default
         all) -> drafts [B, k] int32 (-1: none), and their leading valid counts [B] int32; with
         sources (select=longest, unpooled), each drafted token's source [B, k] too (speculation.SOURCES'
-        index, -1 past the draft)."""
+        index, -1 past the draft). The last `done` rows are answers of the call that finished: their
+        running siblings read them (prompt_siblings), nothing drafts for them."""
         n = lengths.long()
+        if done:
+            keep = torch.arange(n.shape[0], device=n.device) < n.shape[0] - done
+            active = keep if active is None else active & keep
         if self.select == "score" or self.pooled:
             if sources:
                 raise ValueError("device history: drafts' sources are told only under select=longest, unpooled")
             valid, length, rank, nxt, glob = self._candidates(token_ids, n, self._context(token_ids, n), prompt_ids,
-                                                              prompt_lens, k, active)
+                                                              prompt_lens, k, active, done)
             if self.pooled:  # the prompt's own sources and the global one vote together
                 glob = torch.zeros_like(glob)
             if self.select == "score":
@@ -342,7 +347,7 @@ class DeviceHistory:
             drafts = self._vote(*self._voters(valid & (length == torch.where(valid, length, 0).amax(1, keepdim=True)),
                                               rank, nxt, k), k)
             return drafts, (drafts >= 0).sum(1).int()
-        got = self.source_drafts(token_ids, lengths, prompt_ids, prompt_lens, k, active, sources=sources)
+        got = self.source_drafts(token_ids, lengths, prompt_ids, prompt_lens, k, active, sources=sources, done=done)
         own, own_best, far, far_best = got[:4]
         use_far = (far_best > own_best) & (far[:, 0] >= 0)
         drafts = torch.where(use_far[:, None], far, own)
@@ -351,7 +356,7 @@ class DeviceHistory:
         src = torch.where(drafts < 0, -1, torch.where(use_far[:, None], GLOBAL, got[4]))
         return drafts, (drafts >= 0).sum(1).int(), src
 
-    def source_drafts(self, token_ids, lengths, prompt_ids, prompt_lens, k: int, active=None, sources=False):
+    def source_drafts(self, token_ids, lengths, prompt_ids, prompt_lens, k: int, active=None, sources=False, done=0):
         """Each source's draft and match length (select=longest): the prompt's own sources (its
         store, the row, its siblings; their longest match votes) and the global one (the global
         buckets' longest match votes, or the count table's walk) -> own [B, k], own_best [B], far
@@ -359,7 +364,7 @@ class DeviceHistory:
         [B, k] (its highest-ranked voter's: HISTORY, SIBLINGS or PROMPT, the row itself)."""
         n = lengths.long()
         ctx = self._context(token_ids, n)                                        # [B, M]
-        valid, length, rank, nxt, glob = self._candidates(token_ids, n, ctx, prompt_ids, prompt_lens, k, active)
+        valid, length, rank, nxt, glob = self._candidates(token_ids, n, ctx, prompt_ids, prompt_lens, k, active, done)
         own, far = valid & ~glob, valid & glob
         own_best = torch.where(own, length, 0).amax(1, keepdim=True)
         far_best = torch.where(far, length, 0).amax(1, keepdim=True)
@@ -382,11 +387,11 @@ class DeviceHistory:
         live = won >= _LIVE
         return *out, torch.where(live, torch.where(won - _LIVE >= _SELF, PROMPT, SIBLINGS), HISTORY)
 
-    def _candidates(self, token_ids, n, ctx, prompt_ids, prompt_lens, k, active):
+    def _candidates(self, token_ids, n, ctx, prompt_ids, prompt_lens, k, active, done=0):
         """Every candidate of the buckets and the batch (ctx: the rows' last tokens, _context):
         valid, length, rank [B, C], nxt [B, C, k], and which are global [B, C]."""
         hist = self._stored_candidates(token_ids, n, prompt_ids.long(), ctx, k)
-        live = self._live_candidates(token_ids, n, prompt_ids.long(), prompt_lens.long(), ctx, k)
+        live = self._live_candidates(token_ids, n, prompt_ids.long(), prompt_lens.long(), ctx, k, done)
         valid, length, rank, nxt = (torch.cat([a, b], 1) for a, b in (
             (hist[0].valid, live.valid), (hist[0].length, live.length), (hist[0].rank, live.rank),
             (hist[0].nxt, live.nxt)))
@@ -437,16 +442,17 @@ class DeviceHistory:
         valid = first_of(valid, pos)
         return Candidates(valid, length, pos, nxt), glob & valid
 
-    def _live_candidates(self, token_ids, n, salt, plen, ctx, k) -> Candidates:
+    def _live_candidates(self, token_ids, n, salt, plen, ctx, k, done=0) -> Candidates:
         """Per prompt key length m, the latest position p (the latest live_matches) whose m tokens
         before it have the row's last m tokens' fingerprint: in the row itself (any position), and
         in each of its max_siblings - 1 siblings (an answer position), the rows of its prompt that
-        follow it in row order, cyclically (prompt_siblings: every row of a group larger than
-        max_siblings reads as many siblings as the host store's walk takes). Each row's windows are
+        follow it in the group's order, cyclically (prompt_siblings: every row of a group larger than
+        max_siblings reads as many siblings as the host store's walk takes; the call's finished
+        answers, the last `done` rows, spread among the running ones). Each row's windows are
         compared once with the queries of the rows that read it: [B, G-1, L+1], no gather of rows."""
         B, L = token_ids.shape
         dev, G, N = n.device, min(self.max_siblings, B), self.live_matches
-        sib, reader, listed = prompt_siblings(salt, G)                           # [B, G-1] each
+        sib, reader, listed = prompt_siblings(salt, G, done)                         # [B, G-1] each
         rows = torch.arange(B, device=dev)
         cols = torch.arange(L + 1, device=dev)
         before_end = cols < n[:, None]

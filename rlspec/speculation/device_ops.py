@@ -108,17 +108,32 @@ def first_of(valid: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return valid & ~torch.zeros_like(valid).scatter(1, order, dup)
 
 
-def prompt_siblings(salt: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row, the G - 1 rows of its prompt that follow it in row order, cyclically within the
-    prompt's rows (a group of any size: every row reads min(G, group) - 1 siblings, and each row is
-    read by as many): sib [B, G-1] (row i's (g+1)-th follower), reader [B, G-1] (the row whose
-    (g+1)-th follower row i is) and ok [B, G-1] (g+1 < the group's size: distinct siblings)."""
+def prompt_siblings(salt: torch.Tensor, G: int, done: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, the G - 1 rows of its prompt that follow it in the group's order, cyclically (a group
+    of any size: every row reads min(G, group) - 1 siblings, and each row is read by as many):
+    sib [B, G-1] (row i's (g+1)-th follower), reader [B, G-1] (the row whose (g+1)-th follower row i
+    is) and ok [B, G-1] (g+1 < the group's size: distinct siblings). The group's order is row order,
+    its last `done` rows (finished answers) spread evenly among the running ones: a running row's
+    followers are its prompt's running and finished answers in proportion."""
     B = salt.shape[0]
-    order = torch.sort(salt, stable=True)
-    first = torch.searchsorted(order.values, salt)                            # start of the row's group
-    size = torch.searchsorted(order.values, salt, right=True) - first
-    place = torch.empty_like(first).scatter_(0, order.indices, torch.arange(B, device=salt.device)) - first
+    spread = torch.cat([_place_in_group(salt[: B - done], 0.0), _place_in_group(salt[B - done:], 0.5)])
+    by_place = torch.sort(spread, stable=True).indices
+    order_idx = by_place[torch.sort(salt[by_place], stable=True).indices]
+    values = salt[order_idx]
+    first = torch.searchsorted(values, salt)                                  # start of the row's group
+    size = torch.searchsorted(values, salt, right=True) - first
+    place = torch.empty_like(first).scatter_(0, order_idx, torch.arange(B, device=salt.device)) - first
     g = torch.arange(1, max(G, 1), device=salt.device)[None]                  # [1, G-1]
-    sib = order.indices[first[:, None] + (place[:, None] + g) % size[:, None]]
-    reader = order.indices[first[:, None] + (place[:, None] - g) % size[:, None]]
+    sib = order_idx[first[:, None] + (place[:, None] + g) % size[:, None]]
+    reader = order_idx[first[:, None] + (place[:, None] - g) % size[:, None]]
     return sib, reader, g < size[:, None]
+
+
+def _place_in_group(salt: torch.Tensor, offset: float) -> torch.Tensor:
+    """Each row's place among the rows of its salt, in row order, as a fraction of their number:
+    (rank + offset) / size, in [0, 1)."""
+    order = torch.sort(salt, stable=True)
+    first = torch.searchsorted(order.values, salt)
+    size = torch.searchsorted(order.values, salt, right=True) - first
+    rank = torch.empty_like(first).scatter_(0, order.indices, torch.arange(salt.shape[0], device=salt.device)) - first
+    return (rank.double() + offset) / size.clamp(min=1).double()

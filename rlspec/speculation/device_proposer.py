@@ -53,8 +53,18 @@ def _proposer_class(base):
             self.stats = _Stats(self.k, device)
             # each batch row's last draft, by source, and the rows' request ids then (rows move
             # between steps: the next step credits a request's accepted tokens by its id)
-            self.pending = _Pending(int(vllm_config.scheduler_config.max_num_seqs), self.k, device)
+            rows = int(vllm_config.scheduler_config.max_num_seqs)
+            self.pending = _Pending(rows, self.k, device)
             self.pending_ids: list[str] = []
+            # the call's finished answers, read by their running siblings: a request leaving the
+            # batch (vLLM's hook for request-scoped state) leaves its row here
+            self.finished = _Finished(rows, self.max_model_len, device)
+            self.row_len = torch.zeros(rows, dtype=torch.int64, device=device)
+            self.token_rows: torch.Tensor | None = None
+            if runner is not None:
+                removed = runner._on_request_state_removed
+                runner._on_request_state_removed = \
+                    lambda req_id, state: (self._keep_finished(req_id), removed(req_id, state))[1]
 
         def load_model(self, *args, **kwargs) -> None:
             if self.history is None:
@@ -68,6 +78,8 @@ def _proposer_class(base):
             lengths = append_sampled(token_ids_gpu, num_tokens_no_spec, valid_sampled_token_ids_gpu,
                                      valid_sampled_tokens_count)
             batch = lengths.shape[0]
+            self.token_rows = token_ids_gpu
+            self.row_len[:batch] = lengths
             k = max(0, min(int(num_speculative_tokens), self.k))  # 'auto': the scheduler's k for this batch size
             # The drafts' width is what the scheduler places next step. Without async scheduling it
             # places every column it is given (the runner then trims each row to its valid count):
@@ -85,10 +97,11 @@ def _proposer_class(base):
             if self.prompt_len_of:  # partial rollouts: resumed answers drafted under their own prompt
                 plens = own_prompt_lens(plens, ids, self.prompt_len_of)
             prompt_lens = torch.as_tensor(plens, dtype=torch.int64).to(self.device, non_blocking=True)
-            salts = prompt_hash(token_ids_gpu, prompt_lens)
             active = valid_sampled_tokens_count > 0
-            drafts, counts, src = self.history.propose(token_ids_gpu, lengths, salts, prompt_lens, k, active,
-                                                       sources=True)
+            rows, lens, plens_all, act = self.finished.after(token_ids_gpu, lengths, prompt_lens, active)
+            drafts, counts, src = self.history.propose(rows, lens, prompt_hash(rows, plens_all), plens_all, k, act,
+                                                       sources=True, done=self.finished.used)
+            drafts, counts, src = drafts[:batch], counts[:batch], src[:batch]
             if self.full:  # 'auto' times steps: the lookup as always, every draft filled to k
                 last = token_ids_gpu.gather(1, (lengths.long() - 1).clamp(min=0)[:, None])
                 drafts = torch.where(active[:, None] & (drafts < 0), last.to(drafts.dtype), drafts)
@@ -105,6 +118,16 @@ def _proposer_class(base):
             if k < width:
                 drafts = torch.nn.functional.pad(drafts, (0, width - k), value=-1)
             return drafts, counts
+
+        def _keep_finished(self, req_id: str) -> None:
+            """A finished request's row (as the last step left it) joins the call's finished answers."""
+            row = self.runner.input_batch.req_id_to_index.get(req_id)
+            if row is None or row >= len(self.pending_ids) or self.pending_ids[row] != req_id or not self.drafting:
+                return   # not drafted for at its row (drafting off, or finished before a step)
+            plen = self.runner.input_batch.num_prompt_tokens[row: row + 1]
+            if self.prompt_len_of:
+                plen = own_prompt_lens(plen, [req_id], self.prompt_len_of)
+            self.finished.add(self.token_rows[row], self.row_len[row], int(plen[0]))
 
         def _last_rows(self, ids: list[str]) -> torch.Tensor:
             """Each row's batch row at the last step (-1: a request new since)."""
@@ -144,6 +167,21 @@ def _speculator_class(base):
             # each request state's last draft, by source (a state's first verified step follows its
             # prefill, which samples one token: a state's earlier owner credits nothing to it)
             self.pending = _Pending(self.max_num_reqs, self.k, device)
+            # the call's finished answers, read by their running siblings: a request state's row
+            # joins them as vLLM frees the state (a preempted request's too: V2 frees it alike)
+            self.finished = _Finished(self.max_num_reqs, self.max_model_len, device)
+            freed = req_states.remove_request
+            req_states.remove_request = lambda req_id: (self._keep_finished(req_id), freed(req_id))[1]
+
+        def _keep_finished(self, req_id: str) -> None:
+            rs = self.req_states
+            idx = rs.req_id_to_index.get(req_id)
+            if idx is None or not self.drafting:
+                return
+            plen = rs.prompt_len.np[idx: idx + 1]
+            if self.prompt_len_of:
+                plen = own_prompt_lens(plen, [req_id], self.prompt_len_of)
+            self.finished.add(rs.all_token_ids.gpu[idx], rs.total_len.gpu[idx], int(plen[0]))
 
         def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                     num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
@@ -174,8 +212,10 @@ def _speculator_class(base):
             else:
                 prompt_lens = rs.prompt_len.gpu[idx].long()
             active = num_sampled[:n] > 0
-            drafts, counts, src = self.history.propose(token_ids, lengths, prompt_hash(token_ids, prompt_lens),
-                                                       prompt_lens, k, active, sources=True)
+            rows, lens, plens_all, act = self.finished.after(token_ids, lengths, prompt_lens, active)
+            drafts, counts, src = self.history.propose(rows, lens, prompt_hash(rows, plens_all), plens_all, k, act,
+                                                       sources=True, done=self.finished.used)
+            drafts, counts, src = drafts[:n], counts[:n], src[:n]
             self.pending.put(idx, src, torch.zeros_like(counts) if self.full else counts)
             if not self.full:
                 self.stats.add(active, counts, src)
@@ -205,6 +245,41 @@ def settings() -> dict:
             "max_per_prompt": cfg["max_rollouts_per_prompt"],
             # the global source is the count table (global_keys are the host store's); off: none
             **({} if cfg["global_source"] else {"global_source": "buckets", "global_keys": ()})}
+
+
+class _Finished:
+    """The call's finished answers on the device, the newest `rows` (a ring): each as its request's
+    token row (prompt and answer, max_model_len wide), its length and its own prompt's length.
+    Allocated with the drafter, before vLLM sizes its KV cache."""
+
+    def __init__(self, rows: int, width: int, device):
+        self.tok = torch.zeros((rows, width), dtype=torch.int32, device=device)
+        self.n = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.plen = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.used = self.next = 0
+
+    def clear(self) -> None:
+        self.used = self.next = 0
+
+    def add(self, tokens: torch.Tensor, length: torch.Tensor, prompt_len: int) -> None:
+        """A row (tokens [>= its length], length: a 0-d device tensor; no host sync)."""
+        s, width = self.next, min(self.tok.shape[1], tokens.shape[0])
+        self.tok[s, :width] = tokens[:width]
+        self.n[s: s + 1] = length.view(1).clamp(max=width)
+        self.plen[s] = prompt_len
+        self.next = (s + 1) % self.tok.shape[0]
+        self.used = min(self.used + 1, self.tok.shape[0])
+
+    def after(self, token_ids, lengths, prompt_lens, active):
+        """The running rows followed by the finished ones (which draft nothing): token rows, lengths,
+        prompt lengths and active, each [B + used]."""
+        if not self.used:
+            return token_ids, lengths, prompt_lens, active
+        u, width = self.used, token_ids.shape[1]
+        rows = self.tok[:u, :width] if width <= self.tok.shape[1] else \
+            torch.nn.functional.pad(self.tok[:u], (0, width - self.tok.shape[1]))
+        return (torch.cat([token_ids, rows.to(token_ids.dtype)]), torch.cat([lengths, self.n[:u].to(lengths.dtype)]),
+                torch.cat([prompt_lens.long(), self.plen[:u]]), torch.cat([active, active.new_zeros(u)]))
 
 
 class _Pending:
@@ -296,7 +371,10 @@ SLOTS = (("vllm.v1.spec_decode.ngram_proposer_gpu", "NgramProposerGPU", V1_PROPO
          ("vllm.v1.worker.gpu.spec_decode.ngram.speculator", "NgramGPUSpeculator", V2_PROPOSE),
          (_RUNNER, "NgramProposerGPU", None),   # the name V1's runner builds its ngram_gpu drafter from
          (_RUNNER, "update_ngram_gpu_tensors_incremental", None),   # the CPU stand-ins replace these two
-         (_RUNNER, "copy_num_valid_draft_tokens", None))
+         (_RUNNER, "copy_num_valid_draft_tokens", None),
+         # where a finished request's row is kept: V1's hook for request-scoped state, V2's slot freeing
+         (_RUNNER, "GPUModelRunner._on_request_state_removed", None),
+         ("vllm.v1.worker.gpu.states", "RequestState.remove_request", None))
 
 
 def slots_changed(runner: bool = True) -> list[str]:
@@ -309,7 +387,9 @@ def slots_changed(runner: bool = True) -> list[str]:
     out = []
     for module, name, params in SLOTS if runner else SLOTS[:2]:
         try:
-            obj = getattr(importlib.import_module(module), name)
+            obj = importlib.import_module(module)
+            for part in name.split("."):
+                obj = getattr(obj, part)
         except (ImportError, AttributeError) as exc:
             out.append(f"{module}.{name} is gone ({type(exc).__name__}: {exc})")
             continue
@@ -430,6 +510,7 @@ def begin_call(worker, draft: bool = True, prompt_len_of: dict[str, int] | None 
     p.prompt_len_of = prompt_len_of or {}
     p.stats = _Stats(p.k, p.device)
     p.pending.n.zero_()
+    p.finished.clear()
     if hasattr(p, "pending_ids"):
         p.pending_ids = []
 

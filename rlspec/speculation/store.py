@@ -43,8 +43,8 @@ store loaded from another model). Evicted sequences are overwritten with DEAD, w
 holds, so a chain walk skips them until compaction rebuilds the arena without them. Where the
 drafters part: the host store bounds what it keeps per prompt and walks chains (a walk reads
 max_candidates links of a key's chain where the device reads the newest max_candidates entries of
-its bucket), the device keeps a ring; within a call the host's running answers stay readable after
-they finish, the device's once they are stored.
+its bucket), the device keeps a ring; within a call a row reads the siblings with the latest
+matches here, a fixed share of its prompt's running and finished answers there (prompt_siblings).
 
 The functions are compiled once per process (HistoryIndex.warm_up, at configure) and cached on
 disk by numba: beside this file, in NUMBA_CACHE_DIR or the user's cache folder, and where none of

@@ -217,6 +217,26 @@ def test_siblings_and_the_prompt_draft_without_history():
     assert device_drafts(dev, [p + [2, 3]], [5], 3) == [[4, 5, 2]]
 
 
+def test_the_calls_finished_answers_draft_for_their_running_siblings():
+    """The last `done` rows are answers of the call that finished: a running row reads them as
+    siblings (its max_siblings - 1 followers are its prompt's running and finished answers in
+    proportion, not only the running rows in lockstep with it), and nothing drafts for them."""
+    from rlspec.speculation.device_ops import prompt_siblings
+
+    dev = DeviceHistory(**SMALL)   # max_siblings=3: each row reads 2 siblings
+    p = [1, 2, 3, 4, 5]
+    running = [p + [30, 31]] * 4                  # in lockstep: no sibling knows what follows 30 31
+    finished = [p + [30, 31, 32, 33, 34, 35]] * 4
+    ids, n, salt, pl = batch(running + finished, [5] * 8)
+    drafts, counts = dev.propose(ids, n, salt, pl, 3, done=4)
+    assert [d[:c] for d, c in zip(drafts.tolist(), counts.tolist())] == [[32, 33, 34]] * 4 + [[]] * 4
+    assert device_drafts(dev, running + finished, [5] * 8, 3)[:4] == [[]] * 2 + [[32, 33, 34]] * 2   # row order
+    salt = torch.zeros(8, dtype=torch.int64)
+    sib, _, _ = prompt_siblings(salt, 3, done=4)
+    assert sib[:4].tolist() == [[4, 1], [5, 2], [6, 3], [7, 0]]   # r0 f4 r1 f5 r2 f6 r3 f7, cyclically
+    assert prompt_siblings(salt, 3)[0][:4].tolist() == [[1, 2], [2, 3], [3, 4], [4, 5]]
+
+
 def test_an_empty_store_drafts_from_the_batch_only():
     dev = DeviceHistory(**SMALL)
     assert device_drafts(dev, [[1, 2, 3, 10, 11], [4, 5]], [3, 2], 3) == [[], []]

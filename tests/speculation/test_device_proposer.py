@@ -68,30 +68,78 @@ def test_a_saved_ring_loads_into_a_fresh_store_and_drafts_the_same():
     assert _drafts(both, queries, [6] * 12) == _drafts(whole, queries, [6] * 12)   # left as it was
 
 
-def test_the_v2_speculator_drafts_from_the_runners_request_states():
-    """Model Runner V2's slot reads each batch row's tokens, length and prompt length through the
-    batch's idx_mapping into the runner's request states; a row the history has no draft for is
-    filled with its last sampled token (V2 verifies K a row)."""
-    pytest.importorskip("vllm")
+def _states(plen):
+    """Model Runner V2's request states as the speculator reads them (8 slots, 64 tokens wide), and
+    their remove_request (vLLM frees a finished request's slot through it)."""
+    def remove_request(req_id):
+        idx = states.req_id_to_index.pop(req_id, None)
+        states.removed.append(idx)
+        return idx
+
+    states = SimpleNamespace(all_token_ids=SimpleNamespace(gpu=torch.zeros(8, 64, dtype=torch.int32)),
+                             total_len=SimpleNamespace(gpu=torch.zeros(8, dtype=torch.int32)),
+                             prompt_len=SimpleNamespace(gpu=torch.from_numpy(plen), np=plen),
+                             req_id_to_index={}, removed=[], remove_request=remove_request)
+    return states
+
+
+def _v2_speculator(states, k=4):
     from vllm.v1.worker.gpu.spec_decode.ngram import speculator
 
     from rlspec.speculation.device_proposer import MARK, _speculator_class
 
     cls = _speculator_class(speculator.NgramGPUSpeculator)
-    cfg = SimpleNamespace(speculative_config=SimpleNamespace(model=MARK, num_speculative_tokens=4),
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(model=MARK, num_speculative_tokens=k),
                           scheduler_config=SimpleNamespace(max_num_seqs=8),
                           model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 100))
-    states = SimpleNamespace(all_token_ids=SimpleNamespace(gpu=torch.zeros(8, 64, dtype=torch.int32)),
-                             total_len=SimpleNamespace(gpu=torch.zeros(8, dtype=torch.int32)),
-                             prompt_len=SimpleNamespace(gpu=torch.zeros(8, dtype=torch.int32)))
-    spec = cls(cfg, torch.device("cpu"), states)
+    return cls(cfg, torch.device("cpu"), states)
+
+
+def test_the_v2_speculator_reads_the_calls_finished_answers():
+    """A request vLLM frees (req_states.remove_request) leaves its row to the call's finished
+    answers, which its running siblings draft from until the next call begins; the state is freed
+    as before."""
+    pytest.importorskip("vllm")
+    from rlspec.speculation.device_proposer import begin_call
+
+    states = _states(np.zeros(8, dtype=np.int32))
+    spec = _v2_speculator(states)
+    p = [5, 6, 7, 8]
+    for slot, row in ((1, p + [20, 21, 22, 23, 24, 25]), (4, p + [20, 21])):
+        states.all_token_ids.gpu[slot, : len(row)] = torch.tensor(row)
+        states.total_len.gpu[slot] = len(row)
+        states.prompt_len.np[slot] = 4
+        states.req_id_to_index[f"r{slot}"] = slot
+    batch = SimpleNamespace(num_reqs=1, idx_mapping=torch.tensor([4]))
+    last = torch.full((8, 1), 21, dtype=torch.int64)
+
+    def step():
+        return spec.propose(batch, None, None, None, None, torch.tensor([1]), torch.zeros(1), last, None, None,
+                            None)[0].tolist()
+
+    assert step() == [21] * 4                 # slot 1 is not in the batch: nothing to read
+    assert states.remove_request("r1") == 1 and states.removed == [1]
+    states.all_token_ids.gpu[1] = 0           # vLLM reuses the slot: the finished row was kept
+    assert step() == [22, 23, 24, 25]
+    assert spec.stats.as_dict()["drafted_siblings"] == 4
+    begin_call(SimpleNamespace(model_runner=SimpleNamespace(speculator=spec)))
+    assert step() == [21] * 4                 # a new call: its own finished answers only
+
+
+def test_the_v2_speculator_drafts_from_the_runners_request_states():
+    """Model Runner V2's slot reads each batch row's tokens, length and prompt length through the
+    batch's idx_mapping into the runner's request states; a row the history has no draft for is
+    filled with its last sampled token (V2 verifies K a row)."""
+    pytest.importorskip("vllm")
+    states = _states(np.zeros(8, dtype=np.int32))
+    spec = _v2_speculator(states)
     prompt, answer = [5, 6, 7, 8], [10, 11, 12, 13, 14, 15, 16, 17]
     spec.history.insert([prompt], [answer])
     rows = {3: prompt + answer[:3], 6: [9, 9, 9, 9, 40]}   # request-state slots: one with history, one without
     for slot, r in rows.items():
         states.all_token_ids.gpu[slot, : len(r)] = torch.tensor(r)
         states.total_len.gpu[slot] = len(r)
-        states.prompt_len.gpu[slot] = 4
+        states.prompt_len.np[slot] = 4
     batch = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([6, 3]))
     last = torch.zeros(8, 1, dtype=torch.int64)
     last[3, 0], last[6, 0] = 12, 40
@@ -125,19 +173,9 @@ def test_the_v2_speculator_drafts_a_resumed_answer_under_its_own_prompt():
     V2's slot drafts it as it drafts the same tokens of a request that never stopped, and reads the
     other rows' prompt lengths from the runner's request states."""
     pytest.importorskip("vllm")
-    from vllm.v1.worker.gpu.spec_decode.ngram import speculator
-
-    from rlspec.speculation.device_proposer import MARK, _speculator_class
-
-    cls = _speculator_class(speculator.NgramGPUSpeculator)
-    cfg = SimpleNamespace(speculative_config=SimpleNamespace(model=MARK, num_speculative_tokens=4),
-                          scheduler_config=SimpleNamespace(max_num_seqs=8),
-                          model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 100))
     plen = np.zeros(8, dtype=np.int32)
-    states = SimpleNamespace(all_token_ids=SimpleNamespace(gpu=torch.zeros(8, 64, dtype=torch.int32)),
-                             total_len=SimpleNamespace(gpu=torch.zeros(8, dtype=torch.int32)),
-                             prompt_len=SimpleNamespace(gpu=torch.from_numpy(plen), np=plen))
-    spec = cls(cfg, torch.device("cpu"), states)
+    states = _states(plen)
+    spec = _v2_speculator(states)
     # two prompts whose answers continue the same tokens differently: the prompt decides the draft
     a, b = [5, 6, 7, 8], [1, 2, 3, 4]
     spec.history.insert([a, b, b], [[10, 11, 12, 13, 14, 15, 16, 17], [10, 11, 12, 30, 31, 32, 33, 34],
