@@ -107,6 +107,13 @@ def train(cfg: RLSpecConfig, run_dir: str) -> dict:
 
     validate(cfg)
     resolve_auto(cfg)  # once, here: every actor and summary.json read the resolved values
+    if cfg.speculation.adaptive and cfg.speculation.auto_step_costs is not None:
+        from rlspec.speculation.adaptive import load_step_costs
+
+        try:   # the Generator loads them again; a bad file fails here, before any actor starts
+            load_step_costs(cfg.speculation.auto_step_costs, cfg.speculation.k_max)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.cluster.dry_run:
         dry_run(cfg)
         return {}

@@ -148,6 +148,8 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
         _check(sp.auto_probe_max_cost >= 1.0, "speculation.auto_probe_max_cost", "must be >= 1")
         _check(len(sp.auto_buckets) > 0 and min(sp.auto_buckets) >= 1, "speculation.auto_buckets",
                "must be a non-empty list of batch sizes >= 1")
+        _check(sp.auto_step_costs is None or sp.adaptive, "speculation.auto_step_costs",
+               "applies to num_speculative_tokens=auto only")
         needs_model = sp.method in ("draft_model", "eagle3")
         _check(needs_model == (sp.model is not None), "speculation.model",
                f"method {sp.method} {'needs a draft checkpoint' if needs_model else 'takes no draft checkpoint'}")

@@ -128,6 +128,11 @@ class SpeculationConfig:
     # A probing step costs at most this many times the step it replaces: on the first call a step
     # without drafting, later the bucket's planned k (rlspec/speculation/adaptive.py: plan).
     auto_probe_max_cost: float = 1.5
+    # 'auto' plans from these step costs instead of timing the engine: a JSON file mapping batch
+    # sizes to seconds per engine step [off, k=0, 1, ..., max_speculative_tokens], as
+    # {"1": [...], "64": [...]}, used as given (no start-up timing, no per-call refinement), so
+    # a run's k follow its measured acceptance alone and repeat from run to run.
+    auto_step_costs: Optional[str] = None
     # Draft checkpoint directory or hub ID (draft_model, eagle3); none for ngram, mtp, suffix, history.
     model: Optional[str] = None
     # How the draft proposes: 'probabilistic' samples from the draft's distribution and accepts

@@ -8,7 +8,8 @@ So k is chosen per batch-size bucket, from two measured things:
   (k=0: the draft still reads the new tokens to keep its KV cache in step; OFF: no draft at all),
   timed on the engine itself at start (`calibrate` in the Generator: round-robin over k,
   median per (B, k), made non-decreasing in k), plus a per-bucket offset measured on every call's
-  own decode steps (`observe_steps`);
+  own decode steps (`observe_steps`); or given (`speculation.auto_step_costs`, load_step_costs),
+  then used as they are;
 - acceptance: the conditional probability a_i that draft position i is accepted given the ones
   before it were, from vLLM's per-position counters after every generate call (accepted over
   reached, counts of earlier calls decayed).
@@ -39,6 +40,7 @@ measured in shadow (rlspec/speculation/history_stats.py: replay_in_shadow).
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -114,6 +116,7 @@ class DraftLengthPlanner:
     # measure it: (log2 batch bin, k) -> [steps, seconds], earlier calls decayed; charged to drafting
     # modes only (k >= 0), never to OFF, whose steps never call it
     drafter: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False)
+    fixed: bool = False   # step costs given (speculation.auto_step_costs): used as they are
 
     def __post_init__(self):
         self.calibrated = dict(self.step_seconds)
@@ -163,6 +166,8 @@ class DraftLengthPlanner:
 
     def observe_drafter(self, timing: list[list]) -> None:
         """One call's drafter timing, [bin, k, steps, seconds] per cell (HistoryStats.propose_timing)."""
+        if self.fixed:
+            return
         touched = {(int(b), int(k)) for b, k, _, _ in timing}
         for key in touched:
             c = self.drafter.setdefault(key, [0.0, 0.0])
@@ -295,7 +300,10 @@ class DraftLengthPlanner:
         is, so it is estimated as one: per bucket, the mean of measured minus predicted over the
         steps in the bucket's range (earlier calls' counts decayed), added to every k's calibrated
         cost. A per-(bucket, k) correction would favour the k a call did not use, whose costs
-        keep the timing's bias; a common offset moves every k alike and so does not."""
+        keep the timing's bias; a common offset moves every k alike and so does not. Given
+        costs (fixed) stay as given."""
+        if self.fixed:
+            return
         bucket_of = self.bucket_of()
         per_bucket: dict[int, list[float]] = {}
         for n, k, seconds in steps:
@@ -321,3 +329,26 @@ class DraftLengthPlanner:
 def best_is_spec(rates: dict[int, float], planner: DraftLengthPlanner, bucket: int) -> bool:
     """Whether some k > 0 beats both k = 0 and OFF at this bucket."""
     return max(rates[k] for k in rates if k > 0) > max(rates[0], planner.tokens_per_second(bucket, OFF))
+
+
+def load_step_costs(path: str, k_max: int) -> dict[tuple[int, int], float]:
+    """speculation.auto_step_costs: {"<batch size>": [off, k=0, ..., k_max seconds], ...} ->
+    (batch size, k or OFF) -> seconds; a ValueError naming the file and what is wrong."""
+    where = f"speculation.auto_step_costs ({path})"
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: cannot read it as JSON: {exc}") from None
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"{where}: must be a JSON object of batch sizes to step costs")
+    out = {}
+    for key, costs in table.items():
+        if not str(key).isdigit() or int(key) < 1:
+            raise ValueError(f"{where}: key {key!r} is not a batch size (a positive integer)")
+        if not isinstance(costs, list) or len(costs) != k_max + 2 or not all(
+                isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in costs):
+            raise ValueError(f"{where}: batch size {key}: want {k_max + 2} positive seconds (off, then k = 0 .. "
+                             f"{k_max}: speculation.max_speculative_tokens), got {costs!r}")
+        out.update({(int(key), k): float(c) for k, c in zip([OFF, *range(k_max + 1)], costs)})
+    return out

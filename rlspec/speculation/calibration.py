@@ -23,7 +23,7 @@ import torch
 from rlspec.config import SpeculationConfig
 from rlspec.engines.vllm_engine import VLLMEngine, decode_only
 from rlspec.messages import RolloutBatch
-from rlspec.speculation.adaptive import OFF, DraftLengthPlanner, DraftPlan, non_decreasing
+from rlspec.speculation.adaptive import OFF, DraftLengthPlanner, DraftPlan, load_step_costs, non_decreasing
 
 
 # Attribute or method -> the vLLM classes (module:class) that must have it, for each use here and in
@@ -80,13 +80,17 @@ class AdaptiveK:
         self.calibration_seconds = 0.0
         self.calls = 0
         self.last_lengths: list[int] | None = None
+        self.given = None if spec.auto_step_costs is None else load_step_costs(spec.auto_step_costs, spec.k_max)
 
     def before_call(self, prompt_ids: list[list[int]], rollout: bool = True) -> float:
         """Plan the k of the next call (calibrating on its prompts on the first); returns the
         seconds spent calibrating, which the call reports as its own. Only training rollouts
         count towards probes (and, after the call, feed the estimates)."""
         t0 = time.perf_counter()
-        if self.planner is None:
+        if self.planner is None and self.given is not None:
+            self.planner = DraftLengthPlanner(k_max=self.engine.k_max, step_seconds=dict(self.given), fixed=True,
+                                              max_batch=len(self.engine.scheduler().dynamic_sd_lookup) - 1)
+        elif self.planner is None:
             self.planner = self.calibrate(prompt_ids)
             self.planner.probe_max_cost = self.probe_max_cost
         probe = rollout and (self.calls % self.probe_every == 0 or self.planner.unmeasured())

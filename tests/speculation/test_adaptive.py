@@ -220,3 +220,30 @@ def test_a_drafters_own_time_is_charged_to_drafting_modes_only():
     # steps of a drafting call measured at calibrated cost + the drafter's time: no offset
     p.observe_steps([(64, 3, secs[(64, 3)] + 0.004)] * 20)
     assert p.cost(64, OFF) == pytest.approx(off_before)
+
+
+def test_given_step_costs_load_as_given_and_stay(tmp_path):
+    """speculation.auto_step_costs: a file of seconds per step [off, k=0..k_max] by batch size, used
+    as given: the calls' measured steps and drafter time leave them as they are, so a run's k
+    follow acceptance alone."""
+    import json
+
+    from rlspec.speculation.adaptive import load_step_costs
+
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"1": [1.0, 1.1, 1.2, 1.3, 1.4], "64": [4.0, 4.4, 4.8, 5.2, 5.6]}))
+    costs = load_step_costs(str(path), 3)
+    assert costs[(1, OFF)] == 1.0 and costs[(64, 0)] == 4.4 and costs[(64, 3)] == 5.6 and len(costs) == 10
+    pl = DraftLengthPlanner(k_max=3, max_batch=64, step_seconds=dict(costs), accept=[0.9] * 3, fixed=True)
+    pl.observe_steps([(64, 3, 50.0)] * 10)
+    pl.observe_drafter([[6, 3, 10, 100.0]])
+    assert pl.step_seconds == costs and pl.cost(64, 3) == 5.6
+    for text, says in (("{", "cannot read it as JSON"), ("[1]", "must be a JSON object"),
+                       ('{"x": [1, 1, 1, 1, 1]}', "key 'x' is not a batch size"),
+                       ('{"1": [1, 1, 1]}', "batch size 1: want 5 positive seconds"),
+                       ('{"1": [1, 1, 1, 1, -1]}', "batch size 1: want 5")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"speculation.auto_step_costs \\({path}\\): {says}"):
+            load_step_costs(str(path), 3)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_step_costs(str(tmp_path / "missing.json"), 3)
