@@ -30,8 +30,11 @@ def engine_env(gen: GenerationConfig) -> None:
 
 
 def engine_kwargs(model_path: str, gen: GenerationConfig, max_model_len: int, seed: int,
-                  tokenizer: str | None = None, speculative_config: dict | None = None) -> dict:
-    """The keyword arguments rlspec gives vLLM's LLM (and EngineArgs: `vllm_config_of`)."""
+                  tokenizer: str | None = None, speculative_config: dict | None = None,
+                  additional_config: dict | None = None) -> dict:
+    """The keyword arguments rlspec gives vLLM's LLM (and EngineArgs: `vllm_config_of`).
+    additional_config: vLLM's config for plugins, which reaches every worker of every executor
+    (rlspec's device drafter reads its settings there)."""
     if gen.enforce_eager is None:
         raise ValueError("generation.enforce_eager is unresolved: config.resolve_engine (or resolve_auto) first")
     from rlspec.refit import engine as refit_engine
@@ -61,6 +64,8 @@ def engine_kwargs(model_path: str, gen: GenerationConfig, max_model_len: int, se
         kwargs["enable_sleep_mode"] = True
     if speculative_config:
         kwargs["speculative_config"] = speculative_config
+    if additional_config:
+        kwargs["additional_config"] = additional_config
     return kwargs
 
 
@@ -89,9 +94,10 @@ def runner_of(vllm_config) -> dict:
 
 
 def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: int,
-             tokenizer: str | None = None, speculative_config: dict | None = None):
+             tokenizer: str | None = None, speculative_config: dict | None = None,
+             additional_config: dict | None = None):
     engine_env(gen)
-    kwargs = engine_kwargs(model_path, gen, max_model_len, seed, tokenizer, speculative_config)
+    kwargs = engine_kwargs(model_path, gen, max_model_len, seed, tokenizer, speculative_config, additional_config)
     if gen.sleep_mode:
         from vllm.platforms import current_platform
 
@@ -134,7 +140,8 @@ class VLLMEngine:
     """One vLLM LLM. speculative_config: vLLM's dict (rlspec.speculation.vllm_config), or None."""
 
     def __init__(self, model_path: str, tokenizer: str | None, generation: GenerationConfig, max_model_len: int,
-                 seed: int, speculative_config: dict | None = None, threads: int | None = None):
+                 seed: int, speculative_config: dict | None = None, threads: int | None = None,
+                 additional_config: dict | None = None):
         if threads:
             torch.set_num_threads(threads)
         self.gen, self.spec_config = generation, speculative_config
@@ -152,7 +159,8 @@ class VLLMEngine:
         cpu_kernel_fix.apply()
         if speculative_config is not None:
             cpu_kernel_fix.verify()
-        self.llm = make_llm(model_path, generation, max_model_len, seed, tokenizer, speculative_config)
+        self.llm = make_llm(model_path, generation, max_model_len, seed, tokenizer, speculative_config,
+                            additional_config)
         # Every in-place reload warns that rotary tables (not weights) were not loaded.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.asleep: set[str] = set()  # sleep mode: what the engine has released ("weights", "kv_cache")

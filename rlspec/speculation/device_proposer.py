@@ -17,8 +17,6 @@ path a GPU runs."""
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import sys
 
 import torch
@@ -29,7 +27,7 @@ from rlspec.speculation.device_shadow import replay_in_shadow
 from rlspec.speculation.history_proposer import own_prompt_lens
 
 MARK = "rlspec-device-history"  # speculative_config model under method ngram_gpu: this drafter
-ENV = "RLSPEC_DEVICE_HISTORY"    # the store's settings (speculation.history, JSON)
+CONFIG_KEY = "rlspec_device_history"   # the store's settings (speculation.history) in vLLM's additional_config
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 
 
@@ -49,7 +47,8 @@ def _proposer_class(base):
             self.k = int(spec.num_speculative_tokens)
             self.max_model_len = int(vllm_config.model_config.max_model_len)
             self.vocab = int(vllm_config.model_config.get_vocab_size())
-            self.history = DeviceHistory(device, vocab_size=self.vocab, **settings())
+            self.history = DeviceHistory(device, vocab_size=self.vocab, **settings(vllm_config))
+            self.shadow_rows = shadow_rows(vllm_config)
             self.stats = _Stats(self.k, device)
             # each batch row's last draft, by source, and the rows' request ids then (rows move
             # between steps: the next step credits a request's accepted tokens by its id)
@@ -161,7 +160,8 @@ def _speculator_class(base):
             self.max_num_reqs = int(vllm_config.scheduler_config.max_num_seqs)
             self.max_model_len = int(vllm_config.model_config.max_model_len)
             self.vocab = int(vllm_config.model_config.get_vocab_size())
-            self.history = DeviceHistory(device, vocab_size=self.vocab, **settings())
+            self.history = DeviceHistory(device, vocab_size=self.vocab, **settings(vllm_config))
+            self.shadow_rows = shadow_rows(vllm_config)
             self.drafts = torch.zeros((self.max_num_reqs, self.k), dtype=torch.int64, device=device)
             self.stats = _Stats(self.k, device)
             # each request state's last draft, by source (a state's first verified step follows its
@@ -229,15 +229,21 @@ def _speculator_class(base):
     return DeviceHistorySpeculator
 
 
-def shadow_rows() -> int:
-    return int(json.loads(os.environ.get(ENV, "{}")).get("shadow_rows", 32))
+def _config(vllm_config) -> dict:
+    """speculation.history as the Generator passed it, in vLLM's additional_config (the config for
+    plugins, which every executor hands its workers with the rest of the engine's config)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    return dict(extra.get(CONFIG_KEY) or {}) if isinstance(extra, dict) else {}
 
 
-def settings() -> dict:
-    """The store's settings, from the engine's environment (the Generator sets RLSPEC_DEVICE_HISTORY
-    before it builds the engine: the store is allocated with the runner, before vLLM sizes its
-    KV cache)."""
-    cfg = json.loads(os.environ.get(ENV, "{}"))
+def shadow_rows(vllm_config) -> int:
+    return int(_config(vllm_config).get("shadow_rows", 32))
+
+
+def settings(vllm_config) -> dict:
+    """The store's settings, from the engine's config (the store is allocated with the runner,
+    before vLLM sizes its KV cache); vLLM's defaults for an engine built without them."""
+    cfg = _config(vllm_config)
     if not cfg:
         return {}
     return {"max_tokens": cfg["device_max_tokens"], "max_match": cfg["max_match"], "min_prob": cfg["min_prob"],
@@ -436,27 +442,36 @@ def install() -> None:
 def _cpu_stand_ins() -> None:
     """On vLLM's CPU platform, what the V1 runner's ngram_gpu path needs an accelerator for: pinned
     staging buffers (plain host memory: there is no device to copy to), CUDA events and streams
-    (no-ops: every copy is synchronous), the staged copy of token rows (a plain copy)."""
+    (no-ops: every copy is synchronous), the staged copy of token rows (a plain copy). The buffers
+    and events are swapped only while a runner of this drafter's engine is built (speculative model
+    MARK): any other engine in the process is built as vLLM builds it."""
     from vllm.v1.worker import cpu_model_runner, gpu_model_runner
 
     if getattr(cpu_model_runner, "_rlspec_stand_ins", False):
         return
     cpu_model_runner._rlspec_stand_ins = True
     inner = cpu_model_runner._torch_cuda_wrapper
+    building = [False]   # a runner of MARK's engine is being built
+    runner_init = cpu_model_runner.CPUModelRunner.__init__
+
+    def init(self, vllm_config, *args, **kwargs):
+        spec = vllm_config.speculative_config
+        building[0] = spec is not None and spec.model == MARK
+        try:
+            runner_init(self, vllm_config, *args, **kwargs)
+        finally:
+            building[0] = False
 
     @contextlib.contextmanager
     def wrapper():
+        if not building[0]:
+            with inner():
+                yield
+            return
         zeros, event = torch.zeros, torch.cuda.Event
 
         def unpinned_zeros(*args, pin_memory=False, **kwargs):
             return zeros(*args, **kwargs)
-
-        class _Event:
-            def record(self, *args) -> None:
-                pass
-
-            def synchronize(self) -> None:
-                pass
 
         torch.zeros, torch.cuda.Event = unpinned_zeros, _Event
         try:
@@ -465,9 +480,30 @@ def _cpu_stand_ins() -> None:
         finally:
             torch.zeros, torch.cuda.Event = zeros, event
 
+    cpu_model_runner.CPUModelRunner.__init__ = init
     cpu_model_runner._torch_cuda_wrapper = wrapper
     gpu_model_runner.update_ngram_gpu_tensors_incremental = _copy_rows
     gpu_model_runner.copy_num_valid_draft_tokens = _copy_counts
+
+
+class _Event:
+    """torch.cuda.Event on a CPU runner: every copy is synchronous, so there is nothing to wait for
+    (any constructor arguments, as torch.cuda.Event(blocking=True), are taken and ignored)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *args, **kwargs) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _copy_rows(input_batch, token_ids_gpu_tensor, num_tokens_no_spec_gpu, new_reqs, device, **buffers) -> None:
@@ -526,7 +562,7 @@ def finish_call(worker, prompt_ids=None, response_ids=None) -> dict:
     speculation.history.shadow_rows responses)."""
     p = _proposer(worker)
     if prompt_ids is not None and int(p.stats.rows) == 0:
-        p.stats.shadow = replay_in_shadow(p.history, prompt_ids, response_ids, shadow_rows(), p.k)
+        p.stats.shadow = replay_in_shadow(p.history, prompt_ids, response_ids, p.shadow_rows, p.k)
     return {**p.stats.as_dict(), "history_tokens": p.history.stored()}
 
 

@@ -3,7 +3,6 @@ speculative when configured, with k chosen per call under 'auto'; its target and
 are refit from the learner and the DraftTrainer."""
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict
@@ -29,17 +28,18 @@ class Generator(RefitReceiver):
             os.nice(nice)
         self.history = speculation.method == "history"
         self.drafter = history_proposer
+        plugin_config = None
         if self.history and speculation.history.drafter == "device":  # its store is built with the runner
             from rlspec.speculation import device_proposer
 
             device_proposer.require_slots()
             self.drafter = device_proposer
-            os.environ[device_proposer.ENV] = json.dumps(asdict(speculation.history))
+            plugin_config = {device_proposer.CONFIG_KEY: asdict(speculation.history)}
             # in this process whether or not rlspec's vLLM plugins are installed here (an unpacked
             # tree, the GPU kit): an engine core built in-process takes the drafter from it
             device_proposer.install()
         self.engine = VLLMEngine(paths.model, paths.tokenizer, generation, model.max_model_len, seed,
-                                 vllm_speculative_config(speculation, paths.draft))
+                                 vllm_speculative_config(speculation, paths.draft), additional_config=plugin_config)
         self.adaptive = AdaptiveK(self.engine, speculation) if speculation.adaptive else None
         self.history_validation = speculation.history.draft_validation
         if self.history and self.drafter is history_proposer:

@@ -260,8 +260,19 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     plain = start_generator([])
     base = _gen(plain, prompts, 1, 0.0)
     ray.kill(plain)
-    dev = start_generator(["speculation=history", "speculation.history.drafter=device"])
+    # settings other than the defaults, which reach the engine's workers in vLLM's additional_config
+    over = ["speculation=history", "speculation.history.drafter=device", "speculation.history.device_max_tokens=65536",
+            "speculation.history.shadow_rows=7"]
+    dev = start_generator(over)
     assert ray.get(dev.runner_info.remote(), timeout=60)["speculation"] == "ngram_gpu"
+
+    def store_settings(gen):
+        def read(worker):
+            p = worker.model_runner.drafter
+            return p.history.capacity, p.shadow_rows
+        return gen.engine.llm.collective_rpc(read)
+
+    assert ray.get(dev.__ray_call__.remote(store_settings), timeout=60) == [(65536, 7)]
     first = _gen(dev, prompts, 1, 0.0)
     second = _gen(dev, prompts, 1, 0.0)
     assert first.response_ids == base.response_ids and second.response_ids == base.response_ids
@@ -283,7 +294,7 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     assert second.spec.accepted_tokens <= accepted <= second.spec.accepted_tokens + 5 * len(prompts), (second.spec, h)
     state = ray.get(dev.history_state.remote(), timeout=60)
     ray.kill(dev)
-    resumed = start_generator(["speculation=history", "speculation.history.drafter=device"])
+    resumed = start_generator(over)
     ray.get(resumed.load_history_state.remote(state), timeout=60)
     again = _gen(resumed, prompts, 1, 0.0)
     assert again.response_ids == base.response_ids
@@ -351,3 +362,57 @@ def test_a_store_saved_by_the_other_drafter_is_refused(tmp_path):
         Generator.load_history(stand_in, [str(tmp_path / "device.pt"), str(tmp_path / "host.pt")])
     Generator.load_history(stand_in, [str(tmp_path / "device.pt")])
     assert len(loaded) == 1 and loaded[0]["tokens"].tolist() == dev.state_dict()["tokens"].tolist()
+
+
+def test_the_cpu_stand_ins_touch_only_this_drafters_runners():
+    """On vLLM's CPU platform the plugin swaps unpinned buffers and a no-op CUDA event in while a
+    runner of the device drafter's engine is built, and nothing for any other engine: vLLM's own
+    placeholders stay (its runner builds torch.cuda.Event(blocking=True) under async scheduling,
+    which the stand-in takes too)."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the stand-ins are for vLLM's CPU platform")
+    from vllm.v1.worker import cpu_model_runner
+
+    from rlspec.speculation.device_proposer import _Event, install
+
+    install()
+    event, zeros = torch.cuda.Event, torch.zeros
+    with cpu_model_runner._torch_cuda_wrapper():   # no runner of this drafter being built
+        assert torch.cuda.Event is event and torch.zeros is zeros
+    e = _Event(blocking=True)
+    e.record()
+    e.synchronize()
+    assert e.query()
+
+
+def test_the_v2_speculator_on_vllms_own_request_states_on_this_cpu():
+    """Model Runner V2's RequestState, InputBatch and post_update kernel (vLLM's Triton kernels in
+    Triton's interpreter: tests/helpers/v2_on_cpu.py) drive the device speculator as V2's runner
+    does: requests added, sampled tokens posted, propose; the batch reordered; a request freed and
+    its slot taken by the next. Drafts come from the history, from a running sibling further on,
+    and from a finished sibling whose slot was already reused; a row with nothing to draft is
+    filled with its last sampled token."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    pytest.importorskip("vllm")
+    env = {**child_env(), "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "v2_on_cpu.py")], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["has_triton"] and out["slot_reused"]   # vLLM's kernels ran (no placeholders); V2 reused b's slot
+    assert out["steps"] == [
+        [[21, 22, 23, 24], [21, 22, 23, 24], [40] * 4],   # a, b: the history; c: nothing (its last token)
+        [[41] * 4, [30] * 4, [24, 25, 26, 23]],            # c, b (left the history), a (the history ends)
+        [[26, 25, 25, 25], [33] * 4],
+        [[26] * 4, [21, 22, 23, 24]],                      # d: the history and a, running further on
+        [[27] * 4, [31, 32, 33, 30]]]                      # d follows b's answer: b finished, its slot reused
+    st = out["stats"]
+    assert (st["drafted_history"], st["drafted_siblings"], st["drafted_tokens"]) == (12, 7, 19), st
