@@ -170,13 +170,15 @@ def _speculator_class(base):
             # the call's finished answers, read by their running siblings: a request state's row
             # joins them as vLLM frees the state (a preempted request's too: V2 frees it alike)
             self.finished = _Finished(self.max_num_reqs, self.max_model_len, device)
+            self.call_ids: set[str] = set()   # the requests drafted for in this call
             freed = req_states.remove_request
             req_states.remove_request = lambda req_id: (self._keep_finished(req_id), freed(req_id))[1]
 
         def _keep_finished(self, req_id: str) -> None:
             rs = self.req_states
             idx = rs.req_id_to_index.get(req_id)
-            if idx is None or not self.drafting:
+            # V2 frees a call's last requests at the next call's first step: not this call's answers
+            if idx is None or not self.drafting or req_id not in self.call_ids:
                 return
             plen = rs.prompt_len.np[idx: idx + 1]
             if self.prompt_len_of:
@@ -193,6 +195,7 @@ def _speculator_class(base):
             n = input_batch.num_reqs
             if dummy_run:
                 return self.drafts[:n]
+            self.call_ids.update(input_batch.req_ids[:n])
             rs, idx = self.req_states, input_batch.idx_mapping[:n].long()
             fill = last_sampled.view(-1)[idx].long()
             self.stats.accept(*self.pending.rows(idx), num_sampled[:n])
@@ -547,6 +550,8 @@ def begin_call(worker, draft: bool = True, prompt_len_of: dict[str, int] | None 
     p.stats = _Stats(p.k, p.device)
     p.pending.n.zero_()
     p.finished.clear()
+    if hasattr(p, "call_ids"):
+        p.call_ids = set()
     if hasattr(p, "pending_ids"):
         p.pending_ids = []
 

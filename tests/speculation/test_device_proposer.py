@@ -69,17 +69,12 @@ def test_a_saved_ring_loads_into_a_fresh_store_and_drafts_the_same():
 
 
 def _states(plen):
-    """Model Runner V2's request states as the speculator reads them (8 slots, 64 tokens wide), and
-    their remove_request (vLLM frees a finished request's slot through it)."""
-    def remove_request(req_id):
-        idx = states.req_id_to_index.pop(req_id, None)
-        states.removed.append(idx)
-        return idx
-
+    """Model Runner V2's request states as the speculator reads them (8 slots, 64 tokens wide);
+    vLLM's own classes drive it in test_the_v2_speculator_on_vllms_own_request_states_on_this_cpu."""
     states = SimpleNamespace(all_token_ids=SimpleNamespace(gpu=torch.zeros(8, 64, dtype=torch.int32)),
                              total_len=SimpleNamespace(gpu=torch.zeros(8, dtype=torch.int32)),
                              prompt_len=SimpleNamespace(gpu=torch.from_numpy(plen), np=plen),
-                             req_id_to_index={}, removed=[], remove_request=remove_request)
+                             req_id_to_index={}, remove_request=lambda req_id: None)
     return states
 
 
@@ -93,37 +88,6 @@ def _v2_speculator(states, k=4):
                           scheduler_config=SimpleNamespace(max_num_seqs=8),
                           model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 100))
     return cls(cfg, torch.device("cpu"), states)
-
-
-def test_the_v2_speculator_reads_the_calls_finished_answers():
-    """A request vLLM frees (req_states.remove_request) leaves its row to the call's finished
-    answers, which its running siblings draft from until the next call begins; the state is freed
-    as before."""
-    pytest.importorskip("vllm")
-    from rlspec.speculation.device_proposer import begin_call
-
-    states = _states(np.zeros(8, dtype=np.int32))
-    spec = _v2_speculator(states)
-    p = [5, 6, 7, 8]
-    for slot, row in ((1, p + [20, 21, 22, 23, 24, 25]), (4, p + [20, 21])):
-        states.all_token_ids.gpu[slot, : len(row)] = torch.tensor(row)
-        states.total_len.gpu[slot] = len(row)
-        states.prompt_len.np[slot] = 4
-        states.req_id_to_index[f"r{slot}"] = slot
-    batch = SimpleNamespace(num_reqs=1, idx_mapping=torch.tensor([4]))
-    last = torch.full((8, 1), 21, dtype=torch.int64)
-
-    def step():
-        return spec.propose(batch, None, None, None, None, torch.tensor([1]), torch.zeros(1), last, None, None,
-                            None)[0].tolist()
-
-    assert step() == [21] * 4                 # slot 1 is not in the batch: nothing to read
-    assert states.remove_request("r1") == 1 and states.removed == [1]
-    states.all_token_ids.gpu[1] = 0           # vLLM reuses the slot: the finished row was kept
-    assert step() == [22, 23, 24, 25]
-    assert spec.stats.as_dict()["drafted_siblings"] == 4
-    begin_call(SimpleNamespace(model_runner=SimpleNamespace(speculator=spec)))
-    assert step() == [21] * 4                 # a new call: its own finished answers only
 
 
 def test_the_v2_speculator_drafts_from_the_runners_request_states():
@@ -140,7 +104,7 @@ def test_the_v2_speculator_drafts_from_the_runners_request_states():
         states.all_token_ids.gpu[slot, : len(r)] = torch.tensor(r)
         states.total_len.gpu[slot] = len(r)
         states.prompt_len.np[slot] = 4
-    batch = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([6, 3]))
+    batch = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([6, 3]), req_ids=["r6", "r3"])
     last = torch.zeros(8, 1, dtype=torch.int64)
     last[3, 0], last[6, 0] = 12, 40
     out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None)
@@ -157,7 +121,7 @@ def test_the_v2_speculator_drafts_from_the_runners_request_states():
     assert (st["accepted_history"], sum(st[f"accepted_{s}"] for s in SOURCES)) == (2, 2)
     # the batch's rows swapped: credits follow the request states; slot 3 sampled 5 tokens, but its
     # last draft was 2 long
-    swapped = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([3, 6]))
+    swapped = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([3, 6]), req_ids=["r3", "r6"])
     out = spec.propose(swapped, None, None, None, None, torch.tensor([5, 1]), torch.zeros(2), last, None, None, None,
                        num_speculative_tokens=0)
     st = spec.stats.as_dict()
@@ -392,9 +356,10 @@ def test_the_v2_speculator_on_vllms_own_request_states_on_this_cpu():
     """Model Runner V2's RequestState, InputBatch and post_update kernel (vLLM's Triton kernels in
     Triton's interpreter: tests/helpers/v2_on_cpu.py) drive the device speculator as V2's runner
     does: requests added, sampled tokens posted, propose; the batch reordered; a request freed and
-    its slot taken by the next. Drafts come from the history, from a running sibling further on,
-    and from a finished sibling whose slot was already reused; a row with nothing to draft is
-    filled with its last sampled token."""
+    its slot taken by the next; the next call, whose first step frees the last call's requests.
+    Drafts come from the history, from a running sibling further on, and from a finished sibling
+    whose slot was already reused, never from the last call's requests; a row with nothing to draft
+    is filled with its last sampled token."""
     import json
     import subprocess
     import sys
@@ -413,6 +378,10 @@ def test_the_v2_speculator_on_vllms_own_request_states_on_this_cpu():
         [[41] * 4, [30] * 4, [24, 25, 26, 23]],            # c, b (left the history), a (the history ends)
         [[26, 25, 25, 25], [33] * 4],
         [[26] * 4, [21, 22, 23, 24]],                      # d: the history and a, running further on
-        [[27] * 4, [31, 32, 33, 30]]]                      # d follows b's answer: b finished, its slot reused
-    st = out["stats"]
-    assert (st["drafted_history"], st["drafted_siblings"], st["drafted_tokens"]) == (12, 7, 19), st
+        [[27] * 4, [31, 32, 33, 30]],                      # d follows b's answer: b finished, its slot reused
+        [[33, 32, 32, 32]],
+        [[21, 22, 23, 24]],                                # the next call: e drafts from the history ...
+        [[30] * 4]]                                        # ... and not from the last call's answers
+    st, nxt = out["stats"], out["next_call"]
+    assert (st["drafted_history"], st["drafted_siblings"], st["drafted_tokens"]) == (12, 8, 20), st
+    assert (nxt["drafted_history"], nxt["drafted_siblings"], nxt["drafted_tokens"]) == (4, 0, 4), nxt
