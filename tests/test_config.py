@@ -135,6 +135,7 @@ def test_sleep_mode_is_on_for_colocated_gpus_only():
     ("speculation=draft_model speculation.num_speculative_tokens=fast", "speculation.num_speculative_tokens"),
     ("speculation=draft_model speculation.auto_buckets=[]", "speculation.auto_buckets"),
     ("speculation=history speculation.auto_step_costs=/x.json", "speculation.auto_step_costs"),   # fixed k
+    ("speculation=history generation.async_scheduling=true", "generation.async_scheduling"),   # a custom proposer
     ("speculation=ngram speculation.model=/x", "speculation.model"),
     ("speculation=draft_model speculation.model=null", "speculation.model"),
     ("speculation.method=medusa", "speculation.method"),

@@ -107,6 +107,12 @@ def _validate_algo(cfg: RLSpecConfig) -> None:
 
 def _validate_generation(cfg: RLSpecConfig) -> None:
     g = cfg.generation
+    sp = cfg.speculation
+    sync_only = sp.method == "suffix" or (sp.method == "history" and sp.history.drafter == "host")
+    _check(not (g.async_scheduling and sync_only),
+           "generation.async_scheduling", f"true, but vLLM schedules synchronously for speculation.method={sp.method}"
+           f"{' with speculation.history.drafter=host (a custom proposer)' if sp.method == 'history' else ''}; "
+           "leave it null or use speculation.history.drafter=device")
     _check(g.num_prompts_per_step > 0, "generation.num_prompts_per_step", "must be > 0")
     _check(g.num_generations_per_prompt >= 2, "generation.num_generations_per_prompt",
            "GRPO needs at least 2 samples per prompt")

@@ -196,6 +196,10 @@ class GenerationConfig:
     # KV cache for the next call. null (auto): on when colocated on GPUs without async GRPO. Needs
     # a platform with vLLM sleep mode (CUDA, ROCm); true elsewhere stops the engine's start.
     sleep_mode: Optional[bool] = None
+    # vLLM's async scheduling (the next step scheduled while this one runs). null: vLLM's choice
+    # (on GPUs on for every method but a custom proposer and suffix; vLLM's CPU platform turns it
+    # off); true: on, on the CPU platform too; false: off.
+    async_scheduling: Optional[bool] = None
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
 
 

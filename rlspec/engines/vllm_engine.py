@@ -64,9 +64,39 @@ def engine_kwargs(model_path: str, gen: GenerationConfig, max_model_len: int, se
         kwargs["enable_sleep_mode"] = True
     if speculative_config:
         kwargs["speculative_config"] = speculative_config
+    if gen.async_scheduling is not None:
+        kwargs["async_scheduling"] = gen.async_scheduling
+        # vLLM's CPU platform turns async scheduling off; asked for, rlspec's engines keep it
+        additional_config = {**(additional_config or {}), ASYNC_KEY: gen.async_scheduling}
     if additional_config:
         kwargs["additional_config"] = additional_config
     return kwargs
+
+
+ASYNC_KEY = "rlspec_async_scheduling"
+
+
+def keep_async_scheduling() -> None:
+    """On vLLM's CPU platform, which turns async scheduling off ("not required on CPU"): an engine
+    whose additional_config asks for it (generation.async_scheduling=true) keeps it. Any other
+    engine is configured as vLLM configures it."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    platform = type(current_platform)
+    if getattr(platform, "_rlspec_keeps_async", False):
+        return
+    update = platform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        update(cls, vllm_config)
+        extra = vllm_config.additional_config
+        if isinstance(extra, dict) and extra.get(ASYNC_KEY):
+            vllm_config.scheduler_config.async_scheduling = True
+
+    platform.check_and_update_config = classmethod(check_and_update_config)
+    platform._rlspec_keeps_async = True
 
 
 def vllm_config_of(model_path: str, gen: GenerationConfig, max_model_len: int, seed: int,
@@ -79,6 +109,7 @@ def vllm_config_of(model_path: str, gen: GenerationConfig, max_model_len: int, s
     from rlspec.refit import engine as refit_engine
 
     refit_engine.register()
+    keep_async_scheduling()
     return EngineArgs(**engine_kwargs(model_path, gen, max_model_len, seed, tokenizer,
                                       speculative_config)).create_engine_config()
 
@@ -110,6 +141,7 @@ def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: i
     from rlspec.refit import engine as refit_engine
 
     refit_engine.register()
+    keep_async_scheduling()
 
     # Engine start-up runs gc.collect() seven times over the heap that vLLM's imports left (half
     # of the start on a tiny CPU model). That heap lives as long as the process: take it out

@@ -44,6 +44,17 @@ def auto_engine(ray_session):
     ray.kill(actor)
 
 
+@pytest.fixture(scope="module")
+def async_engine(ray_session):
+    """The device history drafter on an engine scheduling asynchronously (as on GPUs)."""
+    import ray
+
+    actor = start_generator(["generation.async_scheduling=true", "speculation=history",
+                             "speculation.history.drafter=device"])
+    yield actor
+    ray.kill(actor)
+
+
 def test_a_call_that_needs_every_group_samples_what_generate_samples(engines, prompts):
     """Seeded sampling at T=1 with nothing aborted: the same tokens and behaviour log-probs as the
     whole-call path. Where requests carry seeds (GPUs) answer j of a group is seeded as vLLM seeds
@@ -59,15 +70,18 @@ def test_a_call_that_needs_every_group_samples_what_generate_samples(engines, pr
     assert got.token_versions == [[0] * len(r) for r in got.response_ids]
 
 
-@pytest.mark.parametrize("method", ["ngram", "history", "history-auto"])
+@pytest.mark.parametrize("method", ["ngram", "history", "history-auto",
+                                    pytest.param("async-device", marks=pytest.mark.slow)])  # one more engine
 def test_aborted_answers_resume_to_the_uninterrupted_greedy_answers(engines, prompts, method, request):
     """Greedy (groups of two answers, each the prompt's greedy answer): a call that needs one group
     of six returns the first complete one and aborts the others mid-answer; the next call resumes
     them (prompt plus partial answer) and every answer, joined, is the uninterrupted greedy answer
     token for token, its behaviour log-probs equal to the uninterrupted ones within float32
     rounding of a prefill against a decode (1e-4). Under 'auto' k each partial call keeps to the
-    k its planner scheduled (no draft wider than the call's largest)."""
-    actor = request.getfixturevalue("auto_engine") if method == "history-auto" else engines[method]
+    k its planner scheduled (no draft wider than the call's largest). async-device: aborts and
+    resumes under vLLM's async scheduling, the device history drafter drafting."""
+    fixture = {"history-auto": "auto_engine", "async-device": "async_engine"}.get(method)
+    actor = request.getfixturevalue(fixture) if fixture else engines[method]
     n, max_tokens = 2, 48
     whole = call(actor.generate, prompts, sampling(1, 0.0, max_tokens))  # vLLM: greedy needs n=1
     first = call(actor.generate_groups, groups_of(prompts, n), sampling(n, 0.0, max_tokens), 1)

@@ -1,0 +1,43 @@
+"""vLLM's async scheduling (the next step scheduled while this one runs), which vLLM turns on on
+GPUs and its CPU platform turns off: generation.async_scheduling=true keeps it on for rlspec's
+engines here, so the GPU's scheduling path runs on this CPU through the CPU runner's own
+placeholders."""
+import pytest
+
+pytest.importorskip("vllm")
+
+
+def _calls(gen, prompts, n=2):
+    import ray
+
+    from conftest import sampling
+
+    return [ray.get(gen.generate.remote(prompts, sampling(1, 0.0, 32)), timeout=600) for _ in range(n)]
+
+
+@pytest.mark.slow  # three engines
+def test_async_scheduling_on_cpu_is_exact_with_and_without_the_device_drafter(ray_session, tokenizer):
+    """Greedy: an engine scheduling asynchronously (its runner says so) answers as a synchronous
+    one, without speculation and with the device drafter, whose second call drafts from the
+    first's answers."""
+    import ray
+
+    from conftest import heldout_prompts, start_generator
+
+    prompts = heldout_prompts(tokenizer, 8)
+    out = {}
+    for name, over in (("sync", []), ("async", ["generation.async_scheduling=true"]),
+                       ("async_device", ["generation.async_scheduling=true", "speculation=history",
+                                         "speculation.history.drafter=device"])):
+        gen = start_generator(over)
+        info = ray.get(gen.runner_info.remote(), timeout=600)   # the first call waits for the engine
+        assert (info["model_runner"], info["async_scheduling"]) == ("V1", name != "sync"), info
+        out[name] = _calls(gen, prompts)
+        ray.kill(gen)
+    want = out["sync"][0].response_ids
+    for name, calls in out.items():
+        assert [c.response_ids for c in calls] == [want, want], name
+    first, second = out["async_device"]
+    print(f"async, device drafter: accepted {first.spec.accepted_tokens} then {second.spec.accepted_tokens}; "
+          f"{second.history}")
+    assert second.history["accepted_history"] > 0 and second.spec.accepted_tokens > first.spec.accepted_tokens
