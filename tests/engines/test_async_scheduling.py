@@ -15,20 +15,19 @@ def _calls(gen, prompts, n=2):
     return [ray.get(gen.generate.remote(prompts, sampling(1, 0.0, 32)), timeout=600) for _ in range(n)]
 
 
-@pytest.mark.slow  # three engines
-def test_async_scheduling_on_cpu_is_exact_with_and_without_the_device_drafter(ray_session, tokenizer):
-    """Greedy: an engine scheduling asynchronously (its runner says so) answers as a synchronous
-    one, without speculation and with the device drafter, whose second call drafts from the
-    first's answers."""
+@pytest.mark.slow  # two engines
+def test_async_scheduling_on_cpu_is_exact_with_the_device_drafter(ray_session, tokenizer):
+    """Greedy: an engine scheduling asynchronously (its runner says so) with the device drafter
+    answers as a synchronous one without speculation, and its second call drafts from the first's
+    answers."""
     import ray
 
     from conftest import heldout_prompts, start_generator
 
     prompts = heldout_prompts(tokenizer, 8)
     out = {}
-    for name, over in (("sync", []), ("async", ["generation.async_scheduling=true"]),
-                       ("async_device", ["generation.async_scheduling=true", "speculation=history",
-                                         "speculation.history.drafter=device"])):
+    for name, over in (("sync", []), ("async_device", ["generation.async_scheduling=true", "speculation=history",
+                                                        "speculation.history.drafter=device"])):
         gen = start_generator(over)
         info = ray.get(gen.runner_info.remote(), timeout=600)   # the first call waits for the engine
         assert (info["model_runner"], info["async_scheduling"]) == ("V1", name != "sync"), info

@@ -23,17 +23,15 @@ def _run(runner: str, *overrides: str) -> dict:
     return out
 
 
-@pytest.mark.slow  # three engines, about 30 s each
+@pytest.mark.slow  # two engines, about 30 s each
 def test_the_device_drafter_on_model_runner_v2_is_exact_and_drafts_from_history():
-    """Greedy: V2 without speculation answers as V1 does, and V2 with rlspec's device drafter in
-    its ngram_gpu slot answers the same on both calls; the second call drafts from the first's
-    answers (recorded by the Generator) and accepts more; the four prompts are no one's siblings."""
+    """Greedy: V2 with rlspec's device drafter in its ngram_gpu slot answers as V1 without
+    speculation on both calls; the second call drafts from the first's answers (recorded by the
+    Generator) and accepts more; the four prompts are no one's siblings."""
     base = _run("V1")
-    plain = _run("V2")
     dev = _run("V2", "speculation=history", "speculation.history.drafter=device")
     assert dev["runner"]["speculation"] == "ngram_gpu"
     want = base["calls"][0]["answers"]
-    assert [c["answers"] for c in plain["calls"]] == [want, want]
     assert [c["answers"] for c in dev["calls"]] == [want, want]
     first, second = (c["history"] for c in dev["calls"])
     print(f"V2, device drafter: accepted tokens {dev['calls'][0]['accepted']} then {dev['calls'][1]['accepted']}; "
