@@ -12,16 +12,16 @@ host drafter: configure, record, finish_call, state_dict, load_state_dict.
 
 vLLM's CPU build has no accelerator, and the V1 runner's `ngram_gpu` path asks for pinned host
 buffers and CUDA streams and events; on the CPU platform `install` also gives the runner CPU
-stand-ins for those (`_cpu_stand_ins`), so the CPU tests run the drafter through the same runner
+stand-ins for those (rlspec/speculation/device_cpu.py), so the CPU tests run the drafter through the same runner
 path a GPU runs."""
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import torch
 
-from rlspec.speculation import SOURCES
+from rlspec.speculation.device_call import CallStats, Finished, Pending, append_sampled
+from rlspec.speculation.device_cpu import cpu_stand_ins
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
 from rlspec.speculation.device_shadow import replay_in_shadow
 from rlspec.speculation.history_proposer import own_prompt_lens
@@ -49,15 +49,15 @@ def _proposer_class(base):
             self.vocab = int(vllm_config.model_config.get_vocab_size())
             self.history = DeviceHistory(device, vocab_size=self.vocab, **settings(vllm_config))
             self.shadow_rows = shadow_rows(vllm_config)
-            self.stats = _Stats(self.k, device)
+            self.stats = CallStats(self.k, device)
             # each batch row's last draft, by source, and the rows' request ids then (rows move
             # between steps: the next step credits a request's accepted tokens by its id)
             rows = int(vllm_config.scheduler_config.max_num_seqs)
-            self.pending = _Pending(rows, self.k, device)
+            self.pending = Pending(rows, self.k, device)
             self.pending_ids: list[str] = []
             # the call's finished answers, read by their running siblings: a request leaving the
             # batch (vLLM's hook for request-scoped state) leaves its row here
-            self.finished = _Finished(rows, self.max_model_len, device)
+            self.finished = Finished(rows, self.max_model_len, device)
             self.row_len = torch.zeros(rows, dtype=torch.int64, device=device)
             self.token_rows: torch.Tensor | None = None
             if runner is not None:
@@ -163,13 +163,13 @@ def _speculator_class(base):
             self.history = DeviceHistory(device, vocab_size=self.vocab, **settings(vllm_config))
             self.shadow_rows = shadow_rows(vllm_config)
             self.drafts = torch.zeros((self.max_num_reqs, self.k), dtype=torch.int64, device=device)
-            self.stats = _Stats(self.k, device)
+            self.stats = CallStats(self.k, device)
             # each request state's last draft, by source (a state's first verified step follows its
             # prefill, which samples one token: a state's earlier owner credits nothing to it)
-            self.pending = _Pending(self.max_num_reqs, self.k, device)
+            self.pending = Pending(self.max_num_reqs, self.k, device)
             # the call's finished answers, read by their running siblings: a request state's row
             # joins them as vLLM frees the state (a preempted request's too: V2 frees it alike)
-            self.finished = _Finished(self.max_num_reqs, self.max_model_len, device)
+            self.finished = Finished(self.max_num_reqs, self.max_model_len, device)
             self.call_ids: set[str] = set()   # the requests drafted for in this call
             freed = req_states.remove_request
             req_states.remove_request = lambda req_id: (self._keep_finished(req_id), freed(req_id))[1]
@@ -256,120 +256,6 @@ def settings(vllm_config) -> dict:
             **({} if cfg["global_source"] else {"global_source": "buckets", "global_keys": ()})}
 
 
-class _Finished:
-    """The call's finished answers on the device, the newest `rows` (a ring): each as its request's
-    token row (prompt and answer, max_model_len wide), its length and its own prompt's length.
-    Allocated with the drafter, before vLLM sizes its KV cache."""
-
-    def __init__(self, rows: int, width: int, device):
-        self.tok = torch.zeros((rows, width), dtype=torch.int32, device=device)
-        self.n = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.plen = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.used = self.next = 0
-
-    def clear(self) -> None:
-        self.used = self.next = 0
-
-    def add(self, tokens: torch.Tensor, length: torch.Tensor, prompt_len: int) -> None:
-        """A row (tokens [>= its length], length: a 0-d device tensor; no host sync)."""
-        s, width = self.next, min(self.tok.shape[1], tokens.shape[0])
-        self.tok[s, :width] = tokens[:width]
-        self.n[s: s + 1] = length.view(1).clamp(max=width)
-        self.plen[s] = prompt_len
-        self.next = (s + 1) % self.tok.shape[0]
-        self.used = min(self.used + 1, self.tok.shape[0])
-
-    def after(self, token_ids, lengths, prompt_lens, active):
-        """The running rows followed by the finished ones (which draft nothing): token rows, lengths,
-        prompt lengths and active, each [B + used]."""
-        if not self.used:
-            return token_ids, lengths, prompt_lens, active
-        u, width = self.used, token_ids.shape[1]
-        rows = self.tok[:u, :width] if width <= self.tok.shape[1] else \
-            torch.nn.functional.pad(self.tok[:u], (0, width - self.tok.shape[1]))
-        return (torch.cat([token_ids, rows.to(token_ids.dtype)]), torch.cat([lengths, self.n[:u].to(lengths.dtype)]),
-                torch.cat([prompt_lens.long(), self.plen[:u]]), torch.cat([active, active.new_zeros(u)]))
-
-
-class _Pending:
-    """Per row (V1: a batch row, V2: a request state) the sources of its last draft's tokens and
-    how many it drafted, on the device, until the next step's verification settles it."""
-
-    def __init__(self, rows: int, k: int, device):
-        self.src = torch.full((rows, max(k, 1)), -1, dtype=torch.int64, device=device)
-        self.n = torch.zeros(rows, dtype=torch.int64, device=device)
-
-    def rows(self, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pending drafts of rows `at` (-1: none): their sources [B, k] and lengths [B]."""
-        got = at.clamp(min=0)
-        return self.src[got], torch.where(at >= 0, self.n[got], 0)
-
-    def put(self, at: torch.Tensor, src: torch.Tensor, counts: torch.Tensor) -> None:
-        self.src[at, : src.shape[1]] = src.long()
-        self.n[at] = counts.long()
-
-
-class _Stats:
-    """A call's counts, kept on the device until finish_call reads them (no sync per step): rows
-    asked, rows drafted for, tokens drafted (and by source: drafted_<source>, each token's source
-    its highest-ranked voter's, or the count table's), tokens accepted by source (accepted_<source>:
-    a verification accepts its draft's first tokens, as many as it sampled less one, the bonus or
-    the correction; a request's last verification is counted before vLLM cuts its tokens at a stop),
-    and per position i the rows whose draft reached it (drafts_ge_{i+1}: what 'auto' plans from, as
-    from the host drafter's HistoryStats)."""
-
-    def __init__(self, k: int = 0, device="cpu"):
-        self.steps = 0
-        self.rows: torch.Tensor | int = 0
-        self.matched: torch.Tensor | int = 0
-        self.drafted: torch.Tensor | int = 0
-        self.pos = torch.zeros(k, dtype=torch.int64, device=device)
-        self.by_source = torch.zeros(len(SOURCES), dtype=torch.int64, device=device)
-        self.accepted = torch.zeros(len(SOURCES), dtype=torch.int64, device=device)
-        self.shadow: dict = {}
-
-    def accept(self, src: torch.Tensor, drafted: torch.Tensor, sampled: torch.Tensor) -> None:
-        """Credit the tokens each row's verification accepted (its draft's first sampled - 1, at most
-        the drafted) to their sources (src [B, k])."""
-        n = torch.minimum((sampled.long() - 1).clamp(min=0), drafted)
-        take = (torch.arange(src.shape[1], device=src.device)[None] < n[:, None]) & (src >= 0)
-        self.accepted.scatter_add_(0, src.clamp(min=0).flatten(), take.flatten().long())
-
-    def add(self, active: torch.Tensor, counts: torch.Tensor, src: torch.Tensor) -> None:
-        self.steps += 1
-        self.rows = self.rows + active.sum()
-        self.matched = self.matched + (counts > 0).sum()
-        self.drafted = self.drafted + counts.sum()
-        at = torch.arange(self.pos.shape[0], device=counts.device)
-        self.pos += (counts.long()[:, None] > at[None]).sum(0)
-        drafted = (counts.long()[:, None] > torch.arange(src.shape[1], device=src.device)[None]) & (src >= 0)
-        self.by_source.scatter_add_(0, src.clamp(min=0).flatten(), drafted.flatten().long())
-
-    def as_dict(self) -> dict:
-        return {"steps": self.steps, "rows": int(self.rows), "matched": int(self.matched),
-                "drafted_tokens": int(self.drafted),
-                **{f"drafts_ge_{i + 1}": int(v) for i, v in enumerate(self.pos.tolist())},
-                **{f"drafted_{s}": int(v) for s, v in zip(SOURCES, self.by_source.tolist())},
-                **{f"accepted_{s}": int(v) for s, v in zip(SOURCES, self.accepted.tolist())},
-                "shadow_responses": 0, "shadow_rows": 0, **self.shadow}
-
-
-def append_sampled(token_ids: torch.Tensor, lengths: torch.Tensor, sampled: torch.Tensor,
-                   count: torch.Tensor) -> torch.Tensor:
-    """Write each row's newly sampled tokens (sampled [B, k+1], its first count[i] valid, -1 the
-    rest) after its first lengths[i] tokens, in place, as vLLM's n-gram drafter does; the new
-    lengths [B]. Positions past the buffer's width are not written."""
-    width = token_ids.shape[1]
-    offsets = torch.arange(sampled.shape[1], device=token_ids.device)
-    at = lengths.long()[:, None] + offsets[None]
-    write = (offsets[None] < count[:, None]) & (sampled != -1) & (at < width)
-    # a position past the buffer rewrites the row's last token with itself: one slot that no write
-    # targets (clamping them all to the buffer's end would race a write there)
-    at = torch.where(at < width, at, (lengths.long() - 1).clamp(min=0)[:, None])
-    token_ids.scatter_(1, at, torch.where(write, sampled.to(token_ids.dtype), token_ids.gather(1, at)))
-    return (lengths + count).to(torch.int32)
-
-
 # What the drafter is written against (vLLM 0.32): the slots' modules, names and propose() parameters
 PINNED_VLLM = "0.32"
 V1_PROPOSE = ("num_speculative_tokens", "num_tokens_no_spec", "token_ids_gpu", "valid_sampled_token_ids_gpu",
@@ -439,90 +325,7 @@ def install() -> None:
     if getattr(speculator.NgramGPUSpeculator, "drafting", None) is None:  # V2 imports it when it builds one
         speculator.NgramGPUSpeculator = _speculator_class(speculator.NgramGPUSpeculator)
     if current_platform.is_cpu():
-        _cpu_stand_ins()
-
-
-def _cpu_stand_ins() -> None:
-    """On vLLM's CPU platform, what the V1 runner's ngram_gpu path needs an accelerator for: pinned
-    staging buffers (plain host memory: there is no device to copy to), CUDA events and streams
-    (no-ops: every copy is synchronous), the staged copy of token rows (a plain copy). The buffers
-    and events are swapped only while a runner of this drafter's engine is built (speculative model
-    MARK): any other engine in the process is built as vLLM builds it."""
-    from vllm.v1.worker import cpu_model_runner, gpu_model_runner
-
-    if getattr(cpu_model_runner, "_rlspec_stand_ins", False):
-        return
-    cpu_model_runner._rlspec_stand_ins = True
-    inner = cpu_model_runner._torch_cuda_wrapper
-    building = [False]   # a runner of MARK's engine is being built
-    runner_init = cpu_model_runner.CPUModelRunner.__init__
-
-    def init(self, vllm_config, *args, **kwargs):
-        spec = vllm_config.speculative_config
-        building[0] = spec is not None and spec.model == MARK
-        try:
-            runner_init(self, vllm_config, *args, **kwargs)
-        finally:
-            building[0] = False
-
-    @contextlib.contextmanager
-    def wrapper():
-        if not building[0]:
-            with inner():
-                yield
-            return
-        zeros, event = torch.zeros, torch.cuda.Event
-
-        def unpinned_zeros(*args, pin_memory=False, **kwargs):
-            return zeros(*args, **kwargs)
-
-        torch.zeros, torch.cuda.Event = unpinned_zeros, _Event
-        try:
-            with inner():
-                yield
-        finally:
-            torch.zeros, torch.cuda.Event = zeros, event
-
-    cpu_model_runner.CPUModelRunner.__init__ = init
-    cpu_model_runner._torch_cuda_wrapper = wrapper
-    gpu_model_runner.update_ngram_gpu_tensors_incremental = _copy_rows
-    gpu_model_runner.copy_num_valid_draft_tokens = _copy_counts
-
-
-class _Event:
-    """torch.cuda.Event on a CPU runner: every copy is synchronous, so there is nothing to wait for
-    (any constructor arguments, as torch.cuda.Event(blocking=True), are taken and ignored)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def record(self, *args, **kwargs) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, *args, **kwargs) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-def _copy_rows(input_batch, token_ids_gpu_tensor, num_tokens_no_spec_gpu, new_reqs, device, **buffers) -> None:
-    """update_ngram_gpu_tensors_incremental on a CPU runner: the running rows' tokens and lengths
-    copied from the input batch (the same memory space: nothing to stage)."""
-    for idx in input_batch.req_id_to_index.values():
-        n = int(input_batch.num_tokens_no_spec[idx])
-        token_ids_gpu_tensor[idx, :n] = input_batch.token_ids_cpu_tensor[idx, :n]
-        num_tokens_no_spec_gpu[idx] = n
-
-
-def _copy_counts(counts_cpu, stream, event, counts, batch_size) -> None:
-    """copy_num_valid_draft_tokens on a CPU runner: a plain copy."""
-    if counts is not None and batch_size > 0:
-        n = min(batch_size, counts.shape[0])
-        counts_cpu[:n].copy_(counts[:n])
+        cpu_stand_ins(MARK)
 
 
 # -- collective_rpc entry points (every worker: each drafts from its own store, the same records) --
@@ -547,7 +350,7 @@ def begin_call(worker, draft: bool = True, prompt_len_of: dict[str, int] | None 
     p = _proposer(worker)
     p.drafting = draft
     p.prompt_len_of = prompt_len_of or {}
-    p.stats = _Stats(p.k, p.device)
+    p.stats = CallStats(p.k, p.device)
     p.pending.n.zero_()
     p.finished.clear()
     if hasattr(p, "call_ids"):

@@ -16,7 +16,7 @@ SMALL = dict(max_tokens=1 << 12, width=8, max_match=8, prompt_keys=(4, 2, 1), gl
 
 
 def test_append_sampled_writes_the_valid_tokens_after_each_row():
-    from rlspec.speculation.device_proposer import append_sampled
+    from rlspec.speculation.device_call import append_sampled
 
     ids = torch.zeros(3, 6, dtype=torch.int32)
     ids[:, :2] = torch.tensor([[1, 2], [3, 4], [5, 6]])
@@ -340,13 +340,14 @@ def test_the_cpu_stand_ins_touch_only_this_drafters_runners():
         pytest.skip("the stand-ins are for vLLM's CPU platform")
     from vllm.v1.worker import cpu_model_runner
 
-    from rlspec.speculation.device_proposer import _Event, install
+    from rlspec.speculation.device_cpu import Event
+    from rlspec.speculation.device_proposer import install
 
     install()
     event, zeros = torch.cuda.Event, torch.zeros
     with cpu_model_runner._torch_cuda_wrapper():   # no runner of this drafter being built
         assert torch.cuda.Event is event and torch.zeros is zeros
-    e = _Event(blocking=True)
+    e = Event(blocking=True)
     e.record()
     e.synchronize()
     assert e.query()

@@ -1,0 +1,122 @@
+"""The device drafter's state within one generate call (rlspec/speculation/device_proposer.py): the
+call's finished answers its running siblings still read, each row's pending draft until its
+verification, the call's counters, and the write of newly sampled tokens into the token rows. All
+on the engine's device; nothing here syncs with the host before finish_call reads the counters."""
+from __future__ import annotations
+
+import torch
+
+from rlspec.speculation import SOURCES
+
+
+class Finished:
+    """The call's finished answers on the device, the newest `rows` (a ring): each as its request's
+    token row (prompt and answer, max_model_len wide), its length and its own prompt's length.
+    Allocated with the drafter, before vLLM sizes its KV cache."""
+
+    def __init__(self, rows: int, width: int, device):
+        self.tok = torch.zeros((rows, width), dtype=torch.int32, device=device)
+        self.n = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.plen = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.used = self.next = 0
+
+    def clear(self) -> None:
+        self.used = self.next = 0
+
+    def add(self, tokens: torch.Tensor, length: torch.Tensor, prompt_len: int) -> None:
+        """A row (tokens [>= its length], length: a 0-d device tensor; no host sync)."""
+        s, width = self.next, min(self.tok.shape[1], tokens.shape[0])
+        self.tok[s, :width] = tokens[:width]
+        self.n[s: s + 1] = length.view(1).clamp(max=width)
+        self.plen[s] = prompt_len
+        self.next = (s + 1) % self.tok.shape[0]
+        self.used = min(self.used + 1, self.tok.shape[0])
+
+    def after(self, token_ids, lengths, prompt_lens, active):
+        """The running rows followed by the finished ones (which draft nothing): token rows, lengths,
+        prompt lengths and active, each [B + used]."""
+        if not self.used:
+            return token_ids, lengths, prompt_lens, active
+        u, width = self.used, token_ids.shape[1]   # both runners' rows are max_model_len wide, as these
+        rows = self.tok[:u, :width]
+        return (torch.cat([token_ids, rows.to(token_ids.dtype)]), torch.cat([lengths, self.n[:u].to(lengths.dtype)]),
+                torch.cat([prompt_lens.long(), self.plen[:u]]), torch.cat([active, active.new_zeros(u)]))
+
+
+class Pending:
+    """Per row (V1: a batch row, V2: a request state) the sources of its last draft's tokens and
+    how many it drafted, on the device, until the next step's verification settles it."""
+
+    def __init__(self, rows: int, k: int, device):
+        self.src = torch.full((rows, max(k, 1)), -1, dtype=torch.int64, device=device)
+        self.n = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    def rows(self, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending drafts of rows `at` (-1: none): their sources [B, k] and lengths [B]."""
+        got = at.clamp(min=0)
+        return self.src[got], torch.where(at >= 0, self.n[got], 0)
+
+    def put(self, at: torch.Tensor, src: torch.Tensor, counts: torch.Tensor) -> None:
+        self.src[at, : src.shape[1]] = src.long()
+        self.n[at] = counts.long()
+
+
+class CallStats:
+    """A call's counts, kept on the device until finish_call reads them (no sync per step): rows
+    asked, rows drafted for, tokens drafted (and by source: drafted_<source>, each token's source
+    its highest-ranked voter's, or the count table's), tokens accepted by source (accepted_<source>:
+    a verification accepts its draft's first tokens, as many as it sampled less one, the bonus or
+    the correction; a request's last verification is counted before vLLM cuts its tokens at a stop),
+    and per position i the rows whose draft reached it (drafts_ge_{i+1}: what 'auto' plans from, as
+    from the host drafter's HistoryStats)."""
+
+    def __init__(self, k: int = 0, device="cpu"):
+        self.steps = 0
+        self.rows: torch.Tensor | int = 0
+        self.matched: torch.Tensor | int = 0
+        self.drafted: torch.Tensor | int = 0
+        self.pos = torch.zeros(k, dtype=torch.int64, device=device)
+        self.by_source = torch.zeros(len(SOURCES), dtype=torch.int64, device=device)
+        self.accepted = torch.zeros(len(SOURCES), dtype=torch.int64, device=device)
+        self.shadow: dict = {}
+
+    def accept(self, src: torch.Tensor, drafted: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Credit the tokens each row's verification accepted (its draft's first sampled - 1, at most
+        the drafted) to their sources (src [B, k])."""
+        n = torch.minimum((sampled.long() - 1).clamp(min=0), drafted)
+        take = (torch.arange(src.shape[1], device=src.device)[None] < n[:, None]) & (src >= 0)
+        self.accepted.scatter_add_(0, src.clamp(min=0).flatten(), take.flatten().long())
+
+    def add(self, active: torch.Tensor, counts: torch.Tensor, src: torch.Tensor) -> None:
+        self.steps += 1
+        self.rows = self.rows + active.sum()
+        self.matched = self.matched + (counts > 0).sum()
+        self.drafted = self.drafted + counts.sum()
+        at = torch.arange(self.pos.shape[0], device=counts.device)
+        self.pos += (counts.long()[:, None] > at[None]).sum(0)
+        drafted = (counts.long()[:, None] > torch.arange(src.shape[1], device=src.device)[None]) & (src >= 0)
+        self.by_source.scatter_add_(0, src.clamp(min=0).flatten(), drafted.flatten().long())
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "rows": int(self.rows), "matched": int(self.matched),
+                "drafted_tokens": int(self.drafted),
+                **{f"drafts_ge_{i + 1}": int(v) for i, v in enumerate(self.pos.tolist())},
+                **{f"drafted_{s}": int(v) for s, v in zip(SOURCES, self.by_source.tolist())},
+                **{f"accepted_{s}": int(v) for s, v in zip(SOURCES, self.accepted.tolist())},
+                "shadow_responses": 0, "shadow_rows": 0, **self.shadow}
+
+
+def append_sampled(token_ids: torch.Tensor, lengths: torch.Tensor, sampled: torch.Tensor,
+                   count: torch.Tensor) -> torch.Tensor:
+    """Write each row's newly sampled tokens (sampled [B, k+1], its first count[i] valid, -1 the
+    rest) after its first lengths[i] tokens, in place, as vLLM's n-gram drafter does; the new
+    lengths [B]. Positions past the buffer's width are not written."""
+    width = token_ids.shape[1]
+    offsets = torch.arange(sampled.shape[1], device=token_ids.device)
+    at = lengths.long()[:, None] + offsets[None]
+    write = (offsets[None] < count[:, None]) & (sampled != -1) & (at < width)
+    # a position past the buffer rewrites the row's last token with itself: one slot that no write
+    # targets (clamping them all to the buffer's end would race a write there)
+    at = torch.where(at < width, at, (lengths.long() - 1).clamp(min=0)[:, None])
+    token_ids.scatter_(1, at, torch.where(write, sampled.to(token_ids.dtype), token_ids.gather(1, at)))
+    return (lengths + count).to(torch.int32)
