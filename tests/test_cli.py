@@ -28,7 +28,7 @@ def test_two_step_run_writes_summary_plot_and_final_policy(tmp_path):
     assert s["train_metrics_over"] == "rows_trained" and all("train/rows_skipped" in r["extra"] for r in s["records"])
     # the engine's model runner as vLLM chose it: the CPU build runs V1, eager, without async scheduling
     assert s["engines"] == [{"model_runner": "V1", "async_scheduling": False, "cuda_graphs": False,
-                             "speculation": "draft_model"}]
+                             "speculation": "draft_model", "executor": "uni", "tensor_parallel_size": 1}]
     assert "engines: 1 on Model Runner V1, async scheduling off, CUDA graphs off" in p.stdout + p.stderr
     assert (tmp_path / "reward_and_stages.png").stat().st_size > 0
     assert "held-out accuracy" in p.stdout and "generation" in p.stdout

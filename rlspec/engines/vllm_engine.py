@@ -116,12 +116,16 @@ def vllm_config_of(model_path: str, gen: GenerationConfig, max_model_len: int, s
 
 def runner_of(vllm_config) -> dict:
     """The model runner a VllmConfig selects (V2 wherever Triton runs, except for drafters V2 lacks),
-    whether it schedules asynchronously (V1 turns it off), and CUDA graphs."""
-    spec = vllm_config.speculative_config
+    whether it schedules asynchronously (V1 turns it off), CUDA graphs, the executor that runs its
+    workers (uni: in the engine's process; mp, ray) and the tensor-parallel ranks it runs on."""
+    spec, par = vllm_config.speculative_config, vllm_config.parallel_config
+    executor = par.distributed_executor_backend
     return {"model_runner": "V2" if vllm_config.use_v2_model_runner else "V1",
             "async_scheduling": bool(vllm_config.scheduler_config.async_scheduling),
             "cuda_graphs": not vllm_config.model_config.enforce_eager,
-            "speculation": spec.method if spec is not None else "none"}
+            "speculation": spec.method if spec is not None else "none",
+            "executor": str(getattr(executor, "__name__", executor)),
+            "tensor_parallel_size": int(par.tensor_parallel_size)}
 
 
 def make_llm(model_path: str, gen: GenerationConfig, max_model_len: int, seed: int,

@@ -30,7 +30,8 @@ def test_async_scheduling_on_cpu_is_exact_with_the_device_drafter(ray_session, t
                                                         "speculation.history.drafter=device"])):
         gen = start_generator(over)
         info = ray.get(gen.runner_info.remote(), timeout=600)   # the first call waits for the engine
-        assert (info["model_runner"], info["async_scheduling"]) == ("V1", name != "sync"), info
+        assert (info["model_runner"], info["async_scheduling"], info["executor"], info["tensor_parallel_size"]) == \
+               ("V1", name != "sync", "uni", 1), info
         out[name] = _calls(gen, prompts)
         ray.kill(gen)
     want = out["sync"][0].response_ids

@@ -19,7 +19,9 @@ def _run(runner: str, *overrides: str) -> dict:
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["runner"]["model_runner"] == runner, out["runner"]   # no silent fallback to the other runner
+    info = out["runner"]   # no silent fallback to the other runner, to async scheduling, to other ranks
+    assert (info["model_runner"], info["async_scheduling"], info["executor"], info["tensor_parallel_size"]) == \
+           (runner, False, "uni", 1), info
     return out
 
 
