@@ -5,7 +5,8 @@
                             reference.pt (KL reference policy, when on), draft.pt (online-
                             trained draft head and its optimizer, when on), history_E.pt
                             (speculation=history: engine E's store), driver.pt (data-loader
-                            position, driver RNGs, run log, counters), config.json, COMPLETE
+                            position, driver RNGs, run log, counters), queued.pt (async: the
+                            results of the calls out at the save), config.json, COMPLETE
       step_00000008/
       latest                "step_00000008", written last
 
@@ -154,6 +155,12 @@ def read_driver_state(ckpt: Path) -> DriverState:
     return DriverState(**torch.load(ckpt / "driver.pt", weights_only=False))
 
 
+def read_queued(ckpt: Path) -> list[dict]:
+    """The async calls a checkpoint saved with their results ([] where it saved none)."""
+    path = ckpt / "queued.pt"
+    return torch.load(path, weights_only=False) if path.is_file() else []
+
+
 def resolve_resume(resume: str, root: str | Path) -> Path | None:
     """trainer.resume -> the checkpoint to load: 'never' -> None; 'auto' -> latest(root) or None;
     a path -> that checkpoint directory (or the latest inside a checkpoint root)."""
@@ -178,9 +185,10 @@ class Checkpointer:
     def __init__(self, root: str | Path, keep: int, actors: Actors, log: RunLog, config: dict):
         self.root, self.keep, self.actors, self.log, self.config = Path(root), keep, actors, log, config
 
-    def save(self, position: dict, step: int, counters: Counters) -> Path:
+    def save(self, position: dict, step: int, counters: Counters, queued: list[dict] = ()) -> Path:
         """Checkpoint of the state after `step`; position: the data position (sampler state) a
-        resume continues from."""
+        resume continues from; queued: async, the calls out with their results
+        (RolloutQueue.checkpoint), which the resumed run trains on before drawing from `position`."""
         done = self.root / step_dir_name(step)
         if (done / COMPLETE).is_file() and latest(self.root) == done:
             return done  # this very state is on disk already (a preemption right after a save)
@@ -193,6 +201,8 @@ class Checkpointer:
         state = DriverState(step=step, sampler=position, rng=rng_state(), records=[asdict(r) for r in self.log.records],
                             val=list(self.log.val), counters=counters.as_dict())
         write_driver_parts(tmp, state, self.config)
+        if queued:
+            torch.save(list(queued), tmp / "queued.pt")
         final = commit(self.root, tmp, step, self.keep)
         self.log.write(f"checkpoint: step {step} -> {final}")
         return final

@@ -14,14 +14,20 @@ ahead. Ray runs one actor's calls in submission order, which gives the two guara
 With max_policy_lag=0 the calls reach the actors in the synchronous loop's order with the same
 seeds, so the two loops train identically.
 
+A checkpoint is saved after a refit and before the next calls go out (`refit(fill=False)`), with
+the results of the calls already out (`checkpoint`): a resumed run trains on the rollouts the
+uninterrupted run trains on and submits its next calls to the same weights, so async resume is
+exact at every lag. A preemption or a non-finite stop saves without waiting for them: the data
+position before the oldest untrained call (`state`), whose prompts the resumed run draws again.
+
 Partial rollouts (generation.partial, rlspec/loops/partial.py): a call's groups are the previous
 call's unfinished ones plus new prompts, so a call is submitted only once the one before it has
-come back (the driver holds the carried groups, and a checkpoint holds them as they were before
-the oldest untrained call). The next call goes out as soon as the previous one is taken when the
-lag bound allows (it then samples the weights of the refit before, lag 1), else after the refit
-(lag 0, the synchronous loop's calls). A trained token is at most max_policy_lag +
-generation.partial.max_carry_versions versions old. Every wait is bounded by cluster.actor_timeout_s; a
-dead Generator surfaces on the next take as ActorFailure naming it.
+come back (the driver holds the carried groups, and a checkpoint holds them with the queued
+calls' results, or as they were before the oldest untrained call). The next call goes out as soon
+as the previous one is taken when the lag bound allows (it then samples the weights of the refit
+before, lag 1), else after the refit (lag 0, the synchronous loop's calls). A trained token is at
+most max_policy_lag + generation.partial.max_carry_versions versions old. Every wait is bounded by
+cluster.actor_timeout_s; a dead Generator surfaces on the next take as ActorFailure naming it.
 
     generator:  gen(s+1) gen(s+2)|refit(s) gen(s+3)|refit(s+1) ...     (L = 1, capacity 2)
     learner:    train(s)          train(s+1)          ...
@@ -44,14 +50,16 @@ from rlspec.messages import RolloutBatch
 class Pending:
     step: int
     prompts: list[Prompt]                             # partial rollouts: the completed groups, once collected
-    call: Call
+    call: Call | None                                 # None: restored from a checkpoint with its result
     sampler_state: dict                               # the sampler before these prompts were drawn
     refits: list[Call] = field(default_factory=list)  # generator refits submitted just before it
     rollouts: RolloutBatch | None = None              # partial rollouts: the call's result once back
 
 
 class RolloutQueue:
-    def __init__(self, run: Run, sampler: PromptSampler, first_step: int, partial: PartialRollouts | None = None):
+    def __init__(self, run: Run, sampler: PromptSampler, first_step: int, partial: PartialRollouts | None = None,
+                 queued: list[dict] = ()):
+        """queued: the calls a checkpoint saved with their results (`checkpoint`), steps first_step on."""
         q = run.cfg.async_grpo
         self.run, self.sampler, self.partial = run, sampler, partial
         self.version = first_step - 1  # the generator's weights after the refits submitted so far
@@ -60,8 +68,13 @@ class RolloutQueue:
         self.on_stale = q.on_stale
         self.pending: deque[Pending] = deque()
         self.refits: list[Call] = []  # generator refits no take has waited on yet
-        self.next_step = first_step
         self.stale_groups = 0         # over the run
+        for i, q in enumerate(queued):
+            if q["step"] != first_step + i:
+                raise ValueError(f"the checkpoint's queued rollouts are of steps {[q['step'] for q in queued]}, "
+                                 f"the run resumes at step {first_step}")
+            self.pending.append(Pending(q["step"], q["prompts"], None, q["sampler"], rollouts=q["rollouts"]))
+        self.next_step = first_step + len(queued)
         self.fill()
 
     def _submit(self, step: int, prompts: list[Prompt] | None = None, salt: int = 0) -> Pending:
@@ -144,7 +157,8 @@ class RolloutQueue:
             return item.prompts, ro, 0
         while True:
             with timer("generation"):
-                ro = wait([*item.refits, item.call], run.actors.timeout_s, abort=lambda: run.stop.preempt)[-1]
+                ro = item.rollouts if item.rollouts is not None else \
+                    wait([*item.refits, item.call], run.actors.timeout_s, abort=lambda: run.stop.preempt)[-1]
             if self.pending and item is self.pending[0]:
                 self.pending.popleft()
             lag = step - 1 - ro.policy_version
@@ -159,13 +173,28 @@ class RolloutQueue:
             item = self._submit(step, again, salt=1000 + attempt)
 
     def state(self) -> dict:
-        """Sampler position before the oldest step not yet trained: a checkpoint stores this, so a
-        resumed run draws those prompts again (and samples them with the restored weights)."""
+        """Sampler position before the oldest step not yet trained: a checkpoint saved without its
+        queued calls (a preemption, a non-finite stop) stores this, so a resumed run draws those
+        prompts again (and samples them with the restored weights)."""
         return self.pending[0].sampler_state if self.pending else (self.partial or self.sampler).state()
+
+    def checkpoint(self) -> tuple[dict, list[dict]]:
+        """(data position, queued calls) for a checkpoint after the step just trained: waits for the
+        calls in flight (L of them at lag L: the next step waits for the first anyway) and returns
+        their results with the data position after them. A run resumed from it trains on the very
+        rollouts the uninterrupted run trains on, and the history store saved behind those calls
+        holds the answers the resumed run has, not answers of calls it redoes."""
+        self.drain()
+        for p in self.pending:
+            if p.rollouts is None:
+                p.rollouts = wait([*p.refits, p.call], self.run.actors.timeout_s)[-1]
+        queued = [{"step": p.step, "prompts": p.prompts, "rollouts": p.rollouts, "sampler": p.sampler_state}
+                  for p in self.pending]
+        return (self.partial or self.sampler).state(), queued
 
     def drain(self) -> None:
         """Wait for the refits and rollouts in flight (results stay queued for `take`)."""
-        calls = [*self.refits, *[c for p in self.pending for c in (*p.refits, p.call)]]
+        calls = [*self.refits, *[c for p in self.pending for c in (*p.refits, p.call) if c is not None]]
         self.refits = []
         if calls:
             wait(calls, self.run.actors.timeout_s)

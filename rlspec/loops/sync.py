@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from rlspec.cluster.calls import Abandoned
 from rlspec.data.loading import PromptSampler
-from rlspec.loops.checkpoint import Checkpointer
+from rlspec.loops.checkpoint import Checkpointer, read_queued
 from rlspec.loops.partial import PartialRollouts
 from rlspec.loops.preemption import NumericalDivergence, Preempted
 from rlspec.loops.queue import RolloutQueue
@@ -37,16 +37,20 @@ def run_loop(run: Run, resume_from: Path | None = None, restarts: int = 0) -> di
     data = partial or sampler  # the data position: the sampler's, and the carried groups under partial rollouts
     ckpt = Checkpointer(run.ckpt_root, t.checkpoint_keep, run.actors, run.log,
                         OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
-    start, counters = 1, Counters(restarts=restarts)
+    start, counters, queued = 1, Counters(restarts=restarts), []
     if resume_from is not None:
         state, restored = ckpt.restore(resume_from, data)
         start = state.step + 1
         counters = replace(restored, restarts=restarts)
+        queued = read_queued(resume_from)
+        if queued and not cfg.async_grpo.enabled:  # an async checkpoint resumed synchronously: redraw them
+            data.load_state(queued[0]["sampler"])
+            queued = []
     else:
         validate(run, 0)
-    # Async: rollouts run ahead; a checkpoint stores the sampler position (and the carried groups)
-    # before the oldest untrained step (the queue's), so a resume draws those prompts again.
-    queue = RolloutQueue(run, sampler, start, partial) if cfg.async_grpo.enabled else None
+    # Async: rollouts run ahead; a checkpoint stores the calls out with their results and the data
+    # position after them (RolloutQueue.checkpoint).
+    queue = RolloutQueue(run, sampler, start, partial, queued) if cfg.async_grpo.enabled else None
     position = queue or data
     stop = run.stop
 
@@ -67,13 +71,13 @@ def run_loop(run: Run, resume_from: Path | None = None, restarts: int = 0) -> di
         if step == t.max_steps or (t.val_every and step % t.val_every == 0):
             validate(run, step)
         if checkpoint_due(step):
-            # async: saved before the next call goes out (train_step held it), so at lag 0 the
-            # Generator's history store holds no answer of a call the saved position redoes. At
-            # lag L >= 1 the L calls submitted at earlier steps are on it already (and a signal come
-            # after the refit finds the next out): the resumed run redraws those calls on-policy,
-            # drafting from their earlier answers (lossless; not the uninterrupted run's drafts).
+            # async: saved before the next call goes out (train_step held it), with the results of
+            # the calls already out, so the Generator's history store saved behind them holds
+            # exactly the answers the resumed run has. A preemption does not wait for them: the
+            # resumed run redraws those calls on-policy (lossless; not the uninterrupted run's drafts).
             stop.checkpoint_now = False
-            ckpt.save(position.state(), step, counters)
+            saved, queued = queue.checkpoint() if queue is not None and not stop.preempt else (position.state(), [])
+            ckpt.save(saved, step, counters, queued)
         if queue is not None:
             queue.fill()
         if stop.preempt:

@@ -27,6 +27,11 @@ def records(run_dir: Path) -> list[dict]:
     return json.loads((run_dir / "summary.json").read_text())["records"]
 
 
+def drafts(rec: dict) -> dict:
+    """A step record's speculation counters, less the drafter's timings."""
+    return {k: v for k, v in rec["spec"].items() if "timing" not in k and "seconds" not in k}
+
+
 def steps_done(run_dir: Path) -> int:
     try:
         return json.loads((run_dir / "summary.json").read_text())["steps"]

@@ -1,11 +1,11 @@
 """Partial rollouts through the real entry point (rlspec/loops/partial.py): the lag bound on carried
-answers, synchronous and async, async at lag 0 equal to the synchronous loop, and an exact resume
-with unfinished answers in flight."""
+answers, synchronous and async, async at lag 0 equal to the synchronous loop, and exact resumes
+with unfinished answers in flight (lag 0, and lag 1 with a call out and history drafting)."""
 import shutil
 
 import pytest
 
-from helpers.cli import records, train
+from helpers.cli import drafts, records, train
 
 PARTIAL = "generation.partial.enabled=true"
 ASYNC = "async_grpo.enabled=true"
@@ -62,41 +62,68 @@ def test_synchronous_partial_rollouts_with_dynamic_sampling_run_to_the_end(tmp_p
     assert any(r["policy_lag_max"] > 0 for r in recs) and all(r["policy_lag_max"] <= 2 for r in recs)
 
 
+def resume_from_step2(tmp_path, run, *args):
+    """A run as if it had stopped after `run`'s step-2 checkpoint, resumed; its records."""
+    step2 = run / "checkpoints" / "step_00000002"
+    again = tmp_path / "again"
+    shutil.copytree(step2, again / "checkpoints" / step2.name)
+    (again / "checkpoints" / "latest").write_text(step2.name)
+    resumed = train(again, *args)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    return records(again)
+
+
 @pytest.mark.slow  # three CLI runs
-@pytest.mark.parametrize("refill", [False, True])
-def test_a_run_resumed_with_carried_answers_continues_exactly(tmp_path, refill):
+def test_a_run_resumed_with_carried_answers_continues_exactly(tmp_path):
     """Async GRPO at lag 0 with partial rollouts trains on the synchronous loop's rollouts (the same
     floats). Its step-2 checkpoint, written before step 3's call goes out, holds the unfinished
     answers as they were before that call; a run resumed from it trains steps 3 and 4 exactly as
     the others did. In these runs answers are resumed and no trained token trails the learner by
-    more than max_carry_versions (2). With refill, spares started mid-call too."""
+    more than max_carry_versions (2)."""
     from rlspec.loops.checkpoint import read_driver_state
 
-    extra = (PARTIAL, "generation.max_new_tokens=64", f"generation.partial.refill={str(refill).lower()}",
-             "generation.partial.max_carry_versions=2")
+    extra = (PARTIAL, "generation.max_new_tokens=64", "generation.partial.max_carry_versions=2")
     ref = train(tmp_path / "ref", *extra)
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = records(tmp_path / "ref")
     assert sum(partial_counts(want, "resumed_answers")) > 0
-    assert (sum(partial_counts(want, "spares_started")) > 0) == refill
     assert all(r["policy_lag_max"] <= 2 for r in want) and max(r["extra"]["policy_lag_mean"] for r in want) > 0
 
     lag0 = (*extra, ASYNC, "async_grpo.max_policy_lag=0")
     run = tmp_path / "async"
     whole = train(run, *lag0, "trainer.checkpoint_every=2")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    step2 = run / "checkpoints" / "step_00000002"
-    carry = read_driver_state(step2).sampler["partial"]["carry"]
+    carry = read_driver_state(run / "checkpoints" / "step_00000002").sampler["partial"]["carry"]
     assert any(a["response_ids"] and not a["done"] for g in carry for a in g["answers"])
-
-    again = tmp_path / "again"  # the async run as if it had stopped after its step-2 checkpoint
-    shutil.copytree(step2, again / "checkpoints" / step2.name)
-    (again / "checkpoints" / "latest").write_text(step2.name)
-    resumed = train(again, *lag0)
-    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
-    for got in (records(run), records(again)):
+    for got in (records(run), resume_from_step2(tmp_path, run, *lag0)):
         assert [r["step"] for r in got] == [1, 2, 3, 4]
         for g, w in zip(got, want):  # exact: same floats
             assert (g["loss"], g["reward_mean"], g["generated_tokens"]) == (w["loss"], w["reward_mean"],
                                                                             w["generated_tokens"])
             assert g["extra"]["policy_lag_mean"] == w["extra"]["policy_lag_mean"]
+
+
+@pytest.mark.slow  # two CLI runs
+def test_a_lag_one_history_run_resumed_with_a_call_out_continues_exactly(tmp_path):
+    """Async GRPO at lag 1 with partial rollouts (refill on: spares started mid-call) and history
+    drafting: the step-2 checkpoint is saved while step 3's call is out, with that call's result
+    (queued.pt), the carried groups after it and the store that recorded its answers. A run resumed
+    from it trains steps 3 and 4 as the uninterrupted run did: the same drafts, tokens and floats
+    (it neither redraws step 3 from its own answers nor samples it with other weights)."""
+    from rlspec.loops.checkpoint import read_queued
+
+    lag1 = (PARTIAL, "generation.max_new_tokens=64", "generation.partial.refill=true",
+            "generation.partial.max_carry_versions=2", ASYNC, "async_grpo.max_policy_lag=1",
+            "speculation=history", "data.train.num_rows=8")
+    run = tmp_path / "async"
+    whole = train(run, *lag1, "trainer.checkpoint_every=2")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    want = records(run)
+    assert sum(partial_counts(want, "spares_started")) > 0 and sum(partial_counts(want, "resumed_answers")) > 0
+    assert want[2]["spec"]["history_accepted_history"] > 0, want[2]["spec"]
+    assert [q["step"] for q in read_queued(run / "checkpoints" / "step_00000002")] == [3]
+    got = resume_from_step2(tmp_path, run, *lag1)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for g, w in zip(got, want):  # exact: the same drafts, tokens and floats
+        assert (drafts(g), g["generated_tokens"], g["loss"], g["reward_mean"], g["extra"]["policy_lag_mean"]) == \
+               (drafts(w), w["generated_tokens"], w["loss"], w["reward_mean"], w["extra"]["policy_lag_mean"]), g["step"]

@@ -80,26 +80,6 @@ def test_dead_generator_ends_an_async_run_with_its_name(tmp_path):
     assert not left_behind(before)
 
 
-@pytest.mark.slow  # the default suite stays under 30 minutes on 2 cores
-def test_checkpoint_rewinds_prefetched_prompts_and_resume_finishes(tmp_path):
-    """The step-2 checkpoint of a lag-1 run is written while step 3's rollouts are in flight: it
-    stores the sampler before step 3's prompts, so the resumed run draws them again."""
-    from rlspec.loops.checkpoint import latest, read_driver_state
-
-    run = tmp_path / "run"
-    p = train(run, "trainer.max_steps=3", "trainer.checkpoint_every=2", ASYNC)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert latest(run / "checkpoints").name == "step_00000002"
-    state = read_driver_state(run / "checkpoints" / "step_00000002")
-    assert state.sampler["cursor"] == 2 * 4 and state.step == 2  # 4 prompts per step, 2 steps trained
-    p = train(run, "trainer.max_steps=5", ASYNC)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "resumed from" in p.stdout
-    recs = records(run)
-    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
-    assert [r["policy_lag_max"] for r in recs] == [0, 1, 0, 1, 1]  # the resume starts on-policy
-
-
 def test_actors_sleep_at_once_only_when_async_oversubscribes_the_cores():
     """OMP_WAIT_POLICY=PASSIVE for the local actors when async GRPO runs more torch threads than
     cores; the synchronous loop keeps OpenMP's spin-wait."""

@@ -57,7 +57,8 @@ def local_ray():
     ray.shutdown()
 
 
-def queue_of(lag: int, capacity: int | None, steps: int, fail_at: int | None = None):
+def queue_of(lag: int, capacity: int | None, steps: int, fail_at: int | None = None, first_step: int = 1,
+             position: dict | None = None, queued: list[dict] = ()):
     cfg = compose([f"async_grpo.max_policy_lag={lag}", f"trainer.max_steps={steps}",
                    f"generation.num_prompts_per_step={PROMPTS}"])
     cfg.async_grpo.queue_capacity = capacity
@@ -69,14 +70,17 @@ def queue_of(lag: int, capacity: int | None, steps: int, fail_at: int | None = N
     # prompt i's first token is i: the stand-in logs which batch each generate call carried
     prompts = PromptSet("stand-in", [Prompt(str(i), "0", [i, 1, 2], i + 1) for i in range(100)])
     sampler = PromptSampler(prompts, seed=0, shuffle=False)
-    return RolloutQueue(run, sampler, first_step=1), gens, messages
+    if position is not None:   # resumed: the restore's refit puts the checkpoint's policy in first
+        sampler.load_state(position)
+        ray.get(gens.actor.refit.remote(first_step - 1))
+    return RolloutQueue(run, sampler, first_step=first_step, queued=queued), gens, messages
 
 
-def run_steps(queue: RolloutQueue, gens: Generators, steps: int) -> list[tuple[int, int, int]]:
+def run_steps(queue: RolloutQueue, gens: Generators, steps: int, first: int = 1) -> list[tuple[int, int, int]]:
     """(step, policy version of its batch, stale groups dropped) for each step, refitting the
     Generator to version `step` after each, as the loop does."""
     out = []
-    for step in range(1, steps + 1):
+    for step in range(first, steps + 1):
         _, ro, dropped = queue.take(step, StageTimer())
         out.append((step, ro.policy_version, dropped))
         queue.refit([gens.refit(step)], [])
@@ -122,3 +126,30 @@ def test_a_generator_that_raises_surfaces_on_the_next_take_naming_it(local_ray):
     queue.refit([gens.refit(1)], [])
     with pytest.raises(ActorFailure, match=r"generator raised in generate: .*engine died"):
         queue.take(2, StageTimer())
+
+
+def test_a_checkpoint_keeps_the_calls_out_and_a_queue_resumed_from_it_continues_in_order(local_ray):
+    """Lag 1: the checkpoint after step 2 (taken after the refit, before the next call goes out)
+    waits for step 3's call, already out, and keeps its result with the data position after it. A
+    queue resumed from it (a Generator at version 2, as the restore's refit leaves it) trains step 3
+    on that result, sends no call for it, and submits the uninterrupted run's next calls in its
+    order: the same prompts, sampled by the same versions."""
+    whole, gens, _ = queue_of(lag=1, capacity=None, steps=5)
+    want = run_steps(whole, gens, 5)
+    want_calls = ray.get(gens.actor.calls.remote())
+
+    queue, gens, _ = queue_of(lag=1, capacity=None, steps=5)
+    for step in (1, 2):
+        queue.take(step, StageTimer())
+        queue.refit([gens.refit(step)], [], fill=step != 2)
+    position, queued = queue.checkpoint()
+    assert [q["step"] for q in queued] == [3] and queued[0]["rollouts"].policy_version == 1
+    assert position["cursor"] == 3 * PROMPTS   # after step 3's prompts
+    done = ray.get(gens.actor.calls.remote())
+
+    with pytest.raises(ValueError, match=r"queued rollouts are of steps \[3\], the run resumes at step 4"):
+        queue_of(lag=1, capacity=None, steps=5, first_step=4, position=position, queued=queued)
+    resumed, gens, _ = queue_of(lag=1, capacity=None, steps=5, first_step=3, position=position, queued=queued)
+    assert run_steps(resumed, gens, 5, first=3) == want[2:]
+    # the resumed Generator's calls are the rest of the uninterrupted run's (less the restore's refit)
+    assert done + ray.get(gens.actor.calls.remote())[1:] == want_calls
