@@ -49,6 +49,7 @@ class Generator(RefitReceiver):
         self.engine.sleep()  # sleep mode: hold no GPU memory until the first call (learners start next)
         self.policy_version = 0
         self.draft_version = 0
+        self.history_by_rank: list[dict | None] = []   # the last call's drafter counters, by rank
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> RolloutBatch:
         """sampling.n samples per prompt, prompt-major: rows [i*n, (i+1)*n) belong to prompt i.
@@ -83,8 +84,11 @@ class Generator(RefitReceiver):
             ro = run()
             if self.history:  # under 'auto', a training call that drafted nothing is measured in shadow
                 shadow = self.adaptive is not None and sampling.rollout and not (ro.spec and ro.spec.drafts)
-                ro.history = self.engine.llm.collective_rpc(self.drafter.finish_call, args=(
-                    ro.prompt_ids if shadow else None, ro.response_ids if shadow else None))[0]
+                # every rank's counters (tensor parallel: each rank drafts from its own store, the
+                # same records; the first rank's are the call's)
+                self.history_by_rank = self.engine.llm.collective_rpc(self.drafter.finish_call, args=(
+                    ro.prompt_ids if shadow else None, ro.response_ids if shadow else None))
+                ro.history = self.history_by_rank[0]
                 if sampling.rollout:  # training rollouts become history; validation answers do not
                     self.record_history(ro.prompt_ids, ro.response_ids)
             if self.adaptive:

@@ -1,0 +1,26 @@
+"""vLLM's Ray executor on this CPU. vLLM refuses Ray on its CPU platform only because the platform
+names no Ray device key (`CpuPlatform.ray_device_key` is empty: "current platform cpu does not
+support ray"). With the key "GPU", the executor asks Ray for the GPUs the test's cluster declares
+(none needed: Ray only counts them) and places one worker in each bundle rlspec's placement names,
+as on a GPU cluster; each worker then runs vLLM's CPU worker, the ranks talking over gloo. The key
+must be set in every Ray worker before vLLM's executor asks it for its devices, which is before
+vLLM loads its plugins there: `ray_device_key_for_cpu` is the Ray job's worker setup hook."""
+
+
+def ray_device_key_for_cpu() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.ray_device_key = "GPU"
+
+
+def init_ray(gpus: int = 2) -> None:
+    """A local Ray cluster of this machine's 2 cores and `gpus` declared GPUs, every worker of it
+    (and this process) with the CPU platform's Ray device key."""
+    import os
+
+    import ray
+
+    ray_device_key_for_cpu()
+    ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": ray_device_key_for_cpu,
+                          "env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
