@@ -14,10 +14,10 @@ from conftest import ROOT, child_env
 
 pytest.importorskip("vllm")
 
-METHODS = ("history_device", "history", "draft_model", "eagle3", "ngram")
+METHODS = ("history_device", "history_device_async", "history", "draft_model", "eagle3", "ngram")
 
 
-@pytest.mark.slow  # six engines, five of them two ranks: about 3.5 minutes
+@pytest.mark.slow  # seven engines, six of them two ranks: about 4 minutes
 def test_tensor_parallel_engines_on_vllms_ray_executor_answer_as_one_rank():
     """Greedy: every TP=2 engine answers as the TP=1 engine without speculation, on every call (the
     float sums of two ranks' partial products are taken in another order than one rank's; the
@@ -25,7 +25,8 @@ def test_tensor_parallel_engines_on_vllms_ray_executor_answer_as_one_rank():
     weight read back equal on each) and the answers after it equal TP=1's after the same refit.
     The device drafter's settings (vLLM's additional_config) reach both ranks; both ranks draft
     the same (equal counters every call), from the history on the second call, and hold the same
-    store (the checkpoint saves the first's)."""
+    store (the checkpoint saves the first's), with and without async scheduling (under which each
+    rank drafts its own inputs: ranks that disagreed would break the engine)."""
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "tp_engine.py"), *METHODS],
                          env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -39,21 +40,21 @@ def test_tensor_parallel_engines_on_vllms_ray_executor_answer_as_one_rank():
     for m, e in by.items():
         r = e["runner"]   # no silent fallback to one rank, another executor, another runner
         assert (r["model_runner"], r["async_scheduling"], r["executor"], r["tensor_parallel_size"]) == \
-               ("V1", False, "ray", 2), (m, r)
+               ("V1", m.endswith("_async"), "ray", 2), (m, r)
         assert e["bundles"] == "0,1", m   # one rank in each of the engine's two bundles
         assert [c["answers"] for c in e["calls"]] == [want[0], want[0], want[2]][:len(e["calls"])], m
     assert {m: by[m]["runner"]["speculation"] for m in METHODS} == {
-        "history_device": "ngram_gpu", "history": "custom_class", "draft_model": "draft_model", "eagle3": "eagle3",
-        "ngram": "ngram"}
+        "history_device": "ngram_gpu", "history_device_async": "ngram_gpu", "history": "custom_class",
+        "draft_model": "draft_model", "eagle3": "eagle3", "ngram": "ngram"}
     assert all(c["accepted"] > 0 for m in ("draft_model", "eagle3") for c in by[m]["calls"])
 
-    dev = by["history_device"]
-    assert dev["refit_on_rank"] == [True, True]
-    assert dev["settings_by_rank"] == [[65536, 7], [65536, 7]]
-    assert dev["stores_equal"]
-    for ranks in dev["history_by_rank"]:
-        assert len(ranks) == 2 and ranks[0] == ranks[1], ranks
-    assert dev["history_by_rank"][1][0]["accepted_history"] > 0
+    for dev in by["history_device"], by["history_device_async"]:   # async: each rank drafts its own inputs
+        assert dev["refit_on_rank"] == [True, True]
+        assert dev["settings_by_rank"] == [[65536, 7], [65536, 7]]
+        assert dev["stores_equal"]
+        for ranks in dev["history_by_rank"]:
+            assert len(ranks) == 2 and ranks[0] == ranks[1], ranks
+        assert dev["history_by_rank"][1][0]["accepted_history"] > 0
     # the host drafter drafts on one rank (the other holds no store) and from the history too
     host = by["history"]["history_by_rank"]
     assert [len(r) for r in host] == [2, 2] and all(r[1] is None for r in host)

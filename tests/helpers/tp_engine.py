@@ -1,12 +1,13 @@
 """Generators of tensor-parallel size 1 and 2 on this CPU, placed as a run places them (rlspec's plan
 and placement groups on a Ray cluster declaring 2 GPUs, none needed), the TP=2 engines' workers
 through vLLM's Ray executor (tests/helpers/ray_on_cpu.py). Run as a child process: argv, the
-speculation methods to run at TP=2 (draft_model, eagle3, ngram, history, history_device); TP=1
-without speculation is the reference. Each engine answers a greedy call on 4 held-out prompts
-(recorded as history); history engines answer it again (drafting from the first call's answers);
-the reference and the device drafter's engine then take a refit of perturbed weights and answer
-once more. Prints, as JSON, per engine: the runner, each call's answers, each rank's drafter
-counters, and what each rank holds (the drafter's settings and store, the refit weight)."""
+speculation methods to run at TP=2 (draft_model, eagle3, ngram, history, history_device, and
+history_device_async under async scheduling); TP=1 without speculation is the reference. Each
+engine answers a greedy call on 4 held-out prompts (recorded as history); history engines answer
+it again (drafting from the first call's answers); the reference and the device drafter's engines
+then take a refit of perturbed weights and answer once more. Prints, as JSON, per engine: the
+runner, each call's answers, each rank's drafter counters, and what each rank holds (the drafter's
+settings and store, the refit weight)."""
 import json
 import sys
 
@@ -17,7 +18,9 @@ SETTINGS = ["speculation.history.device_max_tokens=65536", "speculation.history.
 METHODS = {"none": ["speculation=none"], "draft_model": ["speculation=draft_model"],
            "eagle3": ["speculation=eagle3"], "ngram": ["speculation=ngram"],
            "history": ["speculation=history"],
-           "history_device": ["speculation=history", "speculation.history.drafter=device", *SETTINGS]}
+           "history_device": ["speculation=history", "speculation.history.drafter=device", *SETTINGS],
+           "history_device_async": ["speculation=history", "speculation.history.drafter=device", *SETTINGS,
+                                    "generation.async_scheduling=true"]}
 REFIT = "model.norm.weight"   # replicated on every rank: read back whole on each
 
 
@@ -64,7 +67,7 @@ def run(method: str, tp: int, prompts, weights) -> dict:
                                                  speculation=cfg.speculation, seed=0, threads=1)
     out = {"method": method, "tp": tp, "bundles": o["env"].get("VLLM_RAY_BUNDLE_INDICES"),
            "runner": ray.get(gen.runner_info.remote(), timeout=600), "calls": [], "history_by_rank": []}
-    calls = 3 if method in ("none", "history_device") else 2 if method == "history" else 1
+    calls = 3 if method in ("none", "history_device", "history_device_async") else 2 if method == "history" else 1
     for call in range(calls):
         if call == 2:
             ray.get(gen.refit_tensors.remote(weights, 1), timeout=300)

@@ -31,6 +31,9 @@ def test_a_history_run_resumed_with_overflowing_buckets_continues_exactly(tmp_pa
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = records(tmp_path / "ref")
     assert want[2]["spec"]["history_accepted_history"] > 0, want[2]["spec"]   # drafted from steps 1-2
+    if drafter == "host":   # generation ran a step ahead; step 3's call, out during step 2, drafted from 1-2
+        assert max(r["policy_lag_max"] for r in want) == 1
+        assert want[0]["spec"]["history_prompts"] == 0 and want[2]["spec"]["history_prompts"] == 8, want[2]["spec"]
     step2 = tmp_path / "ref" / "checkpoints" / "step_00000002"
     lag = 1 if drafter == "host" else 0   # at lag 1 the checkpoint holds step 3's call, already out
     assert [q["step"] for q in read_queued(step2)] == [3][:lag]

@@ -684,24 +684,6 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
     ray.kill(auto)
 
 
-@pytest.mark.slow
-def test_async_grpo_drafts_from_history(tmp_path):
-    """Async GRPO (lag 1, generation a step ahead of the learner) over 8 prompts, 4 per step: steps
-    3-4 come back to step 1-2's prompts and draft from their rollouts (recorded by the Generator as
-    each call ends, whichever step the learner is at)."""
-    from helpers.cli import records, train
-
-    run = train(tmp_path, "speculation=history", "data.train.num_rows=8",
-                "async_grpo.enabled=true", "async_grpo.max_policy_lag=1")
-    assert run.returncode == 0, run.stderr[-3000:]
-    recs = records(tmp_path)
-    assert [r["step"] for r in recs] == [1, 2, 3, 4]
-    s1, s3 = recs[0]["spec"], recs[2]["spec"]
-    assert s1["history_prompts"] == 0 and s1["history_drafted_history"] == 0
-    assert s3["history_prompts"] == 8 and s3["history_drafted_history"] > 0, s3
-    assert max(r["policy_lag_max"] for r in recs) == 1  # generation ran a step ahead
-
-
 def test_a_shadow_sample_weighs_as_the_whole_call():
     """auto switched history off on first-seen prompts (thousands of rows measured, few accepted);
     the prompts come back and the call, run without drafting, is measured in shadow on 32 of its
