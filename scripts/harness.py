@@ -111,9 +111,12 @@ def times(v) -> str:
 
 
 def train_command(overrides: list[str], run_dir: Path, save_final: bool = False) -> list[str]:
-    """`python -m rlspec.train` with `overrides`, quiet, writing into run_dir."""
-    return [sys.executable, "-m", "rlspec.train", *overrides, f"trainer.save_final={str(save_final).lower()}", *QUIET,
-            f"hydra.run.dir={run_dir}"]
+    """`python -m rlspec.train` with `overrides`, quiet, writing into run_dir; from the start unless
+    the overrides say otherwise (a run directory an interrupted benchmark left would otherwise be
+    resumed from its checkpoint, and the run would measure only its remainder)."""
+    fresh = [] if any(o.startswith("trainer.resume=") for o in overrides) else ["trainer.resume=never"]
+    return [sys.executable, "-m", "rlspec.train", *overrides, *fresh, f"trainer.save_final={str(save_final).lower()}",
+            *QUIET, f"hydra.run.dir={run_dir}"]
 
 
 def run(cmd: list[str], label: str, timeout: int) -> float:

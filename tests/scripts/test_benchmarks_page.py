@@ -75,5 +75,7 @@ def test_harness_mean_std_and_command():
     cmd = harness.train_command(["trainer.seed=1"], ROOT / "run")
     assert cmd[1:4] == ["-m", "rlspec.train", "trainer.seed=1"] and "trainer.save_final=false" in cmd
     assert set(harness.QUIET) <= set(cmd) and cmd[-1] == f"hydra.run.dir={ROOT / 'run'}"
+    assert "trainer.resume=never" in cmd   # a run directory left by an interrupted benchmark is not resumed
+    assert "trainer.resume=never" not in harness.train_command(["trainer.resume=auto"], ROOT / "run")
     stamp = harness.stamp()
     assert set(stamp) == {"version", "date", "cpu", "cpu_count", "command"}
