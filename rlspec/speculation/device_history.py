@@ -50,11 +50,10 @@ from rlspec.speculation import GLOBAL, HISTORY, MAX_SIBLINGS, MAX_VOTERS, PROMPT
 from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable, default_buckets
 from rlspec.speculation.device_ops import (first_of, fold, last_n_true, leading_run, prompt_hash,
                                          prompt_siblings, salted, window_keys, window_prints)
-from rlspec.speculation.device_ring import RingSequences
+from rlspec.speculation.device_ring import EMPTY, END, RingSequences
+from rlspec.speculation.device_state import RingCheckpoint
 
-END = -1      # a stored sequence's last token
 UNKNOWN = -2  # past a running row's last token: not yet written
-EMPTY = -3    # an arena slot never written
 _LIVE = 1 << 42   # ranks: a running row's position outranks any stored one; the row itself the others
 _SELF = 1 << 41
 _COUNT = 1 << 48  # a vote's score: count first, rank second
@@ -70,7 +69,7 @@ class Candidates:
     nxt: torch.Tensor      # [B, C, k] int64 (END, UNKNOWN where nothing follows)
 
 
-class DeviceHistory:
+class DeviceHistory(RingCheckpoint):
     """The store (a ring arena of [prompt tail | response | END] sequences and hashed buckets of
     their positions) and the drafter over it, on `device`.
 
@@ -233,78 +232,6 @@ class DeviceHistory:
         if drop:
             self._count_out(drop)
             self.tok[self._positions(drop)] = EMPTY
-
-    def state_dict(self) -> dict:
-        """The ring's whole sequences, oldest first, on the host: their tokens ([prompt tail |
-        response | END], concatenated: int32), their prompts' salts (int64) and tails' lengths."""
-        seqs = list(self._ring.seqs.items())
-        at = self._positions([(a, n) for a, (n, _, _) in seqs])
-        return {"format": "device", "tokens": self.tok[at].cpu().numpy().astype(np.int32),
-                "salts": np.array([salt for _, (_, _, salt) in seqs], np.int64),
-                "sizes": np.array([n for _, (n, _, _) in seqs], np.int64),
-                "heads": np.array([h for _, (_, h, _) in seqs], np.int64), "exact": self._held()}
-
-    def _settings(self) -> str:
-        """What decides the ring's layout and contents (a held state loads only into its like)."""
-        c = self.counts
-        return repr((self.capacity, self.n_buckets, self.width, self.prompt_keys, self.global_keys, self.max_match,
-                     self.max_per_prompt, None if c is None else (c.keys, c.width, c.buckets)))
-
-    def _held(self) -> dict:
-        """The ring as it is: its written tokens (blanked answers included), bucket entries, fills,
-        count table and sequence starts. Buckets keep their newest entries and the count table its
-        highest counts insert by insert, so re-inserting the sequences in one go builds another
-        store once a bucket overflows: an exact resume loads these."""
-        used = self.stored()
-        at = torch.nonzero(self.table.view(-1) != -1)[:, 0]
-        fat = torch.nonzero(self.fill)[:, 0]
-        return {"settings": self._settings(), "written": self._written,
-                "starts": np.array(list(self._ring.seqs), np.int64),
-                "tok": self.tok[:used].cpu().numpy(), "pid": self.pid[:used].cpu().numpy(),
-                "table_at": at.cpu().numpy(), "table": self.table.view(-1)[at].cpu().numpy(),
-                "fill_at": fat.cpu().numpy(), "fill": self.fill[fat].cpu().numpy(),
-                "counts": None if self.counts is None else self.counts.held()}
-
-    def _load_held(self, held: dict, salts, sizes, heads) -> None:
-        dev, used = self.device, len(held["tok"])
-        self.tok[:used] = torch.from_numpy(np.asarray(held["tok"], np.int32)).to(dev)
-        self.pid[:used] = torch.from_numpy(np.asarray(held["pid"], np.int64)).to(dev)
-        self.table.view(-1)[torch.from_numpy(np.asarray(held["table_at"], np.int64)).to(dev)] = \
-            torch.from_numpy(np.asarray(held["table"], np.int64)).to(dev)
-        self.fill[torch.from_numpy(np.asarray(held["fill_at"], np.int64)).to(dev)] = \
-            torch.from_numpy(np.asarray(held["fill"], np.int64)).to(dev)
-        self._written = int(held["written"])
-        self.written.fill_(self._written)
-        for a, n, h, salt in zip(np.asarray(held["starts"]).tolist(), sizes.tolist(), heads.tolist(), salts.tolist()):
-            self._ring.add(a, n, h, salt)
-        if self.counts is not None:
-            self.counts.load_held(held["counts"])
-
-    def load_state_dict(self, state: dict) -> None:
-        """A saved ring (state_dict): as it was held where this store has its settings (the same
-        drafts after a resume); else (other settings, several engines' states merged by
-        merge_device_states) its sequences inserted afresh: past capacity, the newest stay."""
-        tokens = np.asarray(state["tokens"], np.int32)
-        sizes = np.asarray(state["sizes"], np.int64)
-        salts = np.asarray(state["salts"], np.int64)
-        heads = np.asarray(state.get("heads", np.zeros(len(sizes))), np.int64)  # none: tails counted
-        if len(sizes) != len(salts) or len(heads) != len(sizes) or int(sizes.sum()) != len(tokens) or \
-                (len(sizes) and not np.all(tokens[np.cumsum(sizes) - 1] == END)):
-            raise ValueError("device history state: sequences and tokens do not agree")
-        self.tok = torch.full_like(self.tok, EMPTY)
-        self.pid, self.table, self.fill = torch.zeros_like(self.pid), torch.full_like(self.table, -1), \
-            torch.zeros_like(self.fill)
-        self._written = 0
-        self.written.fill_(0)
-        self._ring.clear()
-        if self.counts is not None:
-            self.counts.clear()
-        held = state.get("exact")
-        if held is not None and held["settings"] == self._settings() and len(held["starts"]) == len(sizes):
-            self._load_held(held, salts, sizes, heads)
-        elif len(sizes):
-            bodies = np.split(tokens.astype(np.int64), np.cumsum(sizes)[:-1])
-            self._insert(torch.from_numpy(salts).to(self.device), bodies, heads.tolist())
 
     def _add_entries(self, bucket: torch.Tensor, pos: torch.Tensor) -> None:
         """Append positions to their buckets in the given order; a bucket keeps its newest `width`."""

@@ -8,6 +8,9 @@ from collections import deque
 
 import numpy as np
 
+END = -1      # a stored sequence's last token
+EMPTY = -3    # an arena slot never written
+
 
 class RingSequences:
     def __init__(self):
