@@ -53,7 +53,7 @@ class Pending:
     call: Call | None                                 # None: restored from a checkpoint with its result
     sampler_state: dict                               # the sampler before these prompts were drawn
     refits: list[Call] = field(default_factory=list)  # generator refits submitted just before it
-    rollouts: RolloutBatch | None = None              # partial rollouts: the call's result once back
+    rollouts: RolloutBatch | None = None              # the call's result once back (partial; a checkpoint's)
 
 
 class RolloutQueue:
