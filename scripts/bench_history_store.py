@@ -315,14 +315,14 @@ class SuffixFinished(Suffix):
 
 class DeviceSuffix(Device):
     """A prototype: the device rule's own sources (the prompt's store, the row, its siblings) with
-    a suffix tree over every finished answer as the global source in place of the buckets (its
+    a suffix tree over every finished answer as the global source in place of the count table (its
     draft up to k tokens, min_token_prob 0.1), taken where its match, capped at max_match, is longer
     than the own sources' longest and it drafts, as the device rule takes its global draft."""
 
     def __init__(self, k: int, max_tokens: int, mean_response: int = 700):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-        super().__init__(k, max_tokens, global_source="buckets", global_keys=())
+        super().__init__(k, max_tokens, global_source=False)
         self.tree = SuffixDecodingCache(max_tree_depth=Suffix.depth,
                                         max_cached_requests=max(1, max_tokens // mean_response))
         self.tree.start_request("probe", [])

@@ -5,39 +5,33 @@ sync, no Python loop over rows: CUDA-graph safe), reading the rows' tokens from 
 The numba store (rlspec/speculation/store.py) drafts by this rule over hash chains
 (tests/speculation/test_backends.py: the same tokens on random traces). How the structures part:
 - candidates come from fixed-width hashed buckets (the newest `width` positions per key of each
-  length in `prompt_keys`, salted by the prompt, and in `global_keys`, unsalted), not from chain
-  walks (the store reads `width` links of a key's chain). The running group is read from the
-  batch itself: per sibling row (the row itself included: prompt lookup) and key length, the
-  latest position whose window has the row's suffix's fingerprint. A finished answer of the call
-  stays readable until the call ends, as in the store: the engine's drafter keeps the finished
-  rows and passes them after the running ones (propose's `done` rows, which draft nothing; the
-  replay inserts an answer when it finishes).
-- the global source is a count table over the stored answers (global_source=counts, the
-  default; see DeviceHistory), the same table store.py drafts from by default (its global_index=
-  chains walks chains of any prompt's positions instead); the hashed buckets of global_keys
-  (global_source=buckets) are kept measurable.
+  length in `prompt_keys`, salted by the prompt), not from chain walks (the store reads `width`
+  links of a key's chain). The running group is read from the batch itself: per sibling row (the row
+  itself included: prompt lookup) and key length, the latest position whose window has the row's
+  suffix's fingerprint. A finished answer of the call stays readable until the call ends, as in the
+  store: the engine's drafter keeps the finished rows and passes them after the running ones
+  (propose's `done` rows, which draft nothing; the replay inserts an answer when it finishes).
+- the global source is a count table over the stored answers (see DeviceHistory), the same table
+  store.py drafts from by default (its global_index=chains walks chains of any prompt's positions
+  instead).
 - every candidate's match is checked token by token (a hash collision never drafts); then, as in
   store.py, the candidates of the longest match decide by their counts (at most max_voters of
   them, highest rank first): at each position the most frequent next token among those agreeing
   with the draft so far (ties: the highest rank), while its share is at least min_prob. The prompt's
   own sources (its store, the row, its siblings) and the global source each vote so; the global
   draft is taken where its match is longer and it drafts at least one token, the own draft
-  otherwise (a global match whose vote stops at once falls back to the own sources).
+  otherwise (a global walk that stops at once falls back to the own sources).
 - eviction is a ring: the oldest stored tokens are overwritten, their bucket entries dropped by a
   position check; past max_per_prompt answers of a prompt its oldest are blanked in place (their
   tokens no longer match, their bucket entries go when the ring comes round), as the store drops
   them. The ring has no min_rollouts_per_prompt (it cannot keep an old answer without copying it)
   and no resident set of prompts (the store's max_tokens policy).
 
-Alternatives kept measurable (docs/bench/history_rule_variants_default.json, the default run's
-replay at k=5): select=score, suffix decoding's rule (per source and match length, the draft with
-the most tokens expected accepted, min_prob a bound on the product of the shares, at most
-spec_factor tokens per matched token), and pooled (the prompt's own sources and the global one vote
-together), both behind the default in every epoch; live_matches > 1 (every recent match in the
-running rows, as a suffix tree counts them) and a max_match of 24, within 0.5% of the default at
-more drafting time. Choosing between the sources by the votes' expected accepted tokens, or asking
-the global match to be longer by more than one token, drafted fewer tokens accepted than the
-fallback (measured with the same script's `variants` mode).
+The rule's measured alternatives (docs/bench/history_rule_variants_default.json, the default run's
+replay at k=5, scripts/bench_history_store.py's `variants` mode) are in that file, not here: the
+global source as hashed buckets voting as the prompt's own do, suffix decoding's selection per
+source and match length, all sources voting together, and every recent match in the running rows
+all drafted fewer tokens accepted than this rule.
 """
 from __future__ import annotations
 
@@ -78,55 +72,35 @@ class DeviceHistory(RingCheckpoint):
     per bucket (numba's max_candidates: the matches one key reads); max_siblings: rows of the
     batch read per prompt (the row itself included); max_voters: candidates of the longest match
     that vote, the highest ranked (the row itself, its siblings, then the newest stored);
-    live_matches: positions read per row of the batch and key length (the latest; suffix decoding's
-    tree of a request counts every earlier occurrence); max_per_prompt: stored answers a prompt
+    max_per_prompt: stored answers a prompt
     keeps, the newest (None: as many as the ring holds).
 
-    global_source: the global draft's source: `counts`, a count table over the stored answers
+    global_source: whether there is a global draft: a count table over the stored answers
     (rlspec/speculation/device_counts.py: contexts of count_keys tokens, default 1..max_match, in
     count_buckets buckets of count_width entries, default four entries per ring token; a draft
     while the product of the shares is at least count_min_prob, walked as count_select says), which
-    follows the ring: an overwritten answer is counted out; or `buckets`, the unsalted keys of
-    global_keys, whose longest match votes as the prompt's own sources' does."""
+    follows the ring: an overwritten answer is counted out."""
 
     def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 64,
-                 max_match: int = 16, prompt_keys=(8, 3, 1), global_keys=(8, 4, 1),
-                 min_prob: float = 0.5, max_siblings: int = MAX_SIBLINGS, max_voters: int = MAX_VOTERS,
-                 vocab_size: int | None = None,
-                 select: str = "longest", spec_factor: float = 0.0, pooled: bool = False, live_matches: int = 1,
-                 global_source: str = "counts", count_keys=None, count_width: int = WIDTH,
+                 max_match: int = 16, prompt_keys=(8, 3, 1), min_prob: float = 0.5,
+                 max_siblings: int = MAX_SIBLINGS, max_voters: int = MAX_VOTERS, vocab_size: int | None = None,
+                 global_source: bool = True, count_keys=None, count_width: int = WIDTH,
                  count_buckets: int | None = None, count_min_prob: float = MIN_PROB, count_select: str = SELECT,
                  max_per_prompt: int | None = None):
+        if not isinstance(global_source, bool):
+            raise ValueError(f"device history: global_source must be true or false, got {global_source!r}")
         self.device = torch.device(device)
-        if global_source not in ("buckets", "counts"):
-            raise ValueError(f"device history: global_source must be buckets or counts, got {global_source!r}")
-        self.global_source = global_source
-        if global_source == "counts":
-            if select != "longest" or pooled:
-                raise ValueError("device history: global_source=counts drafts with select=longest, unpooled")
-            global_keys = ()   # the count table is the global source
         self.capacity, self.width = int(max_tokens), int(width)
         self.max_match = int(max_match)
         self.prompt_keys = tuple(int(m) for m in prompt_keys)
-        self.global_keys = tuple(int(m) for m in global_keys)
-        if min(self.prompt_keys + self.global_keys, default=1) < 1 or max(self.prompt_keys) > self.max_match:
+        if min(self.prompt_keys, default=1) < 1 or max(self.prompt_keys) > self.max_match:
             raise ValueError("device history: key lengths must be in 1..max_match")
-        levels = len(self.prompt_keys) + len(self.global_keys)
-        n = buckets or max(16, 1 << int(np.ceil(np.log2(max(1, levels * self.capacity // self.width)))))
+        n = buckets or max(16, 1 << int(np.ceil(np.log2(max(1, len(self.prompt_keys) * self.capacity // self.width)))))
         if n & (n - 1):
             raise ValueError(f"device history: buckets must be a power of two, got {n}")
         self.n_buckets = n
         self.min_prob, self.max_siblings, self.max_voters = float(min_prob), int(max_siblings), int(max_voters)
         self.vocab = int(vocab_size or (1 << 31) - 1)
-        if select not in ("longest", "score"):
-            raise ValueError(f"device history: select must be longest or score, got {select!r}")
-        self.select, self.spec_factor, self.pooled = select, float(spec_factor), bool(pooled)
-        if int(live_matches) < 1:
-            raise ValueError(f"device history: live_matches must be at least 1, got {live_matches}")
-        self.live_matches = int(live_matches)
-        # select=score: the match lengths a draft may be read at (each source's candidates matching
-        # at least that many tokens vote)
-        self.thresholds = tuple(m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if m <= self.max_match)
         self.tok = torch.full((self.capacity,), EMPTY, dtype=torch.int32, device=self.device)
         self.pid = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
         self.table = torch.full((n, self.width), -1, dtype=torch.int64, device=self.device)
@@ -138,7 +112,7 @@ class DeviceHistory(RingCheckpoint):
             raise ValueError(f"device history: max_per_prompt must be at least 1, got {max_per_prompt}")
         self.max_per_prompt = None if max_per_prompt is None else int(max_per_prompt)
         self.counts = None
-        if global_source == "counts":
+        if global_source:
             keys = sorted({int(c) for c in count_keys or range(1, self.max_match + 1) if 1 <= int(c) <= self.max_match})
             self.counts = CountTable(self.device, keys, count_width,
                                      count_buckets or default_buckets(self.capacity, count_width), count_min_prob,
@@ -156,7 +130,7 @@ class DeviceHistory(RingCheckpoint):
     def insert(self, prompts, responses) -> None:
         """Finished rollouts join the ring: each as [the prompt's last max_match tokens | response |
         END], each position p with m tokens of its sequence before it entering the bucket of its key
-        for every key length m (per prompt: salted; global: not), the newest `width` kept."""
+        for every key length m (salted by its prompt), the newest `width` kept."""
         pairs = [(np.asarray(p, np.int64), np.asarray(r, np.int64)) for p, r in zip(prompts, responses) if len(r)]
         if not pairs:
             return
@@ -186,9 +160,8 @@ class DeviceHistory(RingCheckpoint):
         self.tok[pos[keep] % self.capacity] = body[keep].int()
         self.pid[pos[keep] % self.capacity] = salt[keep]
         keys, ok = [], []
-        for m in self.prompt_keys + self.global_keys:
-            win = window_keys(body[None], m)[0][:total]
-            keys.append(salted(win, salt) if len(keys) < len(self.prompt_keys) else win)
+        for m in self.prompt_keys:
+            keys.append(salted(window_keys(body[None], m)[0][:total], salt))
             ok.append(keep & (j >= m))
         key = torch.stack(keys, 1).reshape(-1)           # position-major, level-minor: insertion order
         ok = torch.stack(ok, 1).reshape(-1)
@@ -254,26 +227,13 @@ class DeviceHistory(RingCheckpoint):
         """Drafts for every row: token_ids [B, L] (row i's first lengths[i] tokens, prompt_lens[i]
         of them its prompt, prompt_ids[i] its prompt_hash), active [B] (rows to draft for; default
         all) -> drafts [B, k] int32 (-1: none), and their leading valid counts [B] int32; with
-        sources (select=longest, unpooled), each drafted token's source [B, k] too (speculation.SOURCES'
+        sources, each drafted token's source [B, k] too (speculation.SOURCES'
         index, -1 past the draft). The last `done` rows are answers of the call that finished: their
         running siblings read them (prompt_siblings), nothing drafts for them."""
         n = lengths.long()
         if done:
             keep = torch.arange(n.shape[0], device=n.device) < n.shape[0] - done
             active = keep if active is None else active & keep
-        if self.select == "score" or self.pooled:
-            if sources:
-                raise ValueError("device history: drafts' sources are told only under select=longest, unpooled")
-            valid, length, rank, nxt, glob = self._candidates(token_ids, n, self._context(token_ids, n), prompt_ids,
-                                                              prompt_lens, k, active, done)
-            if self.pooled:  # the prompt's own sources and the global one vote together
-                glob = torch.zeros_like(glob)
-            if self.select == "score":
-                drafts = self._best_scored(valid & ~glob, valid & glob, length, rank, nxt, k)
-                return drafts, (drafts >= 0).sum(1).int()
-            drafts = self._vote(*self._voters(valid & (length == torch.where(valid, length, 0).amax(1, keepdim=True)),
-                                              rank, nxt, k), k)
-            return drafts, (drafts >= 0).sum(1).int()
         got = self.source_drafts(token_ids, lengths, prompt_ids, prompt_lens, k, active, sources=sources, done=done)
         own, own_best, far, far_best = got[:4]
         use_far = (far_best > own_best) & (far[:, 0] >= 0)
@@ -284,49 +244,39 @@ class DeviceHistory(RingCheckpoint):
         return drafts, (drafts >= 0).sum(1).int(), src
 
     def source_drafts(self, token_ids, lengths, prompt_ids, prompt_lens, k: int, active=None, sources=False, done=0):
-        """Each source's draft and match length (select=longest): the prompt's own sources (its
-        store, the row, its siblings; their longest match votes) and the global one (the global
-        buckets' longest match votes, or the count table's walk) -> own [B, k], own_best [B], far
-        [B, k], far_best [B] (drafts int32, -1: none); with sources, also each own token's source
-        [B, k] (its highest-ranked voter's: HISTORY, SIBLINGS or PROMPT, the row itself)."""
+        """Each source's draft and match length: the prompt's own sources (its store, the row, its
+        siblings; their longest match votes) and the global one (the count table's walk; none
+        without a global source) -> own [B, k], own_best [B], far [B, k], far_best [B] (drafts
+        int32, -1: none); with sources, also each own token's source [B, k] (its highest-ranked
+        voter's: HISTORY, SIBLINGS or PROMPT, the row itself)."""
         n = lengths.long()
         ctx = self._context(token_ids, n)                                        # [B, M]
-        valid, length, rank, nxt, glob = self._candidates(token_ids, n, ctx, prompt_ids, prompt_lens, k, active, done)
-        own, far = valid & ~glob, valid & glob
-        own_best = torch.where(own, length, 0).amax(1, keepdim=True)
-        far_best = torch.where(far, length, 0).amax(1, keepdim=True)
-        B = own.shape[0]
+        valid, length, rank, nxt = self._candidates(token_ids, n, ctx, prompt_ids, prompt_lens, k, active, done)
+        own_best = torch.where(valid, length, 0).amax(1, keepdim=True)
+        voted = self._vote(*self._voters(valid & (length == own_best), rank, nxt, k), k, ranks=sources)
+        drafts, won = voted if sources else (voted, None)
         if self.counts is not None:
-            voted = self._vote(*self._voters(own & (length == own_best), rank, nxt, k), k, ranks=sources)
-            drafts, won = voted if sources else (voted, None)
             far_draft, far_len = self.counts.draft(ctx, n, k)
             if active is not None:
                 far_draft = torch.where(active[:, None], far_draft, -1)
-            out = drafts, own_best[:, 0], far_draft, far_len
-        else:  # both sources vote in one batch of 2B rows
-            alive = torch.cat([own & (length == own_best), far & (length == far_best)])
-            voted = self._vote(*self._voters(alive, rank.repeat(2, 1), nxt.repeat(2, 1, 1), k), k, ranks=sources)
-            both, won = voted if sources else (voted, None)
-            out = both[:B], own_best[:, 0], both[B:], far_best[:, 0]
+        else:
+            far_draft, far_len = torch.full_like(drafts, -1), torch.zeros_like(own_best[:, 0])
+        out = drafts, own_best[:, 0], far_draft, far_len
         if not sources:
             return out
-        won = won[:B]
         live = won >= _LIVE
         return *out, torch.where(live, torch.where(won - _LIVE >= _SELF, PROMPT, SIBLINGS), HISTORY)
 
     def _candidates(self, token_ids, n, ctx, prompt_ids, prompt_lens, k, active, done=0):
         """Every candidate of the buckets and the batch (ctx: the rows' last tokens, _context):
-        valid, length, rank [B, C], nxt [B, C, k], and which are global [B, C]."""
+        valid, length, rank [B, C], nxt [B, C, k]."""
         hist = self._stored_candidates(token_ids, n, prompt_ids.long(), ctx, k)
         live = self._live_candidates(token_ids, n, prompt_ids.long(), prompt_lens.long(), ctx, k, done)
         valid, length, rank, nxt = (torch.cat([a, b], 1) for a, b in (
-            (hist[0].valid, live.valid), (hist[0].length, live.length), (hist[0].rank, live.rank),
-            (hist[0].nxt, live.nxt)))
-        glob = torch.cat([hist[1], torch.zeros_like(live.valid)], 1)
+            (hist.valid, live.valid), (hist.length, live.length), (hist.rank, live.rank), (hist.nxt, live.nxt)))
         if active is not None:
             valid = valid & active[:, None]
-        return valid, length, rank, nxt, glob & valid
-
+        return valid, length, rank, nxt
     def _voters(self, alive, rank, nxt, k):
         """The max_voters of highest rank among the alive candidates [B, C]: alive, rank [B, V],
         nxt [B, V, k]."""
@@ -339,26 +289,20 @@ class DeviceHistory(RingCheckpoint):
         got = token_ids.gather(1, back.clamp(min=0)).long()
         return torch.where(back >= 0, got, -5)
 
-    def _stored_candidates(self, token_ids, n, salt, ctx, k) -> tuple[Candidates, torch.Tensor]:
-        """The bucket entries of the rows' keys: per prompt key length (salted), then per global key
-        length; [B, (levels) * width] candidates and which are global."""
+    def _stored_candidates(self, token_ids, n, salt, ctx, k) -> Candidates:
+        """The bucket entries of the rows' keys, per prompt key length (salted): [B, levels * width]
+        candidates."""
         dev, W = n.device, self.width
-        entries, needs, is_global = [], [], []
-        for li, m in enumerate(self.prompt_keys + self.global_keys):
-            key = fold(ctx[:, :m].flip(1), m)
-            g = li >= len(self.prompt_keys)
-            key = key if g else salted(key, salt)
-            e = self.table[key & (self.n_buckets - 1)]                           # [B, W]
+        entries, needs = [], []
+        for m in self.prompt_keys:
+            e = self.table[salted(fold(ctx[:, :m].flip(1), m), salt) & (self.n_buckets - 1)]   # [B, W]
             entries.append(torch.where((n >= m)[:, None], e, -1))
             needs.append(torch.full((W,), m, device=dev))
-            is_global.append(torch.full((W,), g, dtype=torch.bool, device=dev))
         pos = torch.cat(entries, 1)                                              # [B, C]
         need = torch.cat(needs)[None]
-        glob = torch.cat(is_global)[None].expand_as(pos)
         oldest = (self.written - self.capacity).clamp(min=0)
         valid = (pos >= 0) & (pos - need >= oldest)
-        same_prompt = self.pid[pos.clamp(min=0) % self.capacity] == salt[:, None]
-        valid = valid & (glob | same_prompt)
+        valid = valid & (self.pid[pos.clamp(min=0) % self.capacity] == salt[:, None])
         back = pos[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
         src = torch.where(back >= oldest, self.tok[back.clamp(min=0) % self.capacity].long(), -6)
         length = leading_run(src == ctx[:, None, :])
@@ -366,11 +310,10 @@ class DeviceHistory(RingCheckpoint):
         fwd = pos[:, :, None] + torch.arange(k, device=dev)
         nxt = self.tok[fwd.clamp(min=0) % self.capacity].long()
         nxt = torch.where(fwd < self.written, nxt, UNKNOWN)
-        valid = first_of(valid, pos)
-        return Candidates(valid, length, pos, nxt), glob & valid
+        return Candidates(first_of(valid, pos), length, pos, nxt)
 
     def _live_candidates(self, token_ids, n, salt, plen, ctx, k, done=0) -> Candidates:
-        """Per prompt key length m, the latest position p (the latest live_matches) whose m tokens
+        """Per prompt key length m, the latest position p whose m tokens
         before it have the row's last m tokens' fingerprint: in the row itself (any position), and
         in each of its max_siblings - 1 siblings (an answer position), the rows of its prompt that
         follow it in the group's order, cyclically (prompt_siblings: every row of a group larger than
@@ -378,7 +321,7 @@ class DeviceHistory(RingCheckpoint):
         answers, the last `done` rows, spread among the running ones). Each row's windows are
         compared once with the queries of the rows that read it: [B, G-1, L+1], no gather of rows."""
         B, L = token_ids.shape
-        dev, G, N = n.device, min(self.max_siblings, B), self.live_matches
+        dev, G, N = n.device, min(self.max_siblings, B), 1   # N: the latest match of each
         sib, reader, listed = prompt_siblings(salt, G, done)                         # [B, G-1] each
         rows = torch.arange(B, device=dev)
         cols = torch.arange(L + 1, device=dev)
@@ -411,39 +354,15 @@ class DeviceHistory(RingCheckpoint):
         valid = first_of(valid, row * (L + 1) + p)
         return Candidates(valid, length, rank, nxt)
 
-    def _best_scored(self, own, glob, length, rank, nxt, k) -> torch.Tensor:
-        """select=score (suffix decoding's rule): for each source (the prompt's own, then the global
-        one) and each match length m in `thresholds`, the draft its candidates matching at least m
-        tokens vote, at most m * spec_factor tokens long where spec_factor > 0; the row takes the
-        draft of highest score, the expected number of its tokens accepted (ties: the own source,
-        then the longer match). All options in one batch: [2 * T * B] rows."""
-        B, C = own.shape
-        th = torch.tensor(self.thresholds, device=own.device)
-        alive = torch.stack([own, glob])[:, None] & (length[None, None] >= th[None, :, None, None])  # [2, T, B, C]
-        R = alive.shape[0] * alive.shape[1]
-        cap = torch.full((2, len(self.thresholds)), k, device=own.device)
-        if self.spec_factor > 0:
-            cap = torch.minimum(cap, (th.double() * self.spec_factor + 1e-6).floor().long()[None])
-        top = torch.where(alive.flip(1).reshape(R * B, C), rank.repeat(R, 1), -1).topk(min(self.max_voters, C), 1)
-        row = torch.arange(B, device=own.device).repeat(R)[:, None]
-        drafts, score = self._vote(top.values >= 0, top.values, nxt[row, top.indices], k,
-                                   cap=cap.flip(1).reshape(R, 1).expand(R, B).reshape(-1))
-        pick = score.view(R, B).argmax(0)                                          # the first of equal scores
-        return drafts.view(R, B, k).gather(0, pick[None, :, None].expand(1, B, k))[0]
-
-    def _vote(self, alive, rank, nxt, k, cap: torch.Tensor | None = None, ranks: bool = False):
+    def _vote(self, alive, rank, nxt, k, ranks: bool = False):
         """Token by token: the most frequent next token among the candidates still agreeing (ties:
         the highest rank), kept while its share is at least min_prob and it is a token. alive,
-        rank [B, V], nxt [B, V, k] -> drafts [B, k] int32 (-1: none). With cap [B] (select=score):
-        at most cap[b] tokens, kept while the product of the shares so far is at least min_prob,
-        and the drafts' scores [B] (the sum of those products) returned too. With ranks: each
-        token's highest-ranked voter's rank [B, k] returned too (its source)."""
+        rank [B, V], nxt [B, V, k] -> drafts [B, k] int32 (-1: none). With ranks: each token's
+        highest-ranked voter's rank [B, k] returned too (its source)."""
         B = alive.shape[0]
         drafts = torch.full((B, k), -1, dtype=torch.int32, device=alive.device)
         won = torch.full((B, k), -1, dtype=torch.int64, device=alive.device) if ranks else None
         go = torch.ones(B, dtype=torch.bool, device=alive.device)
-        prob = torch.ones(B, dtype=torch.float64, device=alive.device)
-        score = torch.zeros(B, dtype=torch.float64, device=alive.device)
         for t in range(k):
             x = nxt[:, :, t]
             voters = alive & (x != UNKNOWN)
@@ -451,17 +370,9 @@ class DeviceHistory(RingCheckpoint):
             best = torch.where(voters, count * _COUNT + rank, -1).argmax(1, keepdim=True)
             tok, votes = x.gather(1, best)[:, 0], count.gather(1, best)[:, 0]
             share = votes.double() / voters.sum(1).clamp(min=1).double()
-            go = go & (votes > 0) & (tok >= 0) & (tok < self.vocab)
-            if cap is None:
-                go = go & (share >= self.min_prob)
-            else:
-                prob = prob * share
-                go = go & (prob >= self.min_prob) & (cap > t)
-                score = score + torch.where(go, prob, 0.0)
+            go = go & (votes > 0) & (tok >= 0) & (tok < self.vocab) & (share >= self.min_prob)
             drafts[:, t] = torch.where(go, tok, -1).int()
             if ranks:
                 won[:, t] = rank.gather(1, best)[:, 0]
             alive = voters & (x == tok[:, None])
-        if ranks:
-            return drafts, won
-        return drafts if cap is None else (drafts, score)
+        return (drafts, won) if ranks else drafts

@@ -251,9 +251,7 @@ def settings(vllm_config) -> dict:
         return {}
     return {"max_tokens": cfg["device_max_tokens"], "max_match": cfg["max_match"], "min_prob": cfg["min_prob"],
             "prompt_keys": tuple(cfg["prompt_keys"]), "width": cfg["max_candidates"],
-            "max_per_prompt": cfg["max_rollouts_per_prompt"],
-            # the global source is the count table (global_keys are the host store's); off: none
-            **({} if cfg["global_source"] else {"global_source": "buckets", "global_keys": ()})}
+            "max_per_prompt": cfg["max_rollouts_per_prompt"], "global_source": bool(cfg["global_source"])}
 
 
 # What the drafter is written against (vLLM 0.32): the slots' modules, names and propose() parameters

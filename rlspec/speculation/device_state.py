@@ -26,7 +26,7 @@ class RingCheckpoint:
     def _settings(self) -> str:
         """What decides the ring's layout and contents (a held state loads only into its like)."""
         c = self.counts
-        return repr((self.capacity, self.n_buckets, self.width, self.prompt_keys, self.global_keys, self.max_match,
+        return repr((self.capacity, self.n_buckets, self.width, self.prompt_keys, self.max_match,
                      self.max_per_prompt, None if c is None else (c.keys, c.width, c.buckets)))
 
     def _held(self) -> dict:

@@ -28,14 +28,14 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_variants_equal_their_own_replays_beside_the_reference_stores(tmp_path):
     trace = str(write_trace(tmp_path / "rollouts.jsonl"))
     out = tmp_path / "variants.json"
-    p = run("variants", "--rollouts", trace, "--k", "3", "--variant", "base", "live3:live_matches=3,min_prob=0.3",
+    p = run("variants", "--rollouts", trace, "--k", "3", "--variant", "base", "m8:max_match=8,min_prob=0.3",
             "--reference", "dict", "--jobs", "2", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(out.read_text())
-    assert list(got["variants"]) == ["base", "live3"] and got["variants"]["live3"]["device"] == [
-        "live_matches=3", "min_prob=0.3"]
+    assert list(got["variants"]) == ["base", "m8"] and got["variants"]["m8"]["device"] == [
+        "max_match=8", "min_prob=0.3"]
     assert set(got["reference"]) == {"dict"} and got["k"] == 3 and got["steps"] == 2
-    for name, device in (("base", []), ("live3", ["live_matches=3", "min_prob=0.3"])):
+    for name, device in (("base", []), ("m8", ["max_match=8", "min_prob=0.3"])):
         alone = tmp_path / f"{name}.json"
         q = run("replay", "--rollouts", trace, "--k", "3", "--stores", "device", "--device", *device,
                 "--out", str(alone))

@@ -49,20 +49,13 @@ def prompt_hash(prompt) -> int:
 
 
 class Reference:
-    def __init__(self, max_tokens, n_buckets, width, max_match, prompt_keys, global_keys, min_prob,
-                 max_siblings, max_voters, vocab=(1 << 31) - 1, select="longest", spec_factor=0.0, thresholds=(),
-                 pooled=False, live_matches=1, global_source="buckets", count_keys=(), count_width=16,
-                 count_buckets=1, count_min_prob=0.1, count_select="score"):
+    def __init__(self, max_tokens, n_buckets, width, max_match, prompt_keys, min_prob, max_siblings, max_voters,
+                 vocab=(1 << 31) - 1, counts=None):
+        """counts: the count table's (keys, width, buckets, min_prob, select); None: no global source."""
         self.A, self.NB, self.W = max_tokens, n_buckets, width
-        self.max_match, self.prompt_keys, self.global_keys = max_match, list(prompt_keys), list(global_keys)
+        self.max_match, self.prompt_keys = max_match, list(prompt_keys)
         self.min_prob, self.G, self.V, self.vocab = min_prob, max_siblings, max_voters, vocab
-        self.select, self.spec_factor, self.thresholds, self.pooled = select, spec_factor, list(thresholds), pooled
-        self.live_matches = live_matches
-        self.counts = None
-        if global_source == "counts":
-            self.global_keys = []
-            self.counts = CountReference(max_tokens, count_keys, count_width, count_buckets, count_min_prob,
-                                         count_select, vocab)
+        self.counts = CountReference(max_tokens, *counts, vocab) if counts else None
         self.tok, self.pid = {}, {}       # absolute position -> token, prompt hash
         self.buckets: dict[int, deque] = {}
         self.written = 0
@@ -82,11 +75,9 @@ class Reference:
             for j in range(len(body)):
                 if pos >= end - self.A:
                     self.tok[pos], self.pid[pos] = body[j], salt
-                    for li, m in enumerate(self.prompt_keys + self.global_keys):
+                    for m in self.prompt_keys:
                         if j >= m:
-                            key = fold(body[j - m: j])
-                            if li < len(self.prompt_keys):
-                                key = mix(key ^ salt)
+                            key = mix(fold(body[j - m: j]) ^ salt)
                             self.buckets.setdefault(key & (self.NB - 1), deque(maxlen=self.W)).append(pos)
                 pos += 1
         self.written = end
@@ -107,21 +98,19 @@ class Reference:
 
     def _draft_row(self, i, rows, plens, salts, k):
         ctx, n, salt = rows[i], len(rows[i]), salts[i]
-        cands = {}   # key -> [length, rank, next-token function, global]
-        for li, m in enumerate(self.prompt_keys + self.global_keys):
+        cands = {}   # key -> [length, rank, next-token function]
+        for m in self.prompt_keys:
             if n < m:
                 continue
-            g = li >= len(self.prompt_keys)
-            key = fold(ctx[n - m:])
-            key = key if g else mix(key ^ salt)
+            key = mix(fold(ctx[n - m:]) ^ salt)
             for pos in self.buckets.get(key & (self.NB - 1), ()):
-                if pos - m < self.written - self.A or (not g and self.pid.get(pos) != salt):
+                if pos - m < self.written - self.A or self.pid.get(pos) != salt:
                     continue
                 length = self._match(ctx, lambda j, pos=pos: self._stored(pos - 1 - j))
                 if length < m or ("h", pos) in cands:
                     continue
                 cands[("h", pos)] = [length, pos, lambda t, pos=pos: self.tok[pos + t]
-                                     if pos + t < self.written else UNKNOWN, g]
+                                     if pos + t < self.written else UNKNOWN]
         group = [j for j in range(len(rows)) if salts[j] == salt]   # the rows following it, cyclically
         sibs = [group[(group.index(i) + g) % len(group)] for g in range(1, min(self.G, len(rows), len(group)))]
         for m in self.prompt_keys:
@@ -131,47 +120,23 @@ class Reference:
                 row = rows[j]
                 lo = m if j == i else max(plens[j], m)
                 hits = [p for p in range(lo, len(row)) if fingerprint(row[p - m: p]) == fingerprint(ctx[n - m:])]
-                for p in hits[-self.live_matches:]:
+                for p in hits[-1:]:
                     length = self._match(ctx, lambda q, row=row, p=p: row[p - 1 - q] if p - 1 - q >= 0 else None)
                     if length < m or ("l", j, p) in cands:
                         continue
                     cands[("l", j, p)] = [length, LIVE + (j == i) * SELF + p * len(rows) + j,
-                                          lambda t, row=row, p=p: row[p + t] if p + t < len(row) else UNKNOWN, False]
-        if self.pooled:   # every source votes as the prompt's own
-            cands = {key: [*c[:3], False] for key, c in cands.items()}
-        if self.select == "score":
-            return self._best_scored(list(cands.values()), k)
-        drafts = {}
-        for glob in (False, True):
-            best = max((c[0] for c in cands.values() if c[3] == glob), default=0)
-            alive = sorted((c for c in cands.values() if c[3] == glob and c[0] == best), key=lambda c: -c[1])
-            drafts[glob] = (best, self._vote(alive[: self.V], k)[0])
-        if self.counts:
-            drafts[True] = self.counts.walk(ctx, k)[::-1]
-        (own, mine), (far, theirs) = drafts[False], drafts[True]
+                                          lambda t, row=row, p=p: row[p + t] if p + t < len(row) else UNKNOWN]
+        own = max((c[0] for c in cands.values()), default=0)
+        alive = sorted((c for c in cands.values() if c[0] == own), key=lambda c: -c[1])
+        mine = self._vote(alive[: self.V], k)
+        theirs, far = self.counts.walk(ctx, k) if self.counts else ([], 0)
         return theirs if far > own and theirs else mine
 
-    def _best_scored(self, cands, k):
-        """select=score: per source (own first) and match length m (longest first), the draft of
-        the candidates matching at least m tokens, at most m * spec_factor long; the first of the
-        highest score."""
-        best, out = -1.0, []
-        for glob in (False, True):
-            for m in sorted(self.thresholds, reverse=True):
-                alive = sorted((c for c in cands if c[3] == glob and c[0] >= m), key=lambda c: -c[1])[: self.V]
-                cap = k if self.spec_factor <= 0 else min(k, int(m * self.spec_factor + 1e-6))
-                draft, score = self._vote(alive, k, cap)
-                if score > best:
-                    best, out = score, draft
-        return out
-
-    def _vote(self, alive, k, cap=None):
-        """(draft, score): token by token the most frequent next token of the candidates still
-        agreeing (ties: the highest rank), while its share is at least min_prob; with cap
-        (select=score), at most cap tokens, while the product of the shares is at least min_prob,
-        the score the sum of those products."""
-        out, prob, score = [], 1.0, 0.0
-        for t in range(k if cap is None else min(k, cap)):
+    def _vote(self, alive, k):
+        """Token by token the most frequent next token of the candidates still agreeing (ties: the
+        highest rank), while its share is at least min_prob."""
+        out = []
+        for t in range(k):
             voters = [(c, c[2](t)) for c in alive if c[2](t) != UNKNOWN]
             if not voters:
                 break
@@ -179,14 +144,11 @@ class Reference:
             for _, x in voters:
                 count[x] = count.get(x, 0) + 1
             _, _, x = max((count[x], c[1], x) for c, x in voters)
-            share = count[x] / len(voters)
-            prob *= share
-            if x < 0 or x >= self.vocab or (share if cap is None else prob) < self.min_prob:
+            if x < 0 or x >= self.vocab or count[x] / len(voters) < self.min_prob:
                 break
             out.append(x)
-            score += prob
             alive = [c for c, y in voters if y == x]
-        return out, score
+        return out
 
 
 class CountReference:

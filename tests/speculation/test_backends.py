@@ -37,8 +37,8 @@ def drafters(rng: random.Random):
     host.arena = HistoryArena(len(host.pkeys), len(host.gkeys), 1 << 16, heads=1 << 20)
     device = DeviceHistory(max_tokens=RING, max_match=max_match, prompt_keys=tuple(keys), min_prob=cfg.min_prob,
                            width=cfg.max_candidates, buckets=1 << 16, max_per_prompt=cfg.max_rollouts_per_prompt,
-                           **({"count_buckets": host.count_table.table.buckets} if counts else
-                              {"global_source": "buckets", "global_keys": ()}))
+                           global_source=counts,
+                           **({"count_buckets": host.count_table.table.buckets} if counts else {}))
     return cfg, host, device
 
 
@@ -107,7 +107,7 @@ def test_every_row_of_a_group_larger_than_max_siblings_drafts_from_its_siblings(
     cfg = HistoryConfig(prompt_keys=[3, 1], max_match=8, global_source=False, max_tokens=1 << 20)
     host = HistoryIndex(cfg, k_max=K)
     device = DeviceHistory(max_tokens=RING, max_match=8, prompt_keys=(3, 1), width=cfg.max_candidates,
-                           buckets=1 << 16, global_source="buckets", global_keys=())
+                           buckets=1 << 16, global_source=False)
     p, old, new = [1, 2, 3, 4, 5], [30, 31, 40, 41, 42, 43], [30, 31, 32, 33, 34, 35]
     host.record([p], [old], wait=True)
     device.insert([p], [old])

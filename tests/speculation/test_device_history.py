@@ -13,17 +13,16 @@ from rlspec.speculation.device_shadow import replay_in_shadow
 from tests.speculation.device_history_reference import Reference
 from tests.speculation.device_history_reference import prompt_hash as ref_prompt_hash
 
-SMALL = dict(max_tokens=300, buckets=16, width=4, max_match=6, prompt_keys=(4, 2), global_keys=(3, 1),
-             min_prob=0.5, max_siblings=3, max_voters=64, global_source="buckets")
+SMALL = dict(max_tokens=300, buckets=16, width=4, max_match=6, prompt_keys=(4, 2), min_prob=0.5, max_siblings=3,
+             max_voters=64, global_source=False)
 
 
 def pair(**kw):
     cfg = {**SMALL, **kw}
     dev = DeviceHistory(**cfg)
     ref = Reference(cfg["max_tokens"], dev.n_buckets, cfg["width"], cfg["max_match"], cfg["prompt_keys"],
-                    cfg["global_keys"], cfg["min_prob"], cfg["max_siblings"], cfg["max_voters"], dev.vocab,
-                    dev.select, dev.spec_factor, dev.thresholds, dev.pooled, dev.live_matches, dev.global_source,
-                    *((c.keys, c.width, c.buckets, c.min_prob, c.select) if (c := dev.counts) else ()))
+                    cfg["min_prob"], cfg["max_siblings"], cfg["max_voters"], dev.vocab,
+                    (c.keys, c.width, c.buckets, c.min_prob, c.select) if (c := dev.counts) else None)
     return dev, ref
 
 
@@ -63,17 +62,13 @@ def trace(seed, vocab, prompts=3, group=4, calls=6):
     return out
 
 
-@pytest.mark.parametrize("select,pooled,live,source", [
-    ("longest", False, 1, "buckets"), ("score", False, 1, "buckets"), ("longest", True, 1, "buckets"),
-    ("longest", False, 3, "buckets"), ("longest", False, 1, "counts"), ("score", False, 1, "counts")])
+@pytest.mark.parametrize("source,select", [(False, "score"), (True, "score"), (True, "longest")])
 @pytest.mark.parametrize("seed", range(6))
-def test_drafts_equal_the_reference_on_random_traces(seed, select, pooled, live, source):
+def test_drafts_equal_the_reference_on_random_traces(seed, source, select):
     g = random.Random(100 + seed)
     dev, ref = pair(max_tokens=g.choice([120, 300, 2000]), buckets=g.choice([4, 16, 256]),
-                    min_prob=g.choice([0.3, 0.5, 0.8] if select == "longest" else [0.1, 0.3]),
-                    max_voters=g.choice([2, 5, 64]), prompt_keys=g.choice([(4, 2), (4, 2, 1), (3,)]),
-                    select="longest" if source == "counts" else select, spec_factor=g.choice([0.0, 1.0, 0.5]),
-                    pooled=pooled, live_matches=live, global_source=source, count_select=select,
+                    min_prob=g.choice([0.3, 0.5, 0.8]), max_voters=g.choice([2, 5, 64]),
+                    prompt_keys=g.choice([(4, 2), (4, 2, 1), (3,)]), global_source=source, count_select=select,
                     count_keys=g.choice([(1, 2, 4), (1, 3, 6), (2, 5), None]),
                     count_width=g.choice([2, 4, 16]), count_buckets=g.choice([1, 8, 64]),
                     count_min_prob=g.choice([0.05, 0.2, 0.5]))
@@ -170,27 +165,28 @@ def test_prompt_hash_equals_the_reference():
 
 
 def test_the_prompts_history_drafts_and_another_prompts_only_through_the_global_source():
-    dev = DeviceHistory(**{**SMALL, "global_keys": ()})
+    dev = DeviceHistory(**SMALL)
     dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14, 15]])
     assert device_drafts(dev, [[1, 2, 3, 10, 11]], [3], 3) == [[12, 13, 14]]
     assert device_drafts(dev, [[7, 8, 9, 10, 11]], [3], 3) == [[]]
-    dev = DeviceHistory(**SMALL)
+    dev = DeviceHistory(**{**SMALL, "global_source": True})
     dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14, 15]])
     assert device_drafts(dev, [[7, 8, 9, 10, 11]], [3], 3) == [[12, 13, 14]]
     # a draft stops where the stored response ended
     assert device_drafts(dev, [[1, 2, 3, 13, 14]], [3], 5) == [[15]]
 
 
-def test_a_longer_global_match_drafts_unless_its_vote_stops_at_once():
-    dev = DeviceHistory(**{**SMALL, "width": 8})
+def test_a_longer_global_match_drafts_unless_its_walk_stops_at_once():
+    dev = DeviceHistory(**{**SMALL, "width": 8, "global_source": True, "count_min_prob": 0.5})
     # two other prompts' answers: 40 41 42 then 50 or 51; this prompt's row has 41 42 ... 60 in its own prompt
     dev.insert([[7, 7], [8, 8]], [[40, 41, 42, 50], [40, 41, 42, 51]])
     row = [41, 42, 60, 61, 9, 40, 41, 42]
-    # global: 3 tokens matched (40 41 42), split 1 to 1 on the next (share 0.5 >= min_prob 0.5): it drafts
-    assert device_drafts(dev, [row], [5], 2) == [[51]]
-    dev = DeviceHistory(**{**SMALL, "width": 8, "min_prob": 0.6})
+    # global: 3 tokens matched (40 41 42), split 1 to 1 on the next (share 0.5 >= count_min_prob 0.5,
+    # ties to the lower token): it drafts, and stops at the answer's end
+    assert device_drafts(dev, [row], [5], 2) == [[50]]
+    dev = DeviceHistory(**{**SMALL, "width": 8, "global_source": True, "count_min_prob": 0.6})
     dev.insert([[7, 7], [8, 8]], [[40, 41, 42, 50], [40, 41, 42, 51]])
-    # the global vote stops at once (0.5 < 0.6): the row's own prompt (41 42 -> 60 61) drafts instead
+    # the global walk stops at once (0.5 < 0.6): the row's own prompt (41 42 -> 60 61) drafts instead
     assert device_drafts(dev, [row], [5], 2) == [[60, 61]]
 
 
@@ -245,13 +241,13 @@ def test_an_empty_store_drafts_from_the_batch_only():
 
 def test_a_hash_collision_never_drafts():
     # one bucket: every key lands in it, only exact matches may draft
-    dev = DeviceHistory(**{**SMALL, "buckets": 1, "width": 64, "global_keys": ()})
+    dev = DeviceHistory(**{**SMALL, "buckets": 1, "width": 64})
     dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14, 15]])
     assert device_drafts(dev, [[1, 2, 3, 40, 41]], [3], 3) == [[]]
     assert device_drafts(dev, [[1, 2, 3, 11, 12]], [3], 3) == [[13, 14, 15]]
 
 
-COUNTS = {**SMALL, "global_source": "counts", "count_keys": None, "max_tokens": 2000}
+COUNTS = {**SMALL, "global_source": True, "count_keys": None, "max_tokens": 2000}
 
 
 def test_the_count_source_drafts_the_commonest_continuation_within_other_prompts_answers():
@@ -283,9 +279,8 @@ def test_score_walks_from_the_context_whose_draft_is_surest():
     assert device_drafts(dev, [[5, 9, 41]], [1], 3) == [[42]]
 
 
-@pytest.mark.parametrize("source", ["counts", "buckets"])
-def test_each_drafted_token_is_told_by_its_source(source):
-    dev = DeviceHistory(**{**SMALL, "max_tokens": 2000, "global_source": source})
+def test_each_drafted_token_is_told_by_its_source():
+    dev = DeviceHistory(**COUNTS)
     dev.insert([[1, 2, 3], [7]], [[10, 11, 12, 13], [40, 41, 42, 43]])
     rows = [[1, 2, 3, 10, 11],                  # the prompt's history: 12 13
             [5, 6, 20, 21, 22, 23, 20, 21],     # the row itself (prompt lookup): 22 23
@@ -297,8 +292,6 @@ def test_each_drafted_token_is_told_by_its_source(source):
     want = {0: ([12, 13], HISTORY), 1: ([22, 23], PROMPT), 3: ([32, 33], SIBLINGS), 4: ([42, 43], GLOBAL)}
     for i, (tokens, s) in want.items():
         assert drafts[i].tolist() == tokens and src[i].tolist() == [s, s], (i, drafts[i], src[i])
-    with pytest.raises(ValueError, match="sources"):
-        DeviceHistory(**{**SMALL, "select": "score"}).propose(*args, 2, sources=True)
 
 
 @pytest.mark.parametrize("bound", [None, 2])
@@ -324,7 +317,7 @@ def test_a_prompt_keeps_its_newest_answers_up_to_the_bound():
     """max_per_prompt: a prompt's oldest answers past the bound draft nothing (their tokens are
     blanked, their bucket entries match nothing); another prompt's are untouched; a saved store holds
     the answers kept."""
-    dev = DeviceHistory(**{**SMALL, "global_keys": (), "max_per_prompt": 2})
+    dev = DeviceHistory(**{**SMALL, "max_per_prompt": 2})
     p, q = [1, 2, 3], [7, 8, 9]
     dev.insert([p, q], [[10, 11, 12, 13], [10, 11, 40, 41]])
     dev.insert([p, p], [[10, 11, 20, 21], [10, 11, 20, 21]])        # p holds three: its first goes
@@ -337,7 +330,7 @@ def test_a_prompt_keeps_its_newest_answers_up_to_the_bound():
 
 
 def test_the_ring_evicts_the_oldest():
-    dev = DeviceHistory(**{**SMALL, "max_tokens": 24, "global_keys": ()})
+    dev = DeviceHistory(**{**SMALL, "max_tokens": 24})
     dev.insert([[1, 2, 3]], [[10, 11, 12, 13, 14, 15]])                 # 3 + 6 + 1 = 10 tokens
     assert device_drafts(dev, [[1, 2, 3, 10, 11]], [3], 2) == [[12, 13]]
     dev.insert([[1, 2, 3]] * 2, [[20, 21, 22, 23, 24, 25]] * 2)       # 20 more: the first is overwritten
@@ -345,7 +338,7 @@ def test_the_ring_evicts_the_oldest():
     assert device_drafts(dev, [[1, 2, 3, 20, 21]], [3], 2) == [[22, 23]]
 
 
-@pytest.mark.parametrize("source", ["buckets", "counts"])
+@pytest.mark.parametrize("source", [False, True])
 def test_propose_is_one_graph_of_fixed_shapes(source):
     """torch.compile(fullgraph=True) fails on .item(), .tolist(), data-dependent shapes and
     Python branches on tensor values."""
@@ -359,7 +352,7 @@ def test_propose_is_one_graph_of_fixed_shapes(source):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("source", ["buckets", "counts"])
+@pytest.mark.parametrize("source", [False, True])
 def test_propose_on_the_meta_device_keeps_to_it(source):
     """On `meta` tensors (no values: .item() or .tolist() raise) any CPU tensor mixed into an op
     raises; the drafts come out on the store's device. (Fake cuda tensors of this CPU build of

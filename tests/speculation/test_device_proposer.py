@@ -12,7 +12,7 @@ from rlspec.speculation import SOURCES
 from rlspec.speculation.device_history import END, DeviceHistory, prompt_hash
 from rlspec.speculation.device_ring import merge_device_states
 
-SMALL = dict(max_tokens=1 << 12, width=8, max_match=8, prompt_keys=(4, 2, 1), global_keys=(4, 1))
+SMALL = dict(max_tokens=1 << 12, width=8, max_match=8, prompt_keys=(4, 2, 1))
 
 
 def test_append_sampled_writes_the_valid_tokens_after_each_row():
