@@ -22,7 +22,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from rlspec.cluster.calls import ActorFailure
-from rlspec.config import ConfigError, RLSpecConfig, register_configs, resolve_auto, validate
+from rlspec.config import ConfigError, RLSpecConfig, register_configs
+from rlspec.checks import resolve_auto, validate
 from rlspec.data.loading import DataError, PromptSet, load_split
 from rlspec.loops.preemption import EXIT_NUMERICAL, EXIT_PREEMPTED, NumericalDivergence, Preempted
 from rlspec.models import ModelError, ModelPaths, check_context, load_tokenizer, resolve_checkpoint
@@ -80,7 +81,7 @@ def resolve_paths(cfg: RLSpecConfig) -> ModelPaths:
 def dry_run(cfg: RLSpecConfig) -> None:
     """Print what the run would use and its placement plan; start nothing."""
     from rlspec.cluster.memory import gpu_memory
-    from rlspec.config import plan_of
+    from rlspec.checks import plan_of
 
     sp, d = cfg.speculation, cfg.data
     print(f"model {cfg.model.path}; speculation {sp.method}"

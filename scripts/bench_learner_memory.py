@@ -36,7 +36,7 @@ def make_model(folder: Path, layers: int) -> None:
 
 
 def config_for(folder: Path, overrides: list[str]):
-    from rlspec.config import plan_of, resolve_auto
+    from rlspec.checks import plan_of, resolve_auto
     from rlspec.train import compose_config
 
     one_gpu = ["cluster.nodes=1", "cluster.gpus_per_node=1", "cluster.num_generators=1", "cluster.logprob_world_size=1",

@@ -73,7 +73,7 @@ def tables() -> dict:
     from conftest import compose
 
     from rlspec.cluster.memory import gpu_memory
-    from rlspec.config import plan_of, resolve_auto
+    from rlspec.checks import plan_of, resolve_auto
 
     out = {}
     for name in ("rl_zero_qwen3_8b", "qwen3_235b_a22b"):

@@ -198,7 +198,7 @@ def main() -> int:
     import torch
 
     from rlspec.cluster.ray_cluster import RayCluster
-    from rlspec.config import resolve_auto, validate
+    from rlspec.checks import resolve_auto, validate
     from rlspec.models import load_tokenizer
     from rlspec.train import compose_config, load_data, resolve_paths
 

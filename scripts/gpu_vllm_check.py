@@ -64,7 +64,7 @@ OVERRIDES: list[str] = []  # --set: Hydra overrides every engine takes
 
 
 def config(method: str, on_gpu: bool, extra: list[str] = ()):
-    from rlspec.config import resolve_auto
+    from rlspec.checks import resolve_auto
     from rlspec.train import compose_config
 
     group, variant = VARIANTS.get(method, (method, []))

@@ -25,7 +25,7 @@ TEST_EXPERIMENT = "+experiment=tiny_cpu"  # the tests' baseline: the fast additi
 def compose(overrides=(), plain=True):
     """The config `python -m rlspec.train +experiment=tiny_cpu OVERRIDES` composes (another
     experiment when the overrides name one), as an RLSpecConfig (its 'auto' settings not yet
-    resolved: config.resolve_auto does that). tiny_cpu drafts with the tiny draft model; with
+    resolved: rlspec.checks.resolve_auto does that). tiny_cpu drafts with the tiny draft model; with
     plain=True (the tests' baseline) rollouts are not speculative unless an override selects a
     `speculation=` method."""
     from rlspec.train import compose_config
@@ -60,7 +60,7 @@ def ray_session():
 
 def resolved(overrides=(), plain=True):
     """compose() with its 'auto' settings resolved, as `python -m rlspec.train` runs it."""
-    from rlspec.config import resolve_auto
+    from rlspec.checks import resolve_auto
 
     return resolve_auto(compose(overrides, plain))
 

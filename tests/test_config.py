@@ -4,7 +4,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from conftest import ROOT, compose
-from rlspec.config import ConfigError, validate
+from rlspec.config import ConfigError
+from rlspec.checks import validate
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 
@@ -115,7 +116,7 @@ def test_async_on_colocated_gpus_is_refused():
 
 
 def test_sleep_mode_is_on_for_colocated_gpus_only():
-    from rlspec.config import resolve_auto
+    from rlspec.checks import resolve_auto
 
     def sleep(*overrides):
         return resolve_auto(compose(list(overrides), plain=False)).generation.sleep_mode
@@ -201,7 +202,7 @@ def test_dtype_policy_resolves_per_platform_and_corrects_low_precision_sampling(
     """CPU runs keep float32 everywhere and need no correction; GPU experiments compute in
     bfloat16 (engine, learner and log-prob worker), run CUDA graphs, and correct the sampler /
     learner mismatch with truncated importance sampling unless async GRPO corrects the lag."""
-    from rlspec.config import resolve_auto
+    from rlspec.checks import resolve_auto
 
     cpu = resolve_auto(compose())
     assert (cpu.generation.dtype, cpu.trainer.dtype, cpu.algo.off_policy_correction) == ("float32", "float32", "none")
@@ -224,7 +225,8 @@ def test_dtype_policy_resolves_per_platform_and_corrects_low_precision_sampling(
 
 
 @pytest.mark.parametrize("env,method,refused", [
-    ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, "history", "VLLM_USE_V2_MODEL_RUNNER"),
+    ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, "history", "VLLM_USE_V2_MODEL_RUNNER"),   # the host drafter: V1 only
+    ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, "history_device", None),   # the device drafter has V2's speculator
     ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, "suffix", "VLLM_USE_V2_MODEL_RUNNER"),
     ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, "draft_model", None),   # V2 runs model drafters
     ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, "history", None),
@@ -237,7 +239,9 @@ def test_engine_environment_that_would_break_an_engine_is_refused_naming_the_var
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    cfg = compose([f"speculation={method}"] if method != "suffix" else ["speculation.method=suffix"])
+    cfg = compose({"suffix": ["speculation.method=suffix"],
+                   "history_device": ["speculation=history", "speculation.history.drafter=device"]}.get(
+        method, [f"speculation={method}"]))
     if refused is None:
         validate(cfg)
     else:

@@ -3,7 +3,9 @@ import statements (module level and inside functions alike) are read, and
 
 - no two rlspec modules import each other, directly or through others (no cycles);
 - each room imports only what its layer may (RULES);
-- the top of the package holds only the entry point, config, messages and model loading."""
+- config/ is a leaf: it imports no rlspec package but itself (the checks needing the plan, the
+  memory model or a registry are rlspec/checks.py's);
+- the top of the package holds only the entry point, config, its checks, messages and model loading."""
 import ast
 import importlib
 import pkgutil
@@ -13,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "rlspec"
-TOP = {"rlspec", "rlspec.train", "rlspec.config", "rlspec.messages", "rlspec.models"}
+TOP = {"rlspec", "rlspec.train", "rlspec.config", "rlspec.checks", "rlspec.messages", "rlspec.models"}
 THIRD_PARTY_RUNTIME = ("ray", "vllm", "deepspeed")
 
 # room -> imports it must not make (rlspec rooms as "rlspec.x", third-party packages by name)
@@ -26,7 +28,9 @@ RULES = {
                        "rlspec.loops"},
     "rlspec.sim": {"ray", "vllm", "deepspeed", "rlspec.workers", "rlspec.engines", "rlspec.cluster",
                    "rlspec.loops"},
-    "rlspec.draft": {"rlspec.workers", "rlspec.cluster"},
+    "rlspec.draft": {"rlspec.workers", "rlspec.cluster", "rlspec.loops"},
+    "rlspec.tracking": {"ray", "vllm", "deepspeed", "rlspec.workers", "rlspec.engines", "rlspec.cluster",
+                        "rlspec.loops", "rlspec.speculation", "rlspec.draft"},
     "rlspec.engines": {"rlspec.workers", "rlspec.cluster", "rlspec.loops", "rlspec.speculation"},
     "rlspec.speculation": {"rlspec.workers", "rlspec.cluster", "rlspec.loops"},
     "rlspec.workers": {"rlspec.cluster", "rlspec.loops", "rlspec.refit.driver"},
@@ -35,14 +39,11 @@ RULES = {
     "rlspec.refit": {"rlspec.loops"},
     **{f"rlspec.refit.{m}": {"rlspec.workers", "rlspec.cluster", "rlspec.loops", "rlspec.engines",
                              "rlspec.refit.driver"} for m in ("engine", "group", "receiver", "sender", "source")},
-    # the top: config may check the pure placement plan (which imports no rlspec module)
-    "rlspec.config": {"rlspec.workers", "rlspec.engines", "rlspec.loops", "rlspec.speculation", "rlspec.draft",
-                      "rlspec.cluster.launch", "rlspec.cluster.handles", "rlspec.refit.driver",
-                      "rlspec.refit.engine", "rlspec.refit.receiver", "rlspec.refit.sender"},
     "rlspec.messages": {"rlspec.workers", "rlspec.engines", "rlspec.cluster", "rlspec.loops"},
     "rlspec.models": {"rlspec.workers", "rlspec.engines", "rlspec.cluster", "rlspec.loops"},
 }
 PURE = {"rlspec.cluster.plan", "rlspec.refit"}  # modules that import nothing from rlspec
+LEAVES = {"rlspec.config"}  # rooms that import nothing from rlspec but themselves
 
 
 def modules(pkg_dir: Path = PKG) -> dict[str, Path]:
@@ -141,6 +142,10 @@ def violations(g: dict[str, set[str]], pkg_dir: Path = PKG) -> list[str]:
                     hit = [b for b in banned if d == b or d.startswith(b + ".")]
                     if hit:
                         out.append(f"{mod} imports {d} ({room} may not import {hit[0]})")
+        for leaf in LEAVES:
+            if mod == leaf or mod.startswith(leaf + "."):
+                out += [f"{mod} imports {d} ({leaf} is a leaf)" for d in sorted(deps)
+                        if d.startswith("rlspec") and not (d == leaf or d.startswith(leaf + "."))]
         if mod in PURE and any(d.startswith("rlspec") for d in deps):
             out.append(f"{mod} must import nothing from rlspec, imports "
                        f"{sorted(d for d in deps if d.startswith('rlspec'))}")
@@ -163,7 +168,8 @@ def test_every_room_keeps_its_layer():
 
 
 def test_the_checks_see_a_cycle_and_a_layer_breach(tmp_path):
-    """The checker itself: a two-module cycle, algo importing ray, and a loose top-level module."""
+    """The checker itself: a two-module cycle, algo importing ray, config importing another room
+    (inside a function too), and a loose top-level module."""
     pkg = tmp_path / "rlspec"
     (pkg / "algo").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -171,10 +177,15 @@ def test_the_checks_see_a_cycle_and_a_layer_breach(tmp_path):
     (pkg / "algo" / "a.py").write_text("def f():\n    import ray\n    from rlspec.algo import b\n")
     (pkg / "algo" / "b.py").write_text("from rlspec.algo.a import f\n")
     (pkg / "sync_loop.py").write_text("")
+    (pkg / "config").mkdir()
+    (pkg / "config" / "__init__.py").write_text("from rlspec.config import checks\n")
+    (pkg / "config" / "checks.py").write_text("def f():\n    from rlspec.algo.a import f\n")
     g = graph(pkg)
     assert cycles(g) == [["rlspec.algo.a", "rlspec.algo.b"]]
     v = violations(g, pkg)
     assert "rlspec.algo.a imports ray (rlspec.algo may not import ray)" in v
+    assert "rlspec.config.checks imports rlspec.algo.a (rlspec.config is a leaf)" in v
+    assert not any(x.startswith("rlspec.config imports") for x in v)   # config importing its own module
     assert any(x.startswith("rlspec.sync_loop: only") for x in v)
 
 

@@ -11,7 +11,8 @@ from rlspec.cluster.groups import actor_nodes, actor_options, create_placement_g
 from rlspec.cluster.handles import DraftTrainerHandle, Generators, Learners, LogprobWorkers
 from rlspec.cluster.plan import DRAFT, GEN, LEARNER, LOGPROB
 from rlspec.cluster.ray_cluster import ACTOR_ENV_DEFAULTS
-from rlspec.config import RLSpecConfig, plan_of
+from rlspec.config import RLSpecConfig
+from rlspec.checks import plan_of
 from rlspec.models import ModelPaths
 from rlspec.refit.driver import Refit
 from rlspec.workers.draft_trainer import DraftTrainer
@@ -35,7 +36,7 @@ class Actors:
 def launch_actors(cfg: RLSpecConfig, paths: ModelPaths) -> Actors:
     """Place every role by the plan (one placement group per node), start the Generator engines,
     LogprobWorkers and learner ranks, wait until each is up, and connect the refit.
-    `cfg` is resolved (config.resolve_auto)."""
+    `cfg` is resolved (rlspec.checks.resolve_auto)."""
     import ray
 
     c, g, t = cfg.cluster, cfg.generation, cfg.trainer

@@ -205,7 +205,7 @@ class GPUMemory:
 
 
 def gpu_memory(cfg, plan) -> GPUMemory | None:
-    """The run's per-GPU memory (cfg resolved: config.resolve_auto); None on CPU machines or when
+    """The run's per-GPU memory (cfg resolved: rlspec.checks.resolve_auto); None on CPU machines or when
     the model's shapes are not at hand."""
     from rlspec.config.resolve import fp32_grad_accumulation
     from rlspec.sim.shapes import total_params

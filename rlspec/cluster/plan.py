@@ -10,7 +10,7 @@ several nodes) share one placement group (PACK over exactly those nodes' GPUs). 
   with the learner ranks (what asynchronous GRPO needs: generation never waits for training).
 With online draft adaptation a DraftTrainer shares the last learner rank's slot (rank 0 sends the
 refit): it trains the head on that GPU while the learners train the policy.
-Pure Python (no Ray, nothing else from rlspec): config.validate() and `--dry-run` use it before
+Pure Python (no Ray, nothing else from rlspec): rlspec.checks.validate() and `--dry-run` use it before
 anything starts; `c` is a ClusterConfig.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 class PlanError(ValueError):
     """The cluster config cannot be placed; the message starts with the dotted key
-    (config.validate raises it as a ConfigError)."""
+    (rlspec.checks.validate raises it as a ConfigError)."""
 
 PLACEMENTS = ("colocated", "disaggregated")
 GEN, LOGPROB, LEARNER, DRAFT = "generator", "logprob_worker", "learner", "draft_trainer"

@@ -6,7 +6,8 @@ import os
 import shutil
 import tempfile
 
-from rlspec.config import RLSpecConfig, plan_of
+from rlspec.config import RLSpecConfig
+from rlspec.checks import plan_of
 
 
 # Engine start-up chatter (tcmalloc hints, thread-binding notes) drowns the progress bar; set

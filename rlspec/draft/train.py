@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlspec.config import ConfigError, DraftConfig, DraftTrainConfig, SpeculationConfig, resolve_engine
 from rlspec.data.loading import DataError, load_split
 from rlspec.draft.eagle3 import head_step
-from rlspec.loops.runlog import open_wandb, progress_bar
+from rlspec.tracking import open_wandb, progress_bar
 from rlspec.messages import Sampling
 from rlspec.models import ModelError, check_context, load_causal_lm, load_tokenizer, local_device, resolve_checkpoint
 

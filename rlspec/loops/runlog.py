@@ -1,8 +1,7 @@
-"""Step timing and run reporting: progress bar, wandb, summary.json, stage table and plot."""
+"""Step timing and run reporting: progress bar, wandb (rlspec/tracking), summary.json, stage table and plot."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -10,6 +9,7 @@ from pathlib import Path
 
 from rlspec.config import LoggingConfig
 from rlspec.messages import StepRecord
+from rlspec.tracking import open_wandb, progress_bar
 
 STAGES = ("data", "prep", "generation", "logprob", "train")
 
@@ -27,26 +27,6 @@ class StageTimer:
             yield
         finally:
             self.seconds[stage] += time.perf_counter() - t0
-
-
-def progress_bar(log: LoggingConfig, total: int, desc: str):
-    """A tqdm bar when logging.progress_bar is on, else None."""
-    if not log.progress_bar:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
-
-
-def open_wandb(log: LoggingConfig, run_dir: str | Path, config: dict, job_type: str | None = None):
-    """A wandb run in logging.wandb_mode (offline by default: no network), or None when disabled."""
-    if log.wandb_mode == "disabled":
-        return None
-    os.environ.setdefault("WANDB_SILENT", "true")
-    import wandb
-
-    return wandb.init(project=log.wandb_project, entity=log.wandb_entity, mode=log.wandb_mode, dir=str(run_dir),
-                      config=config, job_type=job_type, settings=wandb.Settings(console="off"))
 
 
 class RunLog:

@@ -31,7 +31,7 @@ class Learner:
     def __init__(self, *, paths: ModelPaths, model: ModelConfig, algo: AlgoConfig, trainer: TrainerConfig,
                  generation: GenerationConfig, rank: int, world_size: int, rendezvous: tuple[str, int],
                  threads: int, device: str | None = None, timeout_s: float = 1800.0):
-        """algo: resolved (config.resolve_auto). rendezvous: (address, port) of DeepSpeed's group.
+        """algo: resolved (rlspec.checks.resolve_auto). rendezvous: (address, port) of DeepSpeed's group.
         device: where this rank computes (None: the one its placement gives it). timeout_s: how
         long DeepSpeed's collectives (its rendezvous included) may wait."""
         if algo.off_policy_correction == "auto":

@@ -5,7 +5,8 @@ import pytest
 from conftest import compose
 from memory_probe import measure_draft_head, measure_layer
 from rlspec.cluster.memory import ACT_ELEMENTS, check_fits, draft_activation_bytes, gpu_memory
-from rlspec.config import ConfigError, plan_of, resolve_auto, validate
+from rlspec.config import ConfigError
+from rlspec.checks import plan_of, resolve_auto, validate
 
 QWEN3_8B_LAYER = dict(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128)
 

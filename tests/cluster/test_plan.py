@@ -5,7 +5,8 @@ import sys
 import pytest
 
 from conftest import ROOT, compose
-from rlspec.config import ClusterConfig, ConfigError, plan_of, validate
+from rlspec.config import ClusterConfig, ConfigError
+from rlspec.checks import plan_of, validate
 from rlspec.cluster.plan import DRAFT, GEN, LEARNER, LOGPROB, Slot, make_plan
 
 PAPER = ["rl_zero_qwen3_8b", "rl_think_qwen3_8b", "qwen3_235b_a22b"]
@@ -166,7 +167,7 @@ def test_every_experiment_refits_over_a_transport_its_placement_allows(name):
     on CPU machines; on GPUs vLLM's nccl where every rank has a GPU of its own, vLLM's ipc where
     every receiver sits on a learner's GPU (the colocated paper runs)."""
     from rlspec.cluster.plan import receivers_off_learner_gpus, shared_weight_group_gpus
-    from rlspec.config import plan_of, resolve_auto
+    from rlspec.checks import plan_of, resolve_auto
 
     cfg = compose([f"+experiment={name}"], plain=False)
     validate(cfg)

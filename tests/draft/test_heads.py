@@ -68,7 +68,8 @@ def test_mtp_target_computes_the_policy_function(built):
 
 
 def test_check_draft_and_config_validation(built, tmp_path):
-    from rlspec.config import ConfigError, validate
+    from rlspec.config import ConfigError
+    from rlspec.checks import validate
     from rlspec.draft.heads import init_eagle3_head
     from rlspec.speculation.checks import check_draft
 

@@ -100,7 +100,8 @@ def test_a_window_trains_at_its_own_positions():
      "speculation.online.cache_mb"),
 ])
 def test_online_config_errors_name_the_key(overrides, key):
-    from rlspec.config import ConfigError, validate
+    from rlspec.config import ConfigError
+    from rlspec.checks import validate
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(compose(overrides))

@@ -160,7 +160,7 @@ REFERENCE = ["a, b = map(int, input().split())\nprint(a + b)", "print(max(map(in
 
 def test_synthetic_code_data_is_selectable_and_solvable(tokenizer):
     from conftest import compose
-    from rlspec.config import validate
+    from rlspec.checks import validate
     from rlspec.data.loading import load_prompts
     from rlspec.data.synthetic_code import TASKS
 

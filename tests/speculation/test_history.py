@@ -567,7 +567,8 @@ def test_the_store_drafts_token_for_token_what_the_plain_rule_drafts(seed):
 
 def test_settings_are_validated_by_key():
     from conftest import compose
-    from rlspec.config import ConfigError, validate
+    from rlspec.config import ConfigError
+    from rlspec.checks import validate
 
     validate(compose(["speculation=history"]))
     with pytest.raises(ConfigError, match=r"^speculation\.history\.prompt_keys: must be distinct key lengths"):
@@ -582,6 +583,15 @@ def test_settings_are_validated_by_key():
     validate(compose(["speculation=history", "speculation.history.max_tokens=500000000"]))
     with pytest.raises(ConfigError, match=r"^speculation\.history\.max_tokens: must be <= 536870912"):
         validate(compose(["speculation=history", "speculation.history.max_tokens=3000000000"]))
+    # the device drafter's settings: a host store's key it would ignore is refused, naming both keys
+    validate(compose(["speculation=history", "speculation.history.drafter=device"]))
+    with pytest.raises(ConfigError, match=r"^speculation\.history\.global_index: speculation\.history\.drafter=device"):
+        validate(compose(["speculation=history", "speculation.history.drafter=device",
+                          "speculation.history.global_index=chains"]))
+    with pytest.raises(ConfigError,
+                       match=r"^speculation\.history\.min_rollouts_per_prompt: speculation\.history\.drafter=device"):
+        validate(compose(["speculation=history", "speculation.history.drafter=device",
+                          "speculation.history.min_rollouts_per_prompt=4"]))
 
 
 # -- through real vLLM: the drafter hosted as vLLM's custom proposer, in a Generator actor ---------

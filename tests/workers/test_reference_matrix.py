@@ -107,7 +107,8 @@ _BASE = None
 
 def refusal(cell: dict) -> str | None:
     """Validation's error for a cell, or None where it is accepted."""
-    from rlspec.config import ConfigError, validate
+    from rlspec.config import ConfigError
+    from rlspec.checks import validate
 
     global _BASE
     if _BASE is None:
@@ -200,7 +201,7 @@ def cell_run(cell: dict, rank: int, port: int, batches: str, out: str) -> None:
     recompute's log-probs from this learner's weights before each step). Saves each step's partial
     sums, stats and the weights after it."""
     from rlspec.algo.batching import gradient_rows
-    from rlspec.config import resolve_auto
+    from rlspec.checks import resolve_auto
     from rlspec.loops.step import mini_batches
     from rlspec.workers.learner import Learner
 
@@ -244,7 +245,7 @@ def reference_of(cell: dict, data: list, starts: list[dict]) -> list[dict]:
     (the Learner's before it): each step is compared from the same weights, so one step's rounding
     is not carried into the next."""
     from reference_step import ReferencePolicy
-    from rlspec.config import resolve_auto
+    from rlspec.checks import resolve_auto
     from rlspec.models import load_causal_lm
 
     cfg = resolve_auto(apply(compose(), cell))
