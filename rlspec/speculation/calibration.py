@@ -11,8 +11,7 @@ without its lookup, whose time it measures apart, the device drafter with it, in
 planned per row from their counters, and after a call that drafted nothing they measure in
 shadow what they would have drafted.
 
-What rlspec reads or writes inside vLLM, per class, is listed in VLLM_SURFACE and checked against
-the installed wheel (tests/speculation/test_runner_api.py)."""
+What rlspec reads or writes inside vLLM, per class, is listed in rlspec/speculation/vllm_hooks.py."""
 from __future__ import annotations
 
 import statistics
@@ -24,50 +23,6 @@ from rlspec.config import SpeculationConfig
 from rlspec.engines.vllm_engine import VLLMEngine, decode_only
 from rlspec.messages import RolloutBatch
 from rlspec.speculation.adaptive import OFF, DraftLengthPlanner, DraftPlan, load_step_costs, non_decreasing
-
-
-# Attribute or method -> the vLLM classes (module:class) that must have it, for each use here and in
-# rlspec/engines/vllm_engine.py.
-VLLM_SURFACE = {
-    "dynamic_sd_lookup": ["vllm.v1.core.sched.scheduler:Scheduler"],          # k per batch size
-    "running": ["vllm.v1.core.sched.scheduler:Scheduler"],                    # step timing
-    "waiting": ["vllm.v1.core.sched.scheduler:Scheduler"],
-    "use_v2_model_runner": ["vllm.v1.worker.gpu_worker:Worker", "vllm.v1.worker.cpu_worker:CPUWorker"],
-    "propose_draft_token_ids": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner",   # V1 only
-                                "vllm.v1.worker.cpu_model_runner:CPUModelRunner"],
-    "input_batch": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],          # V1 only
-    # the history drafter matches rows to requests as vLLM's suffix proposer does (V1 only)
-    **{m: ["vllm.v1.worker.gpu_input_batch:InputBatch"] for m in ("req_ids", "num_prompt_tokens")},
-    "drafter": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],  # V1 (speculation=history runs there)
-    # the device history drafter's width of drafts on V1 (device_proposer)
-    "use_async_scheduling": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],
-    "step": ["vllm.v1.engine.llm_engine:LLMEngine"],
-    "has_unfinished_requests": ["vllm.v1.engine.llm_engine:LLMEngine"],
-    "add_request": ["vllm.v1.engine.llm_engine:LLMEngine"],
-    "abort_request": ["vllm.v1.engine.llm_engine:LLMEngine"],
-    # the RL weight-update API every refit goes through (both runners' workers)
-    **{m: ["vllm.v1.worker.gpu_worker:Worker", "vllm.v1.worker.cpu_worker:CPUWorker"]
-       for m in ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
-                 "update_weights", "finish_weight_update", "get_draft_model")},
-    **{m: ["vllm:LLM"] for m in ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
-                                  "update_weights", "finish_weight_update", "collective_rpc", "get_metrics",
-                                  "reset_prefix_cache", "sleep", "wake_up")},
-    # the weight-transfer engines rlspec hosts (engine side) and drives (trainer side)
-    **{m: ["vllm.distributed.weight_transfer.nccl_engine:NCCLWeightTransferEngine",
-           "vllm.distributed.weight_transfer.ipc_engine:IPCWeightTransferEngine"]
-       for m in ("parse_init_info", "parse_update_info", "init_transfer_engine", "receive_weights",
-                 "start_weight_update", "finish_weight_update", "set_weight_update_target",
-                 "reset_weight_update_target", "shutdown")},
-    "send_weights": ["vllm.distributed.weight_transfer.nccl_engine:NCCLTrainerWeightTransferEngine",
-                     "vllm.distributed.weight_transfer.ipc_engine:IPCTrainerWeightTransferEngine"],
-    "trainer_init": ["vllm.distributed.weight_transfer.factory:WeightTransferTrainerFactory",
-                     "vllm.distributed.weight_transfer.nccl_engine:NCCLTrainerWeightTransferEngine",
-                     "vllm.distributed.weight_transfer.ipc_engine:IPCTrainerWeightTransferEngine"],
-    "register_engine": ["vllm.distributed.weight_transfer.factory:WeightTransferTrainerFactory",
-                        "vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory"],
-}
-# Methods the V1-only hooks skip on Model Runner V2, where they do not exist.
-V1_ONLY = ("propose_draft_token_ids", "input_batch")
 
 
 class AdaptiveK:

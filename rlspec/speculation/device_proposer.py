@@ -25,10 +25,10 @@ from rlspec.speculation.device_cpu import cpu_stand_ins
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
 from rlspec.speculation.device_shadow import replay_in_shadow
 from rlspec.speculation.history_proposer import own_prompt_lens
+from rlspec.speculation.vllm_hooks import V1_RUNNER, slots_changed
 
 MARK = "rlspec-device-history"  # speculative_config model under method ngram_gpu: this drafter
 CONFIG_KEY = "rlspec_device_history"   # the store's settings (speculation.history) in vLLM's additional_config
-_RUNNER = "vllm.v1.worker.gpu_model_runner"
 
 
 def _proposer_class(base):
@@ -254,56 +254,6 @@ def settings(vllm_config) -> dict:
             "max_per_prompt": cfg["max_rollouts_per_prompt"], "global_source": bool(cfg["global_source"])}
 
 
-# What the drafter is written against (vLLM 0.32): the slots' modules, names and propose() parameters
-PINNED_VLLM = "0.32"
-V1_PROPOSE = ("num_speculative_tokens", "num_tokens_no_spec", "token_ids_gpu", "valid_sampled_token_ids_gpu",
-              "valid_sampled_tokens_count")
-V2_PROPOSE = ("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states",
-              "num_sampled", "num_rejected", "last_sampled", "next_prefill_tokens", "temperature", "seeds")
-SLOTS = (("vllm.v1.spec_decode.ngram_proposer_gpu", "NgramProposerGPU", V1_PROPOSE),
-         ("vllm.v1.worker.gpu.spec_decode.ngram.speculator", "NgramGPUSpeculator", V2_PROPOSE),
-         (_RUNNER, "NgramProposerGPU", None),   # the name V1's runner builds its ngram_gpu drafter from
-         (_RUNNER, "update_ngram_gpu_tensors_incremental", None),   # the CPU stand-ins replace these two
-         (_RUNNER, "copy_num_valid_draft_tokens", None),
-         # where a finished request's row is kept: V1's hook for request-scoped state, V2's slot freeing
-         (_RUNNER, "GPUModelRunner._on_request_state_removed", None),
-         ("vllm.v1.worker.gpu.states", "RequestState.remove_request", None))
-
-
-def slots_changed(runner: bool = True) -> list[str]:
-    """How the installed vLLM's ngram_gpu slots differ from those this drafter plugs into ([]: they
-    are the same): a module, a name or a propose() parameter list that moved. runner=False: the two
-    drafter classes only (V1's runner module is not imported)."""
-    import importlib
-    import inspect
-
-    out = []
-    for module, name, params in SLOTS if runner else SLOTS[:2]:
-        try:
-            obj = importlib.import_module(module)
-            for part in name.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            out.append(f"{module}.{name} is gone ({type(exc).__name__}: {exc})")
-            continue
-        if params is not None:
-            got = tuple(inspect.signature(getattr(obj, "propose")).parameters)[1: 1 + len(params)]
-            if got != params:
-                out.append(f"{module}.{name}.propose takes {got}, not {params}")
-    return out
-
-
-def require_slots() -> None:
-    """At a run's start (speculation.history.drafter=device): a clear error where vLLM's slots moved."""
-    problems = slots_changed()
-    if problems:
-        import vllm
-
-        raise RuntimeError(f"speculation.history.drafter=device plugs into vLLM {PINNED_VLLM}'s ngram_gpu slots, and "
-                           f"the installed vLLM {vllm.__version__} differs: " + "; ".join(problems)
-                           + ". Use speculation.history.drafter=host, or the vLLM version pyproject.toml pins.")
-
-
 def install() -> None:
     """rlspec's vLLM plugin: the subclass under vLLM's NgramProposerGPU name (and the CPU platform's
     stand-ins). Run where a model runner may be built, before it is; in a vLLM whose slots moved it
@@ -318,8 +268,8 @@ def install() -> None:
     if getattr(ngram_proposer_gpu.NgramProposerGPU, "drafting", None) is None:
         cls = _proposer_class(ngram_proposer_gpu.NgramProposerGPU)
         ngram_proposer_gpu.NgramProposerGPU = cls
-        if _RUNNER in sys.modules:  # imported before the plugin ran: its name too
-            sys.modules[_RUNNER].NgramProposerGPU = cls
+        if V1_RUNNER in sys.modules:  # imported before the plugin ran: its name too
+            sys.modules[V1_RUNNER].NgramProposerGPU = cls
     if getattr(speculator.NgramGPUSpeculator, "drafting", None) is None:  # V2 imports it when it builds one
         speculator.NgramGPUSpeculator = _speculator_class(speculator.NgramGPUSpeculator)
     if current_platform.is_cpu():

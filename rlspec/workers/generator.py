@@ -30,9 +30,9 @@ class Generator(RefitReceiver):
         self.drafter = history_proposer
         plugin_config = None
         if self.history and speculation.history.drafter == "device":  # its store is built with the runner
-            from rlspec.speculation import device_proposer
+            from rlspec.speculation import device_proposer, vllm_hooks
 
-            device_proposer.require_slots()
+            vllm_hooks.require_slots()
             self.drafter = device_proposer
             plugin_config = {device_proposer.CONFIG_KEY: asdict(speculation.history)}
             # in this process whether or not rlspec's vLLM plugins are installed here (an unpacked

@@ -175,9 +175,9 @@ def test_a_vllm_whose_slots_moved_stops_the_run_naming_what_moved(monkeypatch):
     from vllm.v1.spec_decode import ngram_proposer_gpu
     from vllm.v1.worker import gpu_model_runner
 
-    from rlspec.speculation import device_proposer
+    from rlspec.speculation import device_proposer, vllm_hooks
 
-    assert device_proposer.slots_changed() == []
+    assert vllm_hooks.slots_changed() == []
 
     class Moved:
         drafting = None
@@ -188,7 +188,7 @@ def test_a_vllm_whose_slots_moved_stops_the_run_naming_what_moved(monkeypatch):
     monkeypatch.setattr(ngram_proposer_gpu, "NgramProposerGPU", Moved)
     monkeypatch.delattr(gpu_model_runner, "copy_num_valid_draft_tokens")
     with pytest.raises(RuntimeError) as err:
-        device_proposer.require_slots()
+        vllm_hooks.require_slots()
     msg = str(err.value)
     assert "vllm.v1.spec_decode.ngram_proposer_gpu.NgramProposerGPU.propose takes" in msg, msg
     assert "vllm.v1.worker.gpu_model_runner.copy_num_valid_draft_tokens is gone" in msg, msg

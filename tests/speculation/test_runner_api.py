@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlspec.config import SpeculationConfig
-from rlspec.speculation.calibration import V1_ONLY, VLLM_SURFACE
+from rlspec.speculation.vllm_hooks import V1_ONLY, VLLM_SURFACE
 from rlspec.speculation.vllm_config import gpu_model_runner, vllm_speculative_config
 
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
