@@ -5,10 +5,14 @@ what the JSON files say:
     {{summary}}          the headline figure of each area, its file, machine and date
     {{file NAME.json}}   one file: where and when it was measured, the command that made it (the
                          file's own `command`), its tables
+    {{superseded NAME.json: REASON}}
+                         a file whose measurement a newer one replaces: one line of its name, version,
+                         date and REASON, no command or tables
     {{learner_memory}}   the GPU learner and log-prob memory files, one table row each
 
-Every JSON file in docs/bench/ is placed exactly once; nothing reads git, so the page is the same
-from a full clone, a depth-1 clone or a tarball.
+A template line that is one HTML comment (`<!-- ... -->`) is left out of the page, a placeholder in
+it too. Every JSON file in docs/bench/ is placed exactly once; nothing reads git, so the page is the
+same from a full clone, a depth-1 clone or a tarball.
 
     python scripts/make_benchmarks_page.py                 # -> docs/benchmarks.md
     python scripts/make_benchmarks_page.py --bench other/dir --out /tmp/page.md
@@ -30,11 +34,15 @@ from harness import ROOT
 
 TEMPLATE = ROOT / "docs" / "benchmarks.template.md"
 LEARNER_MEMORY = ("learner_memory_gpu_*.json", "logprob_memory_gpu_*.json")
-PLACEHOLDER = re.compile(r"^\{\{(\w+)(?: (\S+))?\}\}$")
+PLACEHOLDER = re.compile(r"^\{\{(\w+)(?: (\S+?))?(?:: (.+))?\}\}$")  # {{kind}}, {{kind NAME}}, {{kind NAME: text}}
 
 
 class PageError(ValueError):
     """The template and the JSON files disagree; the message names the file and line."""
+
+
+def version(r: dict) -> str:
+    return r.get("version") or (r.get("versions") or {}).get("rlspec") or "not recorded"
 
 
 def where(r: dict) -> str:
@@ -47,13 +55,17 @@ def where(r: dict) -> str:
         machine = f"{r['machine']['cpu_count']} CPU cores"
     else:
         machine = f"{r['cpu_count']} CPU cores" if r.get("cpu_count") else "machine not recorded"
-    version = r.get("version") or (r.get("versions") or {}).get("rlspec") or "not recorded"
-    return f"rlspec {version}, {r['date']}, {machine}"
+    return f"rlspec {version(r)}, {r['date']}, {machine}"
 
 
 def head(path: Path, r: dict) -> list[str]:
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-    return [f"`{shown}`: {where(r)}.", "", "```bash", r["command"], "```", ""]
+    return [f"`{shown}`: {where(r)}; made by `{r['command']}`", ""]
+
+
+def superseded(path: Path, reason: str) -> str:
+    r = json.loads(path.read_text())
+    return f"- `{path.name}` (rlspec {version(r)}, {r['date']}), superseded: {reason}"
 
 
 # -- one renderer per kind of file: its tables --------------------------------------------------
@@ -94,8 +106,8 @@ def rollout(r: dict, path: Path) -> list[str]:
            bench_rollout.table(records)]
     if lines := auto_lines(records):
         out += ["", *lines]
-    if any("decode_seconds_by_running" in x for x in records):
-        out += ["", bench_rollout.tail_table(records)]
+    if tail := [x for x in records if "decode_seconds_by_running" in x and x["batch_size"] > 1]:
+        out += ["", bench_rollout.tail_table(tail)]  # a batch of 1 runs one request throughout
     return out
 
 
@@ -220,12 +232,10 @@ def memory(r: dict, path: Path) -> list[str]:
     out += [f"| {x['layer']} | {x['hidden']} / {x['intermediate']} / {x['heads']} / {x['kv_heads']} | "
             f"{x['measured_bytes_per_token'] / 1024:.1f} | {x['model_bytes_per_token'] / 1024:.1f} | "
             f"{100 * x['model_error']:+.1f}% | {x['checkpointed_bytes_per_token'] / 1024:.2f} |" for x in r["layers"]]
-    out += ["", f"Output layer at hidden {h['hidden']}, vocabulary {h['vocab']:,}: the model's own logits path keeps "
-            f"{h['model_logits_bytes_per_token'] / 2**20:.2f} MiB per token for backward, rlspec's chunked head "
-            f"({h['chunk_tokens']} tokens at a time) {h['chunked_head_bytes_per_token']:.0f} bytes.", ""]
-    for name, e in r["experiments"].items():
-        out += [f"`+experiment={name}`:", "", "```", e["table"], "```", ""]
-    return out[:-1]
+    # the file's `experiments` (the memory model's tables of its day) are left out: `--dry-run` prints today's
+    return out + ["", f"Output layer at hidden {h['hidden']}, vocabulary {h['vocab']:,}: the model's own logits path "
+                  f"keeps {h['model_logits_bytes_per_token'] / 2**20:.2f} MiB per token for backward, rlspec's chunked "
+                  f"head ({h['chunk_tokens']} tokens at a time) {h['chunked_head_bytes_per_token']:.0f} bytes."]
 
 
 def memory_gpu(r: dict, path: Path) -> list[str]:
@@ -283,8 +293,7 @@ def _row(rows: list[dict], key: str, value: str) -> dict:
 
 
 def h_default_run(r: dict) -> str:
-    none = _row(r["rows"], "setting", "none")
-    best = min((x for x in r["rows"] if x["setting"] != "none"), key=lambda x: x["step_seconds"])
+    none, best = _row(r["rows"], "setting", "none"), _row(r["rows"], "setting", "history:5")  # make demo's setting
     return (f"`{best['setting']}` steps {none['step_seconds'] / best['step_seconds']:.2f}x faster than no speculation "
             f"({none['step_seconds']:.2f} -> {best['step_seconds']:.2f} s), held-out accuracy {best['val_last']:.3f} "
             f"against {none['val_last']:.3f}")
@@ -345,7 +354,7 @@ def h_learner_memory(paths: list[Path]) -> str:
 
 
 SUMMARY = [  # (area, file, headline(result))
-    ("The default run (`make demo`)", "default_run_history_store.json", h_default_run),
+    ("The default run (`make demo`)", "default_run_host_counts.json", h_default_run),
     ("rlspec against TRL", "vs_peer.json", h_peer),
     ("Rollout generation, k sweep", "rollout_chain_replay.json", h_rollout),
     ("History drafting at scale", "history_store_scale_counts.json", h_scale),
@@ -377,28 +386,30 @@ def summary(bench: Path) -> list[str]:
 def page(bench: Path, template: Path = TEMPLATE) -> str:
     placed, out = set(), []
     for n, line in enumerate(template.read_text().splitlines(), 1):
+        if re.fullmatch(r"<!--.*-->", line.strip()):
+            continue
         m = PLACEHOLDER.match(line.strip())
         if not m:
             out.append(line)
             continue
-        kind, arg = m.groups()
+        kind, arg, reason = m.groups()
         if kind == "summary":
             out += summary(bench)
         elif kind == "learner_memory":
             paths = learner_files(bench)
             placed.update(paths)
             out += learner_memory(paths)
-        elif kind == "file" and arg:
+        elif (kind == "file" and arg and not reason) or (kind == "superseded" and arg and reason):
             path = bench / arg
             if not path.exists():
-                raise PageError(f"{template}:{n}: {{{{file {arg}}}}} names no file in {bench}")
+                raise PageError(f"{template}:{n}: {{{{{kind} {arg}}}}} names no file in {bench}")
             placed.add(path)
-            out += section(path)
+            out += section(path) if kind == "file" else [superseded(path, reason)]
         else:
             raise PageError(f"{template}:{n}: unknown placeholder {line.strip()!r}")
     if left := sorted(set(bench.glob("*.json")) - placed):
         raise PageError(f"{template}: no placeholder for {', '.join(p.name for p in left)} (add {{{{file NAME}}}} "
-                        "lines, or remove superseded files: git keeps them)")
+                        "or {{{{superseded NAME: REASON}}}} lines)")
     return "\n".join(out).rstrip() + "\n"
 
 

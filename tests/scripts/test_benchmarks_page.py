@@ -1,6 +1,7 @@
 """docs/benchmarks.md is generated from its template and docs/bench/*.json (the committed page is the
-generated one, the same without git), every file's own command is on it, its summary is short,
-and a file the template does not place, or a placeholder without a file, is an error naming it.
+generated one, the same without git), every placed file's own command is on it and every superseded
+one is named, its summary is short, and a file the template does not place, or a placeholder without
+a file, is an error naming it.
 Also scripts/harness.py, which every benchmark script shares."""
 import json
 import re
@@ -22,12 +23,18 @@ def test_the_committed_page_is_the_generated_one_and_carries_every_command():
     text = page.page(BENCH)
     assert (ROOT / "docs" / "benchmarks.md").read_text() == text, \
         "docs/benchmarks.md is stale: run python scripts/make_benchmarks_page.py"
+    kinds = {m[2]: m[1] for m in map(page.PLACEHOLDER.match, page.TEMPLATE.read_text().splitlines()) if m}
+    superseded = [p for p in sorted(BENCH.glob("*.json")) if kinds.get(p.name) == "superseded"]
+    assert superseded, "the template supersedes no file"
     for p in sorted(BENCH.glob("*.json")):
         r = json.loads(p.read_text())
-        assert r["command"] in text and f"{p.name}" in text, p.name
         assert r["date"] and re.fullmatch(r"\d{4}-\d\d-\d\d", r["date"]), p.name
+        if p in superseded:  # named, with its version and date, on a line of its own; its command need not be
+            assert f"- `{p.name}` (rlspec {page.version(r)}, {r['date']}), superseded: " in text, p.name
+        else:  # placed by {{file}} or {{learner_memory}}: its command is on the page
+            assert r["command"] in text and p.name in text, p.name
     # a figure of the current default run's table is on the page
-    row = json.loads((BENCH / "default_run_history_store.json").read_text())["rows"][1]
+    row = json.loads((BENCH / "default_run_host_counts.json").read_text())["rows"][1]
     assert f"{row['step_seconds']:.2f} ± {row['step_seconds_std']:.2f}" in text
 
 
@@ -64,6 +71,29 @@ def test_an_unplaced_file_and_a_placeholder_without_a_file_are_named(tmp_path):
         page.page(bench, template)
     template.write_text("# T\n\n{{file memory.json}}\n{{file minibatch_chain.json}}\n{{file gone.json}}\n")
     with pytest.raises(page.PageError, match=r"t\.md:5: \{\{file gone\.json\}\} names no file"):
+        page.page(bench, template)
+
+
+def test_a_superseded_file_is_one_line_and_a_commented_placeholder_is_left_out(tmp_path):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    for name in ("memory.json", "minibatch_chain.json"):
+        shutil.copy(BENCH / name, bench)
+    minibatch = json.loads((bench / "minibatch_chain.json").read_text())
+    template = tmp_path / "t.md"
+    template.write_text("# T\n\n{{file memory.json}}\n\n<!-- {{file gone.json}} -->\n"
+                        "{{superseded minibatch_chain.json: re-measured in memory.json}}\n")
+    text = page.page(bench, template)
+    assert text.endswith(f"\n\n- `minibatch_chain.json` (rlspec {minibatch['version']}, {minibatch['date']}), "
+                         "superseded: re-measured in memory.json\n")   # after memory.json's section
+    assert text.count("minibatch_chain.json") == 1 and minibatch["command"] not in text
+    assert "gone.json" not in text and "<!--" not in text
+    template.write_text("# T\n\n{{file memory.json}}\n{{superseded minibatch_chain.json}}\n")
+    with pytest.raises(page.PageError, match=r"t\.md:4: unknown placeholder '\{\{superseded minibatch_chain"):
+        page.page(bench, template)   # a reason is required
+    template.write_text("# T\n\n{{file memory.json}}\n{{superseded minibatch_chain.json: why}}\n"
+                        "{{superseded gone.json: why}}\n")
+    with pytest.raises(page.PageError, match=r"t\.md:5: \{\{superseded gone\.json\}\} names no file"):
         page.page(bench, template)
 
 
