@@ -25,10 +25,9 @@ from rlspec.speculation.device_cpu import cpu_stand_ins
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
 from rlspec.speculation.device_shadow import replay_in_shadow
 from rlspec.speculation.history_proposer import own_prompt_lens
-from rlspec.speculation.vllm_hooks import V1_RUNNER, slots_changed
+from rlspec.speculation.vllm_hooks import V1_RUNNER, history_settings, slots_changed
 
 MARK = "rlspec-device-history"  # speculative_config model under method ngram_gpu: this drafter
-CONFIG_KEY = "rlspec_device_history"   # the store's settings (speculation.history) in vLLM's additional_config
 
 
 def _proposer_class(base):
@@ -232,21 +231,14 @@ def _speculator_class(base):
     return DeviceHistorySpeculator
 
 
-def _config(vllm_config) -> dict:
-    """speculation.history as the Generator passed it, in vLLM's additional_config (the config for
-    plugins, which every executor hands its workers with the rest of the engine's config)."""
-    extra = getattr(vllm_config, "additional_config", None)
-    return dict(extra.get(CONFIG_KEY) or {}) if isinstance(extra, dict) else {}
-
-
 def shadow_rows(vllm_config) -> int:
-    return int(_config(vllm_config).get("shadow_rows", 32))
+    return int(history_settings(vllm_config).get("shadow_rows", 32))
 
 
 def settings(vllm_config) -> dict:
     """The store's settings, from the engine's config (the store is allocated with the runner,
     before vLLM sizes its KV cache); vLLM's defaults for an engine built without them."""
-    cfg = _config(vllm_config)
+    cfg = history_settings(vllm_config)
     if not cfg:
         return {}
     return {"max_tokens": cfg["device_max_tokens"], "max_match": cfg["max_match"], "min_prob": cfg["min_prob"],

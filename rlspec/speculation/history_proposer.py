@@ -7,7 +7,9 @@ requests exactly.
 
 vLLM schedules the drafts of one worker only, the first of the last pipeline stage (its executors'
 output rank); under tensor parallelism the other workers hold no store and draft nothing.
-`configure` compiles the store's functions before any engine step. Every Generator imports this
+The store's settings come with the engine's config (rlspec/speculation/vllm_hooks.py's
+`history_settings`, as the device drafter's do); `configure` builds the store and compiles its
+functions before any engine step. Every Generator imports this
 module, whatever its method: the store (and numba) is imported only where history drafts."""
 from __future__ import annotations
 
@@ -16,13 +18,15 @@ import time
 import numpy as np
 
 from rlspec.config import HistoryConfig
+from rlspec.speculation.vllm_hooks import history_settings
 
 PROPOSER = "rlspec.speculation.history_proposer.HistoryProposer"
 
 
 class HistoryProposer:
-    """vLLM's custom proposer (speculative_config method 'custom_class') over a HistoryIndex; the
-    Generator configures and feeds it through collective_rpc (the functions below)."""
+    """vLLM's custom proposer (speculative_config method 'custom_class') over a HistoryIndex of the
+    settings in the engine's config; the Generator feeds it through collective_rpc (the functions
+    below)."""
 
     def __init__(self, vllm_config):
         from rlspec.speculation.history import HistoryIndex
@@ -31,8 +35,8 @@ class HistoryProposer:
         self.k_max = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.vocab = int(vllm_config.model_config.get_vocab_size())  # drafted ids stay below it
-        # configure's store; None on a worker whose drafts vLLM does not read
-        self.index = HistoryIndex(HistoryConfig(), self.k_max, self.vocab)
+        self.cfg = HistoryConfig(**history_settings(vllm_config))
+        self.index: HistoryIndex | None = None   # configure's store; none on a worker whose drafts vLLM does not read
         self.k_of_batch: list[int] | None = None  # 'auto': k per running batch size
         self.full = False  # 'auto' times steps: every draft filled to k, as if every request matched
         self.runner = None  # the V1 model runner (configure): its input batch's request ids and prompt lengths
@@ -100,18 +104,17 @@ def reads_drafts(worker) -> bool:
     return worker.rank == pc.world_size - pc.tensor_parallel_size * pc.prefill_context_parallel_size
 
 
-def configure(worker, cfg: dict) -> None:
-    """The store of these settings (speculation.history), its functions compiled now rather than in
-    the first engine step; on a worker whose drafts vLLM does not read, none."""
+def configure(worker) -> None:
+    """The store of the engine's settings (speculation.history), its functions compiled now rather
+    than in the first engine step; on a worker whose drafts vLLM does not read, none."""
     from rlspec.speculation.history import HistoryIndex
 
     p = _proposer(worker)
     p.runner = worker.model_runner
     p.index = None
     if reads_drafts(worker):
-        config = HistoryConfig(**cfg)
-        HistoryIndex.warm_up(config, p.k_max)
-        p.index = HistoryIndex(config, p.k_max, p.vocab)
+        HistoryIndex.warm_up(p.cfg, p.k_max)
+        p.index = HistoryIndex(p.cfg, p.k_max, p.vocab)
 
 
 # The calls below answer None, and do nothing, on a worker with no store; the Generator reads the

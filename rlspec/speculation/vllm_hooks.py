@@ -7,6 +7,16 @@ environment that would force another is refused by rlspec/config/checks.py."""
 from __future__ import annotations
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
+# speculation.history, as the Generator passes it to either history drafter, in vLLM's
+# additional_config: the config for plugins, which every executor hands its workers with the rest
+# of the engine's config (a process environment variable would not reach Ray's workers)
+CONFIG_KEY = "rlspec_history"
+
+
+def history_settings(vllm_config) -> dict:
+    """speculation.history's fields as the engine was given them ({}: an engine built without)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    return dict(extra.get(CONFIG_KEY) or {}) if isinstance(extra, dict) else {}
 
 # Attribute or method -> the vLLM classes (module:class) that must have it, for each use in speculation/ and
 # rlspec/engines/vllm_engine.py.

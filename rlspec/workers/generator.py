@@ -14,7 +14,7 @@ from rlspec.engines.vllm_engine import VLLMEngine
 from rlspec.messages import Group, RolloutBatch, Sampling
 from rlspec.models import ModelPaths
 from rlspec.refit.receiver import RefitReceiver
-from rlspec.speculation import history_proposer
+from rlspec.speculation import history_proposer, vllm_hooks
 from rlspec.speculation.calibration import AdaptiveK
 from rlspec.speculation.vllm_config import vllm_speculative_config
 
@@ -28,13 +28,13 @@ class Generator(RefitReceiver):
             os.nice(nice)
         self.history = speculation.method == "history"
         self.drafter = history_proposer
-        plugin_config = None
+        # either history drafter takes its settings from the engine's config, on every worker
+        plugin_config = {vllm_hooks.CONFIG_KEY: asdict(speculation.history)} if self.history else None
         if self.history and speculation.history.drafter == "device":  # its store is built with the runner
-            from rlspec.speculation import device_proposer, vllm_hooks
+            from rlspec.speculation import device_proposer
 
             vllm_hooks.require_slots()
             self.drafter = device_proposer
-            plugin_config = {device_proposer.CONFIG_KEY: asdict(speculation.history)}
             # in this process whether or not rlspec's vLLM plugins are installed here (an unpacked
             # tree, the GPU kit): an engine core built in-process takes the drafter from it
             device_proposer.install()
@@ -43,7 +43,7 @@ class Generator(RefitReceiver):
         self.adaptive = AdaptiveK(self.engine, speculation) if speculation.adaptive else None
         self.history_validation = speculation.history.draft_validation
         if self.history and self.drafter is history_proposer:
-            self.engine.llm.collective_rpc(history_proposer.configure, args=(asdict(speculation.history),))
+            self.engine.llm.collective_rpc(history_proposer.configure)
         elif self.history:
             self.engine.llm.collective_rpc(self.drafter.check)
         self.engine.sleep()  # sleep mode: hold no GPU memory until the first call (learners start next)

@@ -24,11 +24,11 @@ def test_tensor_parallel_engines_on_vllms_ray_executor_answer_as_one_rank():
     """Greedy: every TP=2 engine answers as the TP=1 engine without speculation, on every call (the
     float sums of two ranks' partial products are taken in another order than one rank's; the
     answers' greedy margins on these prompts hold through it). The refit reaches both ranks (the
-    weight read back equal on each) and the answers after it equal TP=1's after the same refit.
-    The device drafter's settings (vLLM's additional_config) reach both ranks; both ranks draft
-    the same (equal counters every call), from the history on the second call, and hold the same
-    store (the checkpoint saves the first's), with and without async scheduling (under which each
-    rank drafts its own inputs: ranks that disagreed would break the engine)."""
+    weight read back equal on each) and the answers after it equal TP=1's after the same refit. Both
+    history drafters' settings (vLLM's additional_config) reach both ranks; the device drafter's
+    ranks draft the same (equal counters every call), from the history on the second call, and hold
+    the same store (the checkpoint saves the first's), with and without async scheduling (under
+    which each rank drafts its own inputs: ranks that disagreed would break the engine)."""
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "tp_engine.py"), *METHODS],
                          env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -59,5 +59,6 @@ def test_tensor_parallel_engines_on_vllms_ray_executor_answer_as_one_rank():
         assert dev["history_by_rank"][1][0]["accepted_history"] > 0
     # the host drafter drafts on one rank (the other holds no store) and from the history too
     host = by["history"]["history_by_rank"]
+    assert by["history"]["settings_by_rank"] == [[65536, 7], [65536, 7]]   # vLLM's additional_config, every rank
     assert [len(r) for r in host] == [2, 2] and all(r[1] is None for r in host)
     assert host[1][0]["accepted_history"] > 0

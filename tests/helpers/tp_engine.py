@@ -17,7 +17,7 @@ import torch
 SETTINGS = ["speculation.history.device_max_tokens=65536", "speculation.history.shadow_rows=7"]
 METHODS = {"none": ["speculation=none"], "draft_model": ["speculation=draft_model"],
            "eagle3": ["speculation=eagle3"], "ngram": ["speculation=ngram"],
-           "history": ["speculation=history"],
+           "history": ["speculation=history", *SETTINGS],
            "history_device": ["speculation=history", "speculation.history.drafter=device", *SETTINGS],
            "history_device_async": ["speculation=history", "speculation.history.drafter=device", *SETTINGS,
                                     "generation.async_scheduling=true"]}
@@ -33,8 +33,10 @@ def perturbed(path: str) -> dict[str, torch.Tensor]:
 
 
 def ranks_hold(gen) -> dict:
-    """Per rank: the refit weight, and the device drafter's settings and store (where it drafts)."""
+    """Per rank: the refit weight, the history drafter's settings (the device drafter's as its store
+    holds them) and the device drafter's store (where it drafts)."""
     from rlspec.speculation import device_proposer
+    from rlspec.speculation.history_proposer import HistoryProposer
 
     def read(worker):
         model = worker.model_runner.model
@@ -42,6 +44,8 @@ def ranks_hold(gen) -> dict:
         p = getattr(worker.model_runner, "drafter", None)
         if getattr(p, "drafting", None) and p.history is not None:
             return weight, (p.history.capacity, p.shadow_rows), device_proposer.state_dict(worker)
+        if isinstance(p, HistoryProposer):
+            return weight, (p.cfg.device_max_tokens, p.cfg.shadow_rows), None
         return weight, None, None
     return gen.engine.llm.collective_rpc(read)
 

@@ -13,7 +13,7 @@ from rlspec.speculation.arena import HistoryArena
 from rlspec.speculation.history import SOURCES, HistoryIndex
 from rlspec.speculation.history_stats import per_pos
 from rlspec.speculation.history_state import STATE_GLOBALS
-from rlspec.speculation.history_proposer import HistoryProposer
+from rlspec.speculation.history_proposer import HistoryProposer, configure
 from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, default_buckets
 from tests.speculation.device_history_reference import CountReference
 
@@ -261,8 +261,11 @@ def test_timing_fills_every_draft_to_k():
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4),
                           model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 100))
     prop = HistoryProposer(cfg)
+    runner = SimpleNamespace(drafter=prop,
+                             input_batch=SimpleNamespace(req_ids=["a", "b"], num_prompt_tokens=np.array([3, 4])))
+    configure(SimpleNamespace(model_runner=runner, rank=0, parallel_config=SimpleNamespace(
+        world_size=1, tensor_parallel_size=1, prefill_context_parallel_size=1)))
     prop.index.record([PROMPT], [[10, 11, 12]], wait=True)
-    prop.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"], num_prompt_tokens=np.array([3, 4])))
     prop.index.begin_call()
     ids = np.zeros((2, 64), np.int32)
     ids[0, :5], ids[1, :5] = PROMPT + [10, 11], [7, 7, 7, 7, 8]

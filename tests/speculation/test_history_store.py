@@ -16,6 +16,7 @@ import pytest
 
 from rlspec.config import HistoryConfig
 from rlspec.speculation import history_proposer as hp
+from rlspec.speculation import vllm_hooks
 from rlspec.speculation.history import HistoryIndex
 
 PROMPT = [1, 2, 3]
@@ -41,10 +42,11 @@ def salt(prompt) -> int:
 
 def fake_worker(rank: int = 0, tp: int = 1, vocab: int = 100, rows: int = 8, width: int = 64):
     """What configure and the proposer read of a vLLM worker: its model runner (input batch, drafter)
-    and its rank in the engine's workers."""
+    and its rank in the engine's workers; the engine's config carries the store's settings."""
     spec = SimpleNamespace(num_speculative_tokens=4)
     model = SimpleNamespace(max_model_len=width, get_vocab_size=lambda: vocab)
-    prop = hp.HistoryProposer(SimpleNamespace(speculative_config=spec, model_config=model))
+    settings = {vllm_hooks.CONFIG_KEY: {"prompt_keys": [2], "max_match": 8}}
+    prop = hp.HistoryProposer(SimpleNamespace(speculative_config=spec, model_config=model, additional_config=settings))
     batch = SimpleNamespace(req_ids=[], num_prompt_tokens=np.zeros(rows, np.int32))
     runner = SimpleNamespace(drafter=prop, input_batch=batch)
     parallel = SimpleNamespace(world_size=tp, tensor_parallel_size=tp, prefill_context_parallel_size=1)
@@ -100,7 +102,7 @@ def compiles_nothing_after_configure() -> None:
                 if isinstance(f, Dispatcher)}
 
     worker = fake_worker()
-    hp.configure(worker, {"prompt_keys": [2], "max_match": 8})
+    hp.configure(worker)
     before = compiled()
     drafts = a_run(worker)
     assert compiled() == before, (before, compiled())
@@ -242,7 +244,7 @@ def test_only_the_rank_whose_drafts_vllm_reads_stores_and_drafts():
     got = {}
     for rank in (0, 1):
         worker = fake_worker(rank=rank, tp=2)
-        hp.configure(worker, {"prompt_keys": [2], "max_match": 8})
+        hp.configure(worker)
         hp.record(worker, [PROMPT], [[10, 11, 12, 13]])
         hp.begin_call(worker)
         got[rank] = (engine_step(worker, {"a": (PROMPT, PROMPT + [10, 11])}, {"a": [11]}),
@@ -266,7 +268,7 @@ def test_drafts_hold_only_ids_of_the_vocabulary():
     """A stored token outside the model's vocabulary (a store loaded from another model) ends the
     draft before it."""
     worker = fake_worker(vocab=50)
-    hp.configure(worker, {"prompt_keys": [2], "max_match": 8})
+    hp.configure(worker)
     hp.record(worker, [PROMPT], [[10, 11, 12, 60, 13]])
     hp.begin_call(worker)
     assert engine_step(worker, {"a": (PROMPT, PROMPT + [10, 11])}, {"a": [11]}) == [[12]]
@@ -347,7 +349,7 @@ def test_a_draft_cut_at_max_model_len_is_counted_as_vllm_verifies_it():
     more): the counters hold those 2, and the token after them, the bonus, is not counted as an
     accepted draft token."""
     worker = fake_worker(width=8)
-    hp.configure(worker, {"prompt_keys": [2], "max_match": 8})
+    hp.configure(worker)
     hp.record(worker, [PROMPT], [[10, 11, 12, 13, 14, 15]])
     hp.begin_call(worker)
     assert engine_step(worker, {"a": (PROMPT, PROMPT + [10, 11])}, {"a": [11]}) == [[12, 13]]
