@@ -77,12 +77,29 @@ class Event:
 
 
 def copy_rows(input_batch, token_ids_gpu_tensor, num_tokens_no_spec_gpu, new_reqs, device, **buffers) -> None:
-    """update_ngram_gpu_tensors_incremental on a CPU runner: the running rows' tokens and lengths
-    copied from the input batch (the same memory space: nothing to stage)."""
-    for idx in input_batch.req_id_to_index.values():
+    """update_ngram_gpu_tensors_incremental on a CPU runner, as vLLM's does it without its staging
+    buffers: the rows of requests new to the batch (or resumed) copied whole from the input batch,
+    rows that moved gathered from where they were, every running row's length synced. The other
+    rows keep what the drafter appended (its sampled tokens): under async scheduling the input
+    batch's host copy holds placeholders (-1) for the tokens still on the device."""
+    now = input_batch.req_id_to_index
+    if not now:
+        return
+    before = input_batch.prev_req_id_to_index
+    if before is None:   # the first step: every row whole
+        fresh = list(now.values())
+    else:
+        new_ids = {r.req_id for r in new_reqs}
+        moved = [(before[r], i) for r, i in now.items() if r not in new_ids and r in before and before[r] != i]
+        if moved:
+            src, dst = (torch.tensor(x, dtype=torch.long) for x in zip(*moved))
+            token_ids_gpu_tensor[dst] = token_ids_gpu_tensor[src].clone()
+        fresh = [now[r] for r in new_ids if r in now]
+    for idx in fresh:
         n = int(input_batch.num_tokens_no_spec[idx])
         token_ids_gpu_tensor[idx, :n] = input_batch.token_ids_cpu_tensor[idx, :n]
-        num_tokens_no_spec_gpu[idx] = n
+    rows = torch.tensor(list(now.values()), dtype=torch.long)
+    num_tokens_no_spec_gpu[rows] = input_batch.num_tokens_no_spec_cpu_tensor[rows].to(num_tokens_no_spec_gpu.dtype)
 
 
 def copy_counts(counts_cpu, stream, event, counts, batch_size) -> None:

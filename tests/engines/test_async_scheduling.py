@@ -15,23 +15,24 @@ def _calls(gen, prompts, n=2):
     return [ray.get(gen.generate.remote(prompts, sampling(1, 0.0, 32)), timeout=600) for _ in range(n)]
 
 
-@pytest.mark.slow  # two engines
+@pytest.mark.slow  # three engines
 def test_async_scheduling_on_cpu_is_exact_with_the_device_drafter(ray_session, tokenizer):
     """Greedy: an engine scheduling asynchronously (its runner says so) with the device drafter
-    answers as a synchronous one without speculation, and its second call drafts from the first's
-    answers."""
+    answers as a synchronous one without speculation, its second call drafts from the first's
+    answers, and it accepts from each source what the synchronous engine's device drafter does."""
     import ray
 
     from conftest import heldout_prompts, start_generator
 
     prompts = heldout_prompts(tokenizer, 8)
     out = {}
-    for name, over in (("sync", []), ("async_device", ["generation.async_scheduling=true", "speculation=history",
-                                                        "speculation.history.drafter=device"])):
+    device = ["speculation=history", "speculation.history.drafter=device"]
+    for name, over in (("sync", []), ("sync_device", device), ("async_device", ["generation.async_scheduling=true",
+                                                                               *device])):
         gen = start_generator(over)
         info = ray.get(gen.runner_info.remote(), timeout=600)   # the first call waits for the engine
         assert (info["model_runner"], info["async_scheduling"], info["executor"], info["tensor_parallel_size"]) == \
-               ("V1", name != "sync", "uni", 1), info
+               ("V1", name.startswith("async"), "uni", 1), info
         out[name] = _calls(gen, prompts)
         ray.kill(gen)
     want = out["sync"][0].response_ids
@@ -40,4 +41,10 @@ def test_async_scheduling_on_cpu_is_exact_with_the_device_drafter(ray_session, t
     first, second = out["async_device"]
     print(f"async, device drafter: accepted {first.spec.accepted_tokens} then {second.spec.accepted_tokens}; "
           f"{second.history}")
+    # the same tokens accepted from each source as the synchronous engine's drafter (async schedules
+    # one more step a request, so rows and drafted tokens differ)
+    for sync, asyn in zip(out["sync_device"], out["async_device"]):
+        assert sync.spec.accepted_tokens == asyn.spec.accepted_tokens
+        assert {k: v for k, v in sync.history.items() if k.startswith("accepted_")} == \
+               {k: v for k, v in asyn.history.items() if k.startswith("accepted_")}
     assert second.history["accepted_history"] > 0 and second.spec.accepted_tokens > first.spec.accepted_tokens

@@ -353,6 +353,70 @@ def test_the_cpu_stand_ins_touch_only_this_drafters_runners():
     assert e.query()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_cpu_row_copy_keeps_the_rows_as_vllms_incremental_update_does(seed, monkeypatch):
+    """The CPU stand-in for vLLM's update_ngram_gpu_tensors_incremental leaves the token rows and
+    lengths vLLM's own function leaves (run here with its pinned staging swapped for plain host
+    tensors), step after step of requests arriving, finishing and moving, under async scheduling:
+    the input batch's host copy holds placeholders (-1) for the tokens the drafter appended on the
+    device. A stand-in that copied every row from the host wiped those tokens, and the drafter
+    read no siblings under async scheduling."""
+    pytest.importorskip("vllm")
+    import random
+
+    from vllm.v1.spec_decode import ngram_proposer_gpu as ngp
+
+    from rlspec.speculation.device_cpu import copy_rows
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    monkeypatch.setattr(ngp, "async_tensor_h2d", lambda data, dtype=None, device=None: torch.tensor(data, dtype=dtype))
+    g = random.Random(seed)
+    rows, width = 6, 40
+    host = torch.full((rows, width), -7, dtype=torch.int32)
+    lens = np.zeros(rows, np.int32)
+    batch = SimpleNamespace(token_ids_cpu_tensor=host, num_tokens_no_spec=lens,
+                            num_tokens_no_spec_cpu_tensor=torch.from_numpy(lens),
+                            req_id_to_index={}, prev_req_id_to_index=None)
+    theirs = (torch.full((rows, width), -9, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32))
+    ours = (theirs[0].clone(), theirs[1].clone())
+    truth: dict[str, list[int]] = {}   # each request's tokens, as the device has them
+    for step in range(12):
+        batch.prev_req_id_to_index = dict(batch.req_id_to_index) if step else None
+        ids = [r for r in batch.req_id_to_index if g.random() > 0.2]   # some finish
+        new = [f"r{step}-{j}" for j in range(g.randrange(0, rows - len(ids) + 1))]
+        for r in new:
+            truth[r] = [g.randrange(50) for _ in range(g.randrange(2, 8))]
+        running = ids + new
+        g.shuffle(running)   # rows move
+        batch.req_id_to_index = {r: i for i, r in enumerate(running)}
+        for r, i in batch.req_id_to_index.items():   # the host copy: placeholders for the last tokens
+            t = truth[r]
+            lag = 0 if r in new else min(len(t) - 1, g.randrange(0, 3))
+            host[i, : len(t)] = torch.tensor(t[: len(t) - lag] + [-1] * lag, dtype=torch.int32)
+            lens[i] = len(t)
+        reqs = [SimpleNamespace(req_id=r) for r in new]
+        staging = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.int32)
+        ngp.update_ngram_gpu_tensors_incremental(batch, *theirs, reqs, torch.device("cpu"), *staging)
+        copy_rows(batch, *ours, reqs, torch.device("cpu"))
+        live = list(batch.req_id_to_index.values())
+        assert torch.equal(ours[1][live], theirs[1][live]), step
+        for r, i in batch.req_id_to_index.items():
+            n = len(truth[r])
+            assert ours[0][i, :n].tolist() == theirs[0][i, :n].tolist(), (step, r)
+        for r, i in batch.req_id_to_index.items():   # the drafter appends each row's sampled tokens
+            more = [g.randrange(50) for _ in range(g.randrange(1, 3))]
+            n = len(truth[r])
+            if n + len(more) <= width:
+                for buf, _ in (theirs, ours):
+                    buf[i, n: n + len(more)] = torch.tensor(more, dtype=torch.int32)
+                truth[r] += more
+        assert any(len(t) > 2 for t in truth.values())
+    # and the rows hold the requests' true tokens (none of the host copy's placeholders)
+    for r, i in batch.req_id_to_index.items():
+        n = int(lens[i])
+        assert ours[0][i, :n].tolist() == truth[r][:n]
+
+
 def test_the_v2_speculator_on_vllms_own_request_states_on_this_cpu():
     """Model Runner V2's RequestState, InputBatch and post_update kernel (vLLM's Triton kernels in
     Triton's interpreter: tests/helpers/v2_on_cpu.py) drive the device speculator as V2's runner

@@ -36,14 +36,20 @@ SPECS = {
     # history drafted on the engine's device (vLLM's ngram_gpu slot): its keys go down to one token
     "history_device": ["speculation=history", "speculation.history.drafter=device"],
     "history_device_other_policy": ["speculation=history", "speculation.history.drafter=device"],
+    # vLLM's async scheduling (on by default on a GPU): the next step is scheduled before this
+    # one's tokens are back, so drafts are made for placeholders and their rows realigned after
+    "history_device_async": ["speculation=history", "speculation.history.drafter=device",
+                             "generation.async_scheduling=true"],
+    "eagle3_async": ["speculation=eagle3", "generation.async_scheduling=true"],
 }
 OTHER_POLICY = dict(temperature=0.3)
 
 
 def _sample(seed: int, setting: str, overrides: list[str], prime: bool = False):
     """Samples [prompt][n][position] (EOS ends a sample early: later positions read -1), the
-    number of accepted draft tokens and the history drafter's counters (None for other methods),
-    from a Generator actor (the training path, fix included)."""
+    number of accepted draft tokens, the history drafter's counters (None for other methods) and
+    whether the engine scheduled asynchronously, from a Generator actor (the training path, fix
+    included)."""
     import ray
 
     from rlspec.messages import Sampling
@@ -52,6 +58,7 @@ def _sample(seed: int, setting: str, overrides: list[str], prime: bool = False):
     cfg = compose(overrides)
     tok = load_tokenizer(cfg.model.path, "model.path")
     gen = start_generator(overrides, seed=seed)
+    scheduled_async = ray.get(gen.runner_info.remote(), timeout=600)["async_scheduling"]
     if prime:  # rollouts of another policy become the history (a training call records them)
         ray.get(gen.generate.remote([tok(p)["input_ids"] for p in PROMPTS],
                                     Sampling(64, OTHER_POLICY["temperature"], MAX_TOKENS)), timeout=600)
@@ -61,7 +68,7 @@ def _sample(seed: int, setting: str, overrides: list[str], prime: bool = False):
     ray.kill(gen)
     padded = [r + [-1] * (MAX_TOKENS - len(r)) for r in ro.response_ids]
     samples = [padded[i * N_SAMPLES:(i + 1) * N_SAMPLES] for i in range(len(PROMPTS))]
-    return samples, 0 if ro.spec is None else ro.spec.accepted_tokens, ro.history
+    return samples, 0 if ro.spec is None else ro.spec.accepted_tokens, ro.history, scheduled_async
 
 
 _refs: dict = {}
@@ -77,8 +84,11 @@ def _reference(setting: str):
 # (the second setting) runs in the slow tier.
 SLOW = {(m, "t07_p09_k20") for m in SPECS} | {("history_other_policy", "t1")}
 # history drafted on the device: the batch's siblings at T=1 (default suite), another policy's
-# answers under top-p / top-k (slow); the other pairs would take the same rejection paths again
-ONLY = {"history_device": {"t1"}, "history_device_other_policy": {"t07_p09_k20"}}
+# answers under top-p / top-k (slow); the other pairs would take the same rejection paths again.
+# Async scheduling at T=1: the device drafter (default suite), EAGLE-3 (slow).
+SLOW |= {("eagle3_async", "t1")}
+ONLY = {"history_device": {"t1"}, "history_device_other_policy": {"t07_p09_k20"}, "history_device_async": {"t1"},
+        "eagle3_async": {"t1"}}
 CASES = [pytest.param(m, s, marks=pytest.mark.slow) if (m, s) in SLOW else (m, s)
          for m in sorted(SPECS) for s in sorted(SETTINGS) if s in ONLY.get(m, SETTINGS)]
 
@@ -87,7 +97,8 @@ CASES = [pytest.param(m, s, marks=pytest.mark.slow) if (m, s) in SLOW else (m, s
 def test_sampled_speculation_matches_target_distribution(ray_session, method, setting):
     ref = _reference(setting)
     other = method.endswith("other_policy")
-    got, accepted, history = _sample(1, setting, SPECS[method], prime=other)
+    got, accepted, history, scheduled_async = _sample(1, setting, SPECS[method], prime=other)
+    assert scheduled_async == method.endswith("_async"), "the engine fell back to another scheduler"
     assert accepted > 100, f"only {accepted} draft tokens accepted: the test would test nothing"
     if other:  # the other policy's answers were drafted from, and taken (both drafters)
         assert history["accepted_history"] > 100, history
