@@ -266,22 +266,32 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     ray.kill(resumed)
 
 
-def test_device_drafting_with_auto_k_is_exact_and_drafts_the_k_it_is_given(ray_session, prompts):
+_PLAIN: dict = {}
+
+
+@pytest.mark.parametrize("scheduling", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_device_drafting_with_auto_k_is_exact_and_drafts_the_k_it_is_given(ray_session, prompts, scheduling):
     """Under 'auto' the scheduler's k per batch size reaches the device drafter, and its drafts are
-    that wide (vLLM's synchronous scheduler places every column it is given): at k=1 every verified
-    draft is one token, at k=0 and with speculation off vLLM verifies none; greedy answers equal no
-    speculation's throughout."""
+    that wide (vLLM's synchronous scheduler places every column it is given; its async scheduler
+    places the scheduler's k of rows k_max wide): at k=1 every verified draft is one token, at k=0
+    and with speculation off vLLM verifies none; greedy answers equal no speculation's throughout,
+    with vLLM's async scheduling too (the engine says it scheduled asynchronously)."""
     import ray
 
     from conftest import sampling, start_generator
     from helpers.auto_k import auto_calls_keep_to_their_schedule
 
-    plain = start_generator([])
-    base = _gen(plain, prompts, 1, 0.0)
-    ray.kill(plain)
+    key = tuple(map(tuple, prompts))
+    if key not in _PLAIN:   # the greedy answers without speculation, once for both schedulers
+        plain = start_generator([])
+        _PLAIN[key] = _gen(plain, prompts, 1, 0.0)
+        ray.kill(plain)
+    base = _PLAIN[key]
     auto = start_generator(["speculation=history", "speculation.history.drafter=device",
                             "speculation.num_speculative_tokens=auto", "speculation.max_speculative_tokens=3",
-                            "speculation.auto_buckets=[1,4]"])
+                            "speculation.auto_buckets=[1,4]",
+                            *(["generation.async_scheduling=true"] if scheduling == "async" else [])])
+    assert ray.get(auto.runner_info.remote(), timeout=600)["async_scheduling"] == (scheduling == "async")
     # the planner read the drafter's per-position counters
     auto_calls_keep_to_their_schedule(auto, lambda a: _gen(a, prompts, 1, 0.0), base.response_ids)
 

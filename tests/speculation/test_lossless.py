@@ -34,7 +34,6 @@ SPECS = {
     # (RL's stale history) changes how much is accepted, never what is sampled
     "history_other_policy": ["speculation=history"],
     # history drafted on the engine's device (vLLM's ngram_gpu slot): its keys go down to one token
-    "history_device": ["speculation=history", "speculation.history.drafter=device"],
     "history_device_other_policy": ["speculation=history", "speculation.history.drafter=device"],
     # vLLM's async scheduling (on by default on a GPU): the next step is scheduled before this
     # one's tokens are back, so drafts are made for placeholders and their rows realigned after
@@ -82,13 +81,14 @@ def _reference(setting: str):
 
 # Cases run with -m slow only (CI time): the default suite runs every method at T=1; top-p / top-k
 # (the second setting) runs in the slow tier.
-SLOW = {(m, "t07_p09_k20") for m in SPECS} | {("history_other_policy", "t1")}
-# history drafted on the device: the batch's siblings at T=1 (default suite), another policy's
-# answers under top-p / top-k (slow); the other pairs would take the same rejection paths again.
-# Async scheduling at T=1: the device drafter (default suite), EAGLE-3 (slow).
+SLOW = {(m, "t07_p09_k20") for m in SPECS}
+# Another policy's answers drafted from: under top-p / top-k (slow). History drafted on the device:
+# the batch's siblings at T=1 under async scheduling, the GPU's default (default suite); another
+# policy's answers under top-p / top-k, synchronous (slow). EAGLE-3 under async scheduling at T=1
+# (slow). The other pairs would take the same rejection paths again.
 SLOW |= {("eagle3_async", "t1")}
-ONLY = {"history_device": {"t1"}, "history_device_other_policy": {"t07_p09_k20"}, "history_device_async": {"t1"},
-        "eagle3_async": {"t1"}}
+ONLY = {"history_other_policy": {"t07_p09_k20"}, "history_device_other_policy": {"t07_p09_k20"},
+        "history_device_async": {"t1"}, "eagle3_async": {"t1"}}
 CASES = [pytest.param(m, s, marks=pytest.mark.slow) if (m, s) in SLOW else (m, s)
          for m in sorted(SPECS) for s in sorted(SETTINGS) if s in ONLY.get(m, SETTINGS)]
 
