@@ -1,5 +1,15 @@
 """`speculation.num_speculative_tokens=auto` with a history drafter, through a Generator actor: what
 the host and the device drafters' tests check alike."""
+import json
+
+
+def gpu_like_step_costs(path, k_max: int = 8) -> str:
+    """Step costs as a GPU's look (a step without drafting 1 s, verifying k more tokens 3% each, k
+    up to k_max), at every batch size, written to `path` for speculation.auto_step_costs: 'auto' then
+    plans from them and its measured acceptance only, whatever the load on this machine."""
+    costs = [1.0, 1.02] + [1.02 + 0.03 * k for k in range(1, k_max + 1)]
+    path.write_text(json.dumps({str(b): costs for b in (1, 16, 256)}))
+    return str(path)
 
 
 def auto_calls_keep_to_their_schedule(actor, generate, want, calls: int = 2, k_max: int = 3) -> list[float]:

@@ -228,7 +228,7 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     over = ["speculation=history", "speculation.history.drafter=device", "speculation.history.device_max_tokens=65536",
             "speculation.history.shadow_rows=7"]
     dev = start_generator(over)
-    assert ray.get(dev.runner_info.remote(), timeout=60)["speculation"] == "ngram_gpu"
+    assert ray.get(dev.runner_info.remote(), timeout=600)["speculation"] == "ngram_gpu"   # waits for the engine
 
     def store_settings(gen):
         def read(worker):
@@ -259,7 +259,7 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     state = ray.get(dev.history_state.remote(), timeout=60)
     ray.kill(dev)
     resumed = start_generator(over)
-    ray.get(resumed.load_history_state.remote(state), timeout=60)
+    ray.get(resumed.load_history_state.remote(state), timeout=600)   # the first call waits for the engine
     again = _gen(resumed, prompts, 1, 0.0)
     assert again.response_ids == base.response_ids
     assert again.spec.accepted_tokens == second.spec.accepted_tokens

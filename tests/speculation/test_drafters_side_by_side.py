@@ -9,11 +9,11 @@ tokens as the host drafter (at least 0.9x) on every call, at a fixed k=8 and und
 8). 'auto' plans here from given step costs (speculation.auto_step_costs), not from timing the
 engine: on CPU the device drafter's torch lookups cost several times the host's numba ones, and
 timed costs would compare the backends' speeds, not their drafts."""
-import json
 
 import pytest
 import torch
 
+from helpers.auto_k import gpu_like_step_costs
 from rlspec.messages import Sampling
 
 CALLS = 3   # the first call, then two after the refit
@@ -45,14 +45,6 @@ def _accepted_by_call(drafter, prompts, weights, k_overrides):
     return out
 
 
-def _step_costs(path):
-    """Step costs as a GPU's look (a step without drafting 1 s, verifying k more tokens 3% each),
-    at every batch size: 'auto' plans from them and its measured acceptance only."""
-    costs = [1.0, 1.02] + [1.02 + 0.03 * k for k in range(1, 9)]
-    path.write_text(json.dumps({str(b): costs for b in (1, 16, 256)}))
-    return str(path)
-
-
 @pytest.mark.slow  # four engines, three calls of 300 samples each
 @pytest.mark.parametrize("k", ["8", "auto"])
 def test_the_device_drafter_accepts_about_as_much_as_the_host_around_a_refit(ray_session, tokenizer, tiny_policy,
@@ -63,7 +55,7 @@ def test_the_device_drafter_accepts_about_as_much_as_the_host_around_a_refit(ray
     weights = _perturbed(tiny_policy, 0.02, 7)
     over = ["speculation.num_speculative_tokens=8"] if k == "8" else [
         "speculation.num_speculative_tokens=auto", "speculation.max_speculative_tokens=8",
-        f"speculation.auto_step_costs={_step_costs(tmp_path / 'costs.json')}"]
+        f"speculation.auto_step_costs={gpu_like_step_costs(tmp_path / 'costs.json')}"]
     host = _accepted_by_call("host", prompts, weights, over)
     device = _accepted_by_call("device", prompts, weights, over)
     print(f"k={k}: accepted / drafted / generated tokens by call, host {host}, device {device}")

@@ -34,12 +34,16 @@ def engines(ray_session):
 
 
 @pytest.fixture(scope="module")
-def auto_engine(ray_session):
-    """History drafting under 'auto' k (k <= 3, batch buckets 1 and 4)."""
+def auto_engine(ray_session, tmp_path_factory):
+    """History drafting under 'auto' k (k <= 3), planned from fixed step costs: whether a call drafts
+    follows its acceptance, not this machine's load."""
     import ray
 
+    from helpers.auto_k import gpu_like_step_costs
+
+    costs = gpu_like_step_costs(tmp_path_factory.mktemp("auto") / "costs.json", k_max=3)
     actor = start_generator(["speculation=history", "speculation.num_speculative_tokens=auto",
-                             "speculation.max_speculative_tokens=3", "speculation.auto_buckets=[1,4]"])
+                             "speculation.max_speculative_tokens=3", f"speculation.auto_step_costs={costs}"])
     yield actor
     ray.kill(actor)
 
