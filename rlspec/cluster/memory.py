@@ -38,6 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlspec.speculation import MAX_SIBLINGS, MAX_VOTERS
+from rlspec.speculation.device_memory import COUNT_WIDTH, finished_bytes, store_bytes, working_bytes
+
 GIB = 1 << 30
 ENGINE_ASLEEP_GIB = 1.0      # allocator reserve an engine keeps while asleep
 CONTEXT_GIB = 0.5            # a CUDA context: every process on a GPU holds one
@@ -50,7 +53,8 @@ FORWARD_ELEMENTS = (2, 3)
 FORWARD_HELD = 2
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GRAPH_MAX_TOKENS = 512       # vLLM 0.32's largest CUDA-graph batch by default (1024 on Blackwell data centre GPUs)
-GRAPH_MAX_SEQS = 256         # vLLM's default max_num_seqs on GPUs
+GRAPH_MAX_SEQS = 256         # vLLM's default max_num_seqs on GPUs under 70 GiB
+ENGINE_MAX_SEQS_LARGE = 1024  # vLLM 0.32's default max_num_seqs for the LLM class on GPUs of 70 GiB or more
 # EAGLE-3 head training, bytes per position and draft step: x hidden, MLP width, draft vocabulary,
 # query width (heads x head_dim), top-K soft labels
 DRAFT_STEP_BYTES = (40, 16, 4, 16, 65)
@@ -146,6 +150,23 @@ def cuda_graph_pool_gib(cfg, m) -> float:
     return forward_bytes(m, tokens, tokens, DTYPE_BYTES[g.dtype]) / g.tensor_parallel_size / GIB
 
 
+def device_drafter_gib(cfg) -> float:
+    """The device history drafter's memory per engine rank (speculation.history.drafter=device):
+    its store and the call's finished answers, allocated with the runner, and a step's working
+    tensors at the engine's largest batch (rlspec/speculation/device_memory.py); inside the
+    engine's share, taken from its KV cache (vLLM profiles a step: device_proposer.profile_step)."""
+    s = cfg.speculation
+    if s.method != "history" or s.history.drafter != "device":
+        return 0.0
+    h, L = s.history, cfg.model.max_model_len
+    rows = ENGINE_MAX_SEQS_LARGE if (cfg.cluster.gpu_memory_gib or 0) >= 70 else GRAPH_MAX_SEQS
+    levels = len(h.prompt_keys)
+    resident = store_bytes(h.device_max_tokens, levels, h.max_candidates, h.global_source, COUNT_WIDTH) + \
+        finished_bytes(rows, L)
+    return (resident + working_bytes(rows, L, s.k_max, levels, h.max_candidates, h.max_match, MAX_SIBLINGS,
+                                     MAX_VOTERS, h.global_source, COUNT_WIDTH)) / GIB
+
+
 def ipc_buffer_gib(cfg, m) -> float:
     """A learner rank's IPC refit buffer (`ipc` transport only): the engines' largest tensor, the
     embedding, or cluster.refit_bucket_mb if larger (rlspec/refit/engine.py's trainer_init_info)."""
@@ -163,7 +184,8 @@ class RoleMemory:
     gradients: float = 0.0
     optimizer: float = 0.0
     activations: float = 0.0   # while it computes (training: for backward; engines: in their fraction)
-    engine: float = 0.0        # vLLM's fraction of the GPU (weights, KV cache, activations)
+    engine: float = 0.0        # vLLM's fraction of the GPU (weights, KV cache, activations) less the drafter's
+    drafter: float = 0.0       # inside vLLM's fraction: the device history drafter's store and working tensors
     buffers: float = 0.0       # held between stages: a learner's IPC refit buffer, an engine's graph pool asleep
 
     @property
@@ -172,7 +194,7 @@ class RoleMemory:
 
     @property
     def total(self) -> float:
-        return self.resident + self.activations + self.engine
+        return self.resident + self.activations + self.engine + self.drafter
 
 
 @dataclass
@@ -188,13 +210,14 @@ class GPUMemory:
         return max(self.stages.items(), key=lambda kv: kv[1])
 
     def describe(self) -> str:
-        head = (f"{'per GPU, GiB':<16}{'weights':>9}{'grads':>8}{'optim':>8}{'activ.':>8}{'KV etc':>8}{'buffers':>9}"
-                f"{'total':>8}")
+        head = (f"{'per GPU, GiB':<16}{'weights':>9}{'grads':>8}{'optim':>8}{'activ.':>8}{'KV etc':>8}{'drafter':>9}"
+                f"{'buffers':>9}{'total':>8}")
         rows = [f"memory ({self.shape}, from its shapes; rlspec/cluster/memory.py)", head]
         for r in self.roles:
             rows.append(f"{r.role:<16}{r.weights:>9.1f}{r.gradients:>8.1f}{r.optimizer:>8.1f}{r.activations:>8.1f}"
-                        f"{r.engine:>8.1f}{r.buffers:>9.1f}{r.total:>8.1f}")
-        rows.append("(buffers: a learner's IPC refit buffer; an engine's CUDA-graph pool, kept while it sleeps "
+                        f"{r.engine:>8.1f}{r.drafter:>9.1f}{r.buffers:>9.1f}{r.total:>8.1f}")
+        rows.append("(drafter: the device history drafter's store and a step's working tensors, inside the engine's "
+                    "share; buffers: a learner's IPC refit buffer; an engine's CUDA-graph pool, kept while it sleeps "
                     "and inside its share while awake)")
         stage, peak = self.peak
         cap = f" of {self.capacity:.0f} GiB ({'fits' if peak <= self.capacity else 'DOES NOT FIT'})" \
@@ -236,8 +259,9 @@ def gpu_memory(cfg, plan) -> GPUMemory | None:
     engine_gib = g.gpu_memory_utilization * cap if cap else 0.0
     # the engine's weights (sharded over its TP ranks) sit inside its fraction; the rest is KV cache
     engine_weights = DTYPE_BYTES[g.dtype] * P / g.tensor_parallel_size / GIB
-    engine = RoleMemory(f"generator (TP {g.tensor_parallel_size})", weights=engine_weights,
-                        engine=engine_gib - engine_weights, buffers=cuda_graph_pool_gib(cfg, m))
+    drafter = device_drafter_gib(cfg)
+    engine = RoleMemory(f"generator (TP {g.tensor_parallel_size})", weights=engine_weights, drafter=drafter,
+                        engine=engine_gib - engine_weights - drafter, buffers=cuda_graph_pool_gib(cfg, m))
     draft = draft_trainer_memory(cfg, m) if cfg.speculation.online.enabled else None
     roles = [r for r in (engine, learner, logprob, draft) if r is not None]
     asleep = ENGINE_ASLEEP_GIB + engine.buffers if g.sleep_mode else engine_gib
@@ -266,9 +290,11 @@ def check_fits(mem: GPUMemory) -> tuple[str, str] | None:
         return None
     engine = mem.roles[0]
     if engine.engine <= 0:
+        drafter = f" and the device history drafter {engine.drafter:.1f} GiB" if engine.drafter else ""
         return "generation.gpu_memory_utilization", (
-            f"an engine's weights take {engine.weights:.0f} GiB per GPU, its whole share of the GPU "
-            f"({engine.total:.0f} GiB): no room for a KV cache (raise it, or generation.tensor_parallel_size)")
+            f"an engine's weights take {engine.weights:.0f} GiB per GPU{drafter}, its whole share of the GPU "
+            f"({engine.total:.0f} GiB): no room for a KV cache (raise it, or generation.tensor_parallel_size"
+            + (", or lower speculation.history.device_max_tokens" if engine.drafter else "") + ")")
     stage, peak = mem.peak
     if peak <= mem.capacity:
         return None

@@ -11,11 +11,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rlspec.speculation.device_memory import COUNT_WIDTH
 from rlspec.speculation.device_ops import _C1, _P, _powers, _signed, mix
 
 # The defaults both backends count and draft with (the host store's count table is this one:
 # rlspec/speculation/store_counts.py)
-WIDTH, MIN_PROB, SELECT = 16, 0.1, "score"
+WIDTH, MIN_PROB, SELECT = COUNT_WIDTH, 0.1, "score"
 
 
 class CountTable:
@@ -178,6 +179,3 @@ class CountTable:
         return drafts, score
 
 
-def default_buckets(capacity: int, width: int) -> int:
-    """Four entries per ring token, in buckets of `width` (a power of two, at least 16)."""
-    return max(16, 1 << int(np.ceil(np.log2(max(1, 4 * capacity // width)))))

@@ -41,8 +41,10 @@ import numpy as np
 import torch
 
 from rlspec.speculation import GLOBAL, HISTORY, MAX_SIBLINGS, MAX_VOTERS, PROMPT, SIBLINGS
-from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable, default_buckets
-from rlspec.speculation.device_ops import (first_of, fold, last_n_true, leading_run, prompt_hash,
+from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable
+from rlspec.speculation.device_memory import count_buckets as default_count_buckets
+from rlspec.speculation.device_memory import ring_buckets
+from rlspec.speculation.device_ops import (first_of, fold, last_true, leading_run, prompt_hash,
                                          prompt_siblings, salted, window_keys, window_prints)
 from rlspec.speculation.device_ring import EMPTY, END, RingSequences
 from rlspec.speculation.device_state import RingCheckpoint
@@ -95,7 +97,7 @@ class DeviceHistory(RingCheckpoint):
         self.prompt_keys = tuple(int(m) for m in prompt_keys)
         if min(self.prompt_keys, default=1) < 1 or max(self.prompt_keys) > self.max_match:
             raise ValueError("device history: key lengths must be in 1..max_match")
-        n = buckets or max(16, 1 << int(np.ceil(np.log2(max(1, len(self.prompt_keys) * self.capacity // self.width)))))
+        n = buckets or ring_buckets(self.capacity, len(self.prompt_keys), self.width)
         if n & (n - 1):
             raise ValueError(f"device history: buckets must be a power of two, got {n}")
         self.n_buckets = n
@@ -115,7 +117,7 @@ class DeviceHistory(RingCheckpoint):
         if global_source:
             keys = sorted({int(c) for c in count_keys or range(1, self.max_match + 1) if 1 <= int(c) <= self.max_match})
             self.counts = CountTable(self.device, keys, count_width,
-                                     count_buckets or default_buckets(self.capacity, count_width), count_min_prob,
+                                     count_buckets or default_count_buckets(self.capacity, count_width), count_min_prob,
                                      count_select, self.vocab)
 
     @property
@@ -313,15 +315,15 @@ class DeviceHistory(RingCheckpoint):
         return Candidates(first_of(valid, pos), length, pos, nxt)
 
     def _live_candidates(self, token_ids, n, salt, plen, ctx, k, done=0) -> Candidates:
-        """Per prompt key length m, the latest position p whose m tokens
-        before it have the row's last m tokens' fingerprint: in the row itself (any position), and
-        in each of its max_siblings - 1 siblings (an answer position), the rows of its prompt that
-        follow it in the group's order, cyclically (prompt_siblings: every row of a group larger than
-        max_siblings reads as many siblings as the host store's walk takes; the call's finished
-        answers, the last `done` rows, spread among the running ones). Each row's windows are
-        compared once with the queries of the rows that read it: [B, G-1, L+1], no gather of rows."""
+        """Per prompt key length m, the latest position p whose m tokens before it have the row's
+        last m tokens' fingerprint: in the row itself (any position), and in each of its
+        max_siblings - 1 siblings (an answer position), the rows of its prompt that follow it in the
+        group's order, cyclically (prompt_siblings: every row of a group larger than max_siblings
+        reads as many siblings as the host store's walk takes; the call's finished answers, the last
+        `done` rows, spread among the running ones). Each row's windows are compared once with the
+        queries of the rows that read it: [B, G-1, L+1], no gather of rows."""
         B, L = token_ids.shape
-        dev, G, N = n.device, min(self.max_siblings, B), 1   # N: the latest match of each
+        dev, G = n.device, min(self.max_siblings, B)
         sib, reader, listed = prompt_siblings(salt, G, done)                         # [B, G-1] each
         rows = torch.arange(B, device=dev)
         cols = torch.arange(L + 1, device=dev)
@@ -332,16 +334,16 @@ class DeviceHistory(RingCheckpoint):
             query = win.gather(1, n[:, None].clamp(max=L)) | 1                   # [B, 1]
             as_sibling = win | (before_end & (cols >= plen[:, None].clamp(min=m)))
             as_self = win | (before_end & (cols >= m))
-            # in row j, the latest N matches of the query of reader[j, g], whose g-th sibling j is
+            # in row j, the latest match of the query of reader[j, g], whose g-th sibling j is
             hit = as_sibling[:, None, :] == query[:, 0][reader][:, :, None]      # [B, G-1, L+1]
-            found = last_n_true(hit, N)                                          # [B, G-1, N]
-            p_sib = found[sib, torch.arange(G - 1, device=dev)[None]]           # [B, G-1, N]: row i's in sib[i, g]
-            p_self = last_n_true(as_self == query, N)                            # [B, N]
+            found = last_true(hit)                                               # [B, G-1]
+            p_sib = found[sib, torch.arange(G - 1, device=dev)[None]]           # [B, G-1]: row i's in sib[i, g]
+            p_self = last_true(as_self == query)[:, None]                        # [B, 1]
             ok = torch.cat([listed, listed.new_ones(B, 1)], 1) & (n >= m)[:, None]
-            cands.append(torch.where(ok[:, :, None], torch.cat([p_sib, p_self[:, None, :]], 1), -1).flatten(1))
-        p = torch.cat(cands, 1)                                                  # [B, G * N * levels]
-        row = torch.cat([sib, rows[:, None]], 1).repeat_interleave(N, 1).repeat(1, len(levels))
-        need = torch.cat([torch.full((G * N,), m, device=dev) for m in levels])[None]   # no host copy
+            cands.append(torch.where(ok, torch.cat([p_sib, p_self], 1), -1))
+        p = torch.cat(cands, 1)                                                  # [B, G * levels]
+        row = torch.cat([sib, rows[:, None]], 1).repeat(1, len(levels))
+        need = torch.cat([torch.full((G,), m, device=dev) for m in levels])[None]   # no host copy
         is_self = row == rows[:, None]
         back = p[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
         src = token_ids[row[:, :, None], back.clamp(min=0)].long()

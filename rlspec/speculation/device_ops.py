@@ -78,20 +78,12 @@ def _powers(n: int, device) -> torch.Tensor:
     return out
 
 
-def last_true(hit_reversed: torch.Tensor, L: int) -> torch.Tensor:
-    """The last True along a last dim of L+1 given reversed ([..., L+1] bool, -1 where none): an
-    argmax over bytes, which returns the first maximum."""
-    first = hit_reversed.view(torch.uint8).argmax(-1, keepdim=True)
-    return torch.where(hit_reversed.gather(-1, first), L - first, -1)[..., 0]
-
-
-def last_n_true(hit: torch.Tensor, n: int) -> torch.Tensor:
-    """The last n Trues along the last dim ([..., L+1] bool -> [..., n] indices, newest first, -1
-    past the ones there are); n=1 through last_true's argmax."""
-    if n == 1:
-        return last_true(hit.flip(-1), hit.shape[-1] - 1)[..., None]
-    cols = torch.arange(hit.shape[-1], device=hit.device)
-    return torch.where(hit, cols, -1).topk(min(n, hit.shape[-1]), -1).values
+def last_true(hit: torch.Tensor) -> torch.Tensor:
+    """The last True along the last dim ([..., L+1] bool -> [...] indices, -1 where none): an
+    argmax over the reversed bytes, which returns the first maximum."""
+    rev = hit.flip(-1)
+    first = rev.view(torch.uint8).argmax(-1, keepdim=True)
+    return torch.where(rev.gather(-1, first), hit.shape[-1] - 1 - first, -1)[..., 0]
 
 
 def leading_run(eq: torch.Tensor) -> torch.Tensor:

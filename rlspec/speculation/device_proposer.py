@@ -63,6 +63,9 @@ def _proposer_class(base):
                 removed = runner._on_request_state_removed
                 runner._on_request_state_removed = \
                     lambda req_id, state: (self._keep_finished(req_id), removed(req_id, state))[1]
+                # V1's profile run does not call an ngram_gpu drafter (V2's calls its speculator)
+                profile = runner.profile_run
+                runner.profile_run = lambda *a, **kw: (profile(*a, **kw), profile_step(self, rows))[0]
 
         def load_model(self, *args, **kwargs) -> None:
             if self.history is None:
@@ -96,10 +99,7 @@ def _proposer_class(base):
                 plens = own_prompt_lens(plens, ids, self.prompt_len_of)
             prompt_lens = torch.as_tensor(plens, dtype=torch.int64).to(self.device, non_blocking=True)
             active = valid_sampled_tokens_count > 0
-            rows, lens, plens_all, act = self.finished.after(token_ids_gpu, lengths, prompt_lens, active)
-            drafts, counts, src = self.history.propose(rows, lens, prompt_hash(rows, plens_all), plens_all, k, act,
-                                                       sources=True, done=self.finished.used)
-            drafts, counts, src = drafts[:batch], counts[:batch], src[:batch]
+            drafts, counts, src = draft_rows(self, token_ids_gpu, lengths, prompt_lens, active, k)
             if self.full:  # 'auto' times steps: the lookup as always, every draft filled to k
                 last = token_ids_gpu.gather(1, (lengths.long() - 1).clamp(min=0)[:, None])
                 drafts = torch.where(active[:, None] & (drafts < 0), last.to(drafts.dtype), drafts)
@@ -193,6 +193,8 @@ def _speculator_class(base):
                                        next_prefill_tokens, temperature, seeds, *args, dummy_run=dummy_run, **kwargs)
             n = input_batch.num_reqs
             if dummy_run:
+                if kwargs.get("is_profile"):
+                    profile_step(self, self.max_num_reqs)
                 return self.drafts[:n]
             self.call_ids.update(input_batch.req_ids[:n])
             rs, idx = self.req_states, input_batch.idx_mapping[:n].long()
@@ -214,10 +216,7 @@ def _speculator_class(base):
             else:
                 prompt_lens = rs.prompt_len.gpu[idx].long()
             active = num_sampled[:n] > 0
-            rows, lens, plens_all, act = self.finished.after(token_ids, lengths, prompt_lens, active)
-            drafts, counts, src = self.history.propose(rows, lens, prompt_hash(rows, plens_all), plens_all, k, act,
-                                                       sources=True, done=self.finished.used)
-            drafts, counts, src = drafts[:n], counts[:n], src[:n]
+            drafts, counts, src = draft_rows(self, token_ids, lengths, prompt_lens, active, k)
             self.pending.put(idx, src, torch.zeros_like(counts) if self.full else counts)
             if not self.full:
                 self.stats.add(active, counts, src)
@@ -229,6 +228,34 @@ def _speculator_class(base):
     DeviceHistorySpeculator.prompt_len_of = {}
     DeviceHistorySpeculator.full = False  # V2 fills every row to k by itself
     return DeviceHistorySpeculator
+
+
+def draft_rows(p, token_ids, lengths, prompt_lens, active, k: int):
+    """A step's drafts for the batch's rows (token_ids [B, max_model_len], lengths, prompt_lens,
+    active [B]), the call's finished answers read after them: drafts [B, k], counts [B], sources [B, k]."""
+    B = token_ids.shape[0]
+    rows, lens, plens, act = p.finished.after(token_ids, lengths, prompt_lens, active)
+    drafts, counts, src = p.history.propose(rows, lens, prompt_hash(rows, plens), plens, k, act, sources=True,
+                                            done=p.finished.used)
+    return drafts[:B], counts[:B], src[:B]
+
+
+def profile_step(p, rows: int) -> None:
+    """One step at the engine's largest shape: `rows` running rows (a fresh [rows, max_model_len]
+    token buffer, as V2's gather of the batch's rows makes) and a full ring of finished answers,
+    every row drafting k. vLLM sizes the KV cache from the peak memory of its profile run: run in
+    it, the step's working tensors, which grow with rows x max_model_len
+    (rlspec/speculation/device_memory.py), are kept out of the KV cache as the model's
+    activations are."""
+    L, dev = p.max_model_len, p.device
+    used = p.finished.used
+    p.finished.used = p.finished.tok.shape[0]
+    try:
+        ones = torch.ones(rows, dtype=torch.int64, device=dev)
+        draft_rows(p, torch.zeros((rows, L), dtype=torch.int32, device=dev), (L - 1) * ones.int(), ones,
+                   ones.bool(), p.k)
+    finally:
+        p.finished.used = used
 
 
 def shadow_rows(vllm_config) -> int:

@@ -14,7 +14,8 @@ from collections import deque
 
 import numpy as np
 
-from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable, default_buckets
+from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable
+from rlspec.speculation.device_memory import count_buckets
 from rlspec.speculation.store_ops import _P, _mix, nb
 
 
@@ -212,7 +213,7 @@ class HostCounts:
     def __init__(self, max_match: int, max_tokens: int, vocab: int, width: int = WIDTH, buckets: int | None = None,
                  min_prob: float = MIN_PROB, select: str = SELECT):
         self.max_tokens = int(max_tokens)
-        buckets = buckets or default_buckets(self.max_tokens, width)
+        buckets = buckets or count_buckets(self.max_tokens, width)
         self.table = CountTable("cpu", range(1, max_match + 1), width, buckets, min_prob, select, vocab)
         self.seqs: deque = deque()   # counted, oldest first
         self.total = 0               # their stored tokens
