@@ -131,6 +131,29 @@ def test_greedy_rollouts_are_lossless(baseline, built, prompts, method):
     assert baseline.spec is None and got.spec.drafts > 0 and got.spec.draft_tokens == 3 * got.spec.drafts
 
 
+@pytest.mark.slow  # three engines
+@pytest.mark.parametrize("method", ["draft_model", "eagle3_trained", "mtp"])
+def test_greedy_rollouts_under_async_scheduling_are_lossless(baseline, built, prompts, method):
+    """vLLM's async scheduling (a GPU's default for these methods; generation.async_scheduling=true
+    keeps it on this CPU): token for token the policy's answers without speculation, on an engine
+    whose runner says it schedules asynchronously, with drafts made (the draft model and the trained
+    head accept some)."""
+    import ray
+
+    over = {"draft_model": ["speculation=draft_model"], "eagle3_trained": ["speculation=eagle3"],
+            "mtp": ["speculation=mtp", f"model.path={built['mtp']}"]}[method]
+    actor = start_generator([*over, "generation.async_scheduling=true"],
+                            draft_dir=TRAINED_EAGLE3 if method == "eagle3_trained" else None)
+    try:
+        info = ray.get(actor.runner_info.remote(), timeout=600)
+        got = ray.get(actor.generate.remote(prompts, sampling(1, 0.0, 32)), timeout=600)
+    finally:
+        ray.kill(actor)
+    assert (info["model_runner"], info["async_scheduling"], info["executor"]) == ("V1", True, "uni"), info
+    assert got.response_ids == baseline.response_ids
+    assert got.spec.drafts > 0 and (method == "mtp" or got.spec.accepted_tokens > 0), got.spec
+
+
 def test_trained_head_accepts_in_vllm(ray_session):
     """The shipped EAGLE-3 head (rlspec.draft.train on the tiny policy) as the default experiment
     would run it: speculation=eagle3 at k=3, sampling at the rollout temperature (1.0) on 64

@@ -40,6 +40,8 @@ SPECS = {
     "history_device_async": ["speculation=history", "speculation.history.drafter=device",
                              "generation.async_scheduling=true"],
     "eagle3_async": ["speculation=eagle3", "generation.async_scheduling=true"],
+    "draft_model_async": ["speculation=draft_model", "speculation.draft_sample_method=probabilistic",
+                          "generation.async_scheduling=true"],
 }
 OTHER_POLICY = dict(temperature=0.3)
 
@@ -84,11 +86,11 @@ def _reference(setting: str):
 SLOW = {(m, "t07_p09_k20") for m in SPECS}
 # Another policy's answers drafted from: under top-p / top-k (slow). History drafted on the device:
 # the batch's siblings at T=1 under async scheduling, the GPU's default (default suite); another
-# policy's answers under top-p / top-k, synchronous (slow). EAGLE-3 under async scheduling at T=1
-# (slow). The other pairs would take the same rejection paths again.
-SLOW |= {("eagle3_async", "t1")}
+# policy's answers under top-p / top-k, synchronous (slow). EAGLE-3 and the draft model under async
+# scheduling at T=1 (slow). The other pairs would take the same rejection paths again.
+SLOW |= {("eagle3_async", "t1"), ("draft_model_async", "t1")}
 ONLY = {"history_other_policy": {"t07_p09_k20"}, "history_device_other_policy": {"t07_p09_k20"},
-        "history_device_async": {"t1"}, "eagle3_async": {"t1"}}
+        "history_device_async": {"t1"}, "eagle3_async": {"t1"}, "draft_model_async": {"t1"}}
 CASES = [pytest.param(m, s, marks=pytest.mark.slow) if (m, s) in SLOW else (m, s)
          for m in sorted(SPECS) for s in sorted(SETTINGS) if s in ONLY.get(m, SETTINGS)]
 
