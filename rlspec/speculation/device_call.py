@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from rlspec.speculation import SOURCES
+from rlspec.speculation.history_stats import HistoryStats
 
 
 class Finished:
@@ -67,14 +68,13 @@ class CallStats:
     its highest-ranked voter's, or the count table's), tokens accepted by source (accepted_<source>:
     a verification accepts its draft's first tokens, as many as it sampled less one, the bonus or
     the correction; a request's last verification is counted before vLLM cuts its tokens at a stop),
-    and per position i the rows whose draft reached it (drafts_ge_{i+1}: what 'auto' plans from, as
-    from the host drafter's HistoryStats)."""
+    and per position i the rows whose draft reached it (drafts_ge_{i+1}: what 'auto' plans from);
+    reported as the host drafter reports its own (finish: HistoryStats)."""
 
     def __init__(self, k: int = 0, device="cpu"):
         self.steps = 0
         self.rows: torch.Tensor | int = 0
         self.matched: torch.Tensor | int = 0
-        self.drafted: torch.Tensor | int = 0
         self.pos = torch.zeros(k, dtype=torch.int64, device=device)
         self.by_source = torch.zeros(len(SOURCES), dtype=torch.int64, device=device)
         self.accepted = torch.zeros(len(SOURCES), dtype=torch.int64, device=device)
@@ -91,19 +91,20 @@ class CallStats:
         self.steps += 1
         self.rows = self.rows + active.sum()
         self.matched = self.matched + (counts > 0).sum()
-        self.drafted = self.drafted + counts.sum()
         at = torch.arange(self.pos.shape[0], device=counts.device)
         self.pos += (counts.long()[:, None] > at[None]).sum(0)
         drafted = (counts.long()[:, None] > torch.arange(src.shape[1], device=src.device)[None]) & (src >= 0)
         self.by_source.scatter_add_(0, src.clamp(min=0).flatten(), drafted.flatten().long())
 
-    def as_dict(self) -> dict:
-        return {"steps": self.steps, "rows": int(self.rows), "matched": int(self.matched),
-                "drafted_tokens": int(self.drafted),
-                **{f"drafts_ge_{i + 1}": int(v) for i, v in enumerate(self.pos.tolist())},
-                **{f"drafted_{s}": int(v) for s, v in zip(SOURCES, self.by_source.tolist())},
-                **{f"accepted_{s}": int(v) for s, v in zip(SOURCES, self.accepted.tolist())},
-                "shadow_responses": 0, "shadow_rows": 0, **self.shadow}
+    def finish(self, prompts: int, history_tokens: int) -> HistoryStats:
+        """The call's counters in the schema both drafters report (one sync, at the call's end)."""
+        k, sh = self.pos.shape[0], self.shadow
+        return HistoryStats(steps=self.steps, rows=int(self.rows), matched=int(self.matched),
+                            drafted=self.by_source.tolist(), accepted=self.accepted.tolist(),
+                            drafted_pos=self.pos.tolist(), prompts=prompts, history_tokens=history_tokens,
+                            shadow_responses=sh.get("shadow_responses", 0), shadow_rows=sh.get("shadow_rows", 0),
+                            shadow_drafted_pos=[sh.get(f"shadow_drafts_ge_{i + 1}", 0) for i in range(k)],
+                            shadow_accepted_pos=[sh.get(f"shadow_accepted_ge_{i + 1}", 0) for i in range(k)])
 
 
 def append_sampled(token_ids: torch.Tensor, lengths: torch.Tensor, sampled: torch.Tensor,

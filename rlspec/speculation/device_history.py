@@ -128,6 +128,10 @@ class DeviceHistory(RingCheckpoint):
     def stored(self) -> int:
         return min(self._written, self.capacity)
 
+    def prompts(self) -> int:
+        """Prompts with an answer in the ring."""
+        return len(self._ring.by_prompt)
+
     # -- insert (between calls) ------------------------------------------------------------------------
     def insert(self, prompts, responses) -> None:
         """Finished rollouts join the ring: each as [the prompt's last max_match tokens | response |

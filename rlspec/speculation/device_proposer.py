@@ -338,7 +338,7 @@ def finish_call(worker, prompt_ids=None, response_ids=None) -> dict:
     p = _proposer(worker)
     if prompt_ids is not None and int(p.stats.rows) == 0:
         p.stats.shadow = replay_in_shadow(p.history, prompt_ids, response_ids, p.shadow_rows, p.k)
-    return {**p.stats.as_dict(), "history_tokens": p.history.stored()}
+    return p.stats.finish(p.history.prompts(), p.history.stored()).as_dict()
 
 
 def set_full(worker, full: bool) -> None:

@@ -389,6 +389,7 @@ class HistoryIndex:
         self._reserve_slots(len(self.slot_salt))
         out, out_len = self._step(token_ids, nums, new, slots, salts, plen, fresh, fresh_prompt, copy_of, k, max_len)
         asked = int(((new > 0) & (slots >= 0)).sum()) if self.drafting and k > 0 else 0
+        self.stats.steps += 1
         self.stats.rows += asked
         self.stats.matched += int((out_len > 0).sum())
         return [out[i, : out_len[i]].tolist() for i in range(rows)]

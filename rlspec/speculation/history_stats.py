@@ -17,7 +17,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class HistoryStats:
-    """Per-call counters of the history drafter (rows: a request at one engine step)."""
+    """Per-call counters of the history drafter, both backends' (rows: a request at one engine
+    step; the device drafter counts on the device and fills these at the call's end:
+    device_call.CallStats)."""
+    steps: int = 0             # engine steps the drafter was asked at
     rows: int = 0              # requests the drafter was asked for
     matched: int = 0           # ... that got a draft
     drafted: list[int] = field(default_factory=lambda: [0] * len(SOURCES))   # tokens by source
@@ -35,10 +38,11 @@ class HistoryStats:
     # the drafter's own time inside vLLM's engine steps: per (running batch bin, k) [steps, seconds]
     # (bin b: batches of 2^b .. 2^(b+1)-1 rows), what 'auto' charges to drafting alone
     propose_timing: dict = field(default_factory=dict)
-    propose_seconds: float = 0.0
+    propose_seconds: float = 0.0   # (the device drafter's time is inside the step on the device)
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d["drafted_tokens"] = sum(self.drafted)
         d["propose_timing"] = [[b, k, n, t] for (b, k), (n, t) in sorted(self.propose_timing.items())]
         for name in ("drafted", "accepted"):
             d.update({f"{name}_{s}": v for s, v in zip(SOURCES, d.pop(name))})

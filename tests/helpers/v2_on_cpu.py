@@ -90,7 +90,7 @@ def main() -> None:
     step(["a", "d"], [[27], [21, 22, 30]])                    # d follows b's answer: its sibling, finished
     step(["d"], [[31, 32]])
     out["slot_reused"] = states.req_id_to_index["d"] == b_slot
-    out["stats"] = spec.stats.as_dict()
+    out["stats"] = spec.stats.finish(0, 0).as_dict()
     # the next call: V2 frees the last call's requests at its first step, after the call began
     begin_call(types.SimpleNamespace(model_runner=types.SimpleNamespace(speculator=spec)))
     states.remove_request("d")
@@ -98,7 +98,7 @@ def main() -> None:
     add("e", p)
     step(["e"], [[20]])
     step(["e"], [[21, 22, 30]])                               # d's answer was the last call's: not e's sibling
-    out["next_call"] = spec.stats.as_dict()
+    out["next_call"] = spec.stats.finish(0, 0).as_dict()
     print(json.dumps(out))
 
 

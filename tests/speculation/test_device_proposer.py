@@ -11,6 +11,7 @@ import torch
 from rlspec.speculation import SOURCES
 from rlspec.speculation.device_history import END, DeviceHistory, prompt_hash
 from rlspec.speculation.device_ring import merge_device_states
+from rlspec.speculation.history_stats import HistoryStats
 
 SMALL = dict(max_tokens=1 << 12, width=8, max_match=8, prompt_keys=(4, 2, 1))
 
@@ -109,14 +110,16 @@ def test_the_v2_speculator_drafts_from_the_runners_request_states():
     last[3, 0], last[6, 0] = 12, 40
     out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None)
     assert out.tolist() == [[40] * 4, [13, 14, 15, 16]]
-    st = spec.stats.as_dict()
+    st = spec.stats.finish(0, 0).as_dict()
     assert st["drafted_tokens"] == 4 and (st["drafted_history"], st["drafted_global"]) == (4, 0)
+    z = [0] * 4   # the host drafter's schema (HistoryIndex's stats at k_max 4)
+    assert st.keys() == HistoryStats(drafted_pos=z, shadow_drafted_pos=z, shadow_accepted_pos=z).as_dict().keys()
     # 'auto': the step's k (V2 passes it; it keeps that many drafts a row); k=0 looks nothing up.
     # The next step's verification of slot 3 sampled 3 tokens: 2 of its history draft accepted
     out = spec.propose(batch, None, None, None, None, torch.tensor([1, 3]), torch.zeros(2), last, None, None, None,
                        num_speculative_tokens=2)
     assert out[:, :2].tolist() == [[40] * 2, [13, 14]]
-    st = spec.stats.as_dict()
+    st = spec.stats.finish(0, 0).as_dict()
     assert st["drafted_tokens"] == 6 and [st[f"drafts_ge_{i}"] for i in range(1, 5)] == [2, 2, 1, 1]
     assert (st["accepted_history"], sum(st[f"accepted_{s}"] for s in SOURCES)) == (2, 2)
     # the batch's rows swapped: credits follow the request states; slot 3 sampled 5 tokens, but its
@@ -124,11 +127,11 @@ def test_the_v2_speculator_drafts_from_the_runners_request_states():
     swapped = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([3, 6]), req_ids=["r3", "r6"])
     out = spec.propose(swapped, None, None, None, None, torch.tensor([5, 1]), torch.zeros(2), last, None, None, None,
                        num_speculative_tokens=0)
-    st = spec.stats.as_dict()
+    st = spec.stats.finish(0, 0).as_dict()
     assert out.tolist() == [[12] * 4, [40] * 4] and st["drafted_tokens"] == 6 and st["accepted_history"] == 4
     # a step that drafted nothing leaves nothing to credit
     spec.propose(swapped, None, None, None, None, torch.tensor([5, 5]), torch.zeros(2), last, None, None, None)
-    assert spec.stats.as_dict()["accepted_history"] == 4
+    assert spec.stats.finish(0, 0).as_dict()["accepted_history"] == 4
 
 
 def test_the_v2_speculator_drafts_a_resumed_answer_under_its_own_prompt():
