@@ -23,6 +23,7 @@ from rlspec.config import SpeculationConfig
 from rlspec.engines.vllm_engine import VLLMEngine, decode_only
 from rlspec.messages import RolloutBatch
 from rlspec.speculation.adaptive import OFF, DraftLengthPlanner, DraftPlan, load_step_costs, non_decreasing
+from rlspec.speculation import drafters
 
 
 class AdaptiveK:
@@ -128,7 +129,7 @@ class AdaptiveK:
         median per (bucket, k), made non-decreasing in k (a longer draft never costs less).
         Acceptance comes from the calls themselves."""
         t0 = time.perf_counter()
-        drafter = history_drafter(self.engine.spec_config)
+        drafter = drafters.history_drafter(self.engine.spec_config)
         if drafter:  # rlspec's history drafter: time every row drafting k (the planner scales)
             self.engine.llm.collective_rpc(drafter.set_full, args=(True,))
         try:
@@ -153,19 +154,6 @@ class AdaptiveK:
             costs = non_decreasing([statistics.median(samples[(b, k)]) for k in ks])
             seconds.update({(b, k): c for k, c in zip(ks, costs)})
         return seconds, k_max, max_batch
-
-
-def history_drafter(spec_config: dict | None):
-    """rlspec's history drafter module behind an engine's speculative_config (the host proposer's
-    or the device drafter's), or None for any other method."""
-    from rlspec.speculation import device_proposer, history_proposer
-
-    spec_config = spec_config or {}
-    if spec_config.get("method") == "custom_class" and spec_config.get("model") == history_proposer.PROPOSER:
-        return history_proposer
-    if spec_config.get("method") == "ngram_gpu" and spec_config.get("model") == device_proposer.MARK:
-        return device_proposer
-    return None
 
 
 def _set_drafting(worker, enabled: bool) -> None:

@@ -8,7 +8,7 @@ vLLM builds its `ngram_gpu` drafter from one name, `NgramProposerGPU`; rlspec's 
 exists) puts a subclass under that name. The subclass drafts from the history only for an engine
 whose speculative_config names MARK as its model (rlspec.speculation.vllm_config), and is vLLM's
 n-gram drafter for any other. The Generator feeds it through collective_rpc, as it feeds the
-host drafter: configure, record, finish_call, state_dict, load_state_dict.
+host drafter: drafters.DRAFTER_CALLS.
 
 vLLM's CPU build has no accelerator, and the V1 runner's `ngram_gpu` path asks for pinned host
 buffers and CUDA streams and events; on the CPU platform `install` also gives the runner CPU
@@ -304,9 +304,10 @@ def _proposer(worker):
     return drafter
 
 
-def check(worker) -> None:
+def configure(worker) -> None:
     """RuntimeError unless this worker's runner drafts with the history (a worker process where
-    install() did not run would draft with vLLM's n-gram drafter)."""
+    install() did not run would draft with vLLM's n-gram drafter); the store itself was built with
+    the runner, from the engine's config."""
     _proposer(worker)
 
 

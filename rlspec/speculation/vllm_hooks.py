@@ -111,3 +111,4 @@ def require_slots() -> None:
         raise RuntimeError(f"speculation.history.drafter=device plugs into vLLM {PINNED_VLLM}'s ngram_gpu slots, and "
                            f"the installed vLLM {vllm.__version__} differs: " + "; ".join(problems)
                            + ". Use speculation.history.drafter=host, or the vLLM version pyproject.toml pins.")
+

@@ -14,7 +14,7 @@ from rlspec.engines.vllm_engine import VLLMEngine
 from rlspec.messages import Group, RolloutBatch, Sampling
 from rlspec.models import ModelPaths
 from rlspec.refit.receiver import RefitReceiver
-from rlspec.speculation import history_proposer, vllm_hooks
+from rlspec.speculation import drafters, history_proposer, vllm_hooks
 from rlspec.speculation.calibration import AdaptiveK
 from rlspec.speculation.vllm_config import vllm_speculative_config
 
@@ -26,26 +26,22 @@ class Generator(RefitReceiver):
         torch.set_num_threads(threads)
         if nice:
             os.nice(nice)
-        self.history = speculation.method == "history"
-        self.drafter = history_proposer
+        spec_config = vllm_speculative_config(speculation, paths.draft)
+        self.drafter = drafters.history_drafter(spec_config)   # None: no history drafting
+        self.history = self.drafter is not None
         # either history drafter takes its settings from the engine's config, on every worker
         plugin_config = {vllm_hooks.CONFIG_KEY: asdict(speculation.history)} if self.history else None
-        if self.history and speculation.history.drafter == "device":  # its store is built with the runner
-            from rlspec.speculation import device_proposer
-
+        if self.history and self.drafter is not history_proposer:  # the device store is built with the runner
             vllm_hooks.require_slots()
-            self.drafter = device_proposer
             # in this process whether or not rlspec's vLLM plugins are installed here (an unpacked
             # tree, the GPU kit): an engine core built in-process takes the drafter from it
-            device_proposer.install()
-        self.engine = VLLMEngine(paths.model, paths.tokenizer, generation, model.max_model_len, seed,
-                                 vllm_speculative_config(speculation, paths.draft), additional_config=plugin_config)
+            self.drafter.install()
+        self.engine = VLLMEngine(paths.model, paths.tokenizer, generation, model.max_model_len, seed, spec_config,
+                                 additional_config=plugin_config)
         self.adaptive = AdaptiveK(self.engine, speculation) if speculation.adaptive else None
         self.history_validation = speculation.history.draft_validation
-        if self.history and self.drafter is history_proposer:
-            self.engine.llm.collective_rpc(history_proposer.configure)
-        elif self.history:
-            self.engine.llm.collective_rpc(self.drafter.check)
+        if self.history:
+            self.engine.llm.collective_rpc(self.drafter.configure)
         self.engine.sleep()  # sleep mode: hold no GPU memory until the first call (learners start next)
         self.policy_version = 0
         self.draft_version = 0

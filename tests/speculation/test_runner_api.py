@@ -134,3 +134,23 @@ def test_the_device_history_drafter_takes_ngram_gpus_slot_in_both_runners():
                                    "valid_sampled_tokens_count,"))
     src = inspect.getsource(init_speculator)
     assert "from vllm.v1.worker.gpu.spec_decode.ngram.speculator import" in src and "use_ngram()" in src
+
+
+def test_both_history_drafters_answer_the_generators_calls_and_are_chosen_from_the_engines_config():
+    """The Generator reaches either backend through the same entry points (drafters.DRAFTER_CALLS,
+    the same parameters), and picks the backend from the speculative_config it gives vLLM, as
+    'auto' calibration does."""
+    import inspect
+
+    from rlspec.speculation import device_proposer, history_proposer
+    from rlspec.speculation.drafters import DRAFTER_CALLS, history_drafter
+
+    for name in DRAFTER_CALLS:
+        host, device = getattr(history_proposer, name), getattr(device_proposer, name)
+        assert list(inspect.signature(host).parameters) == list(inspect.signature(device).parameters), name
+    spec = SpeculationConfig(method="history", num_speculative_tokens=3)
+    assert history_drafter(vllm_speculative_config(spec, None)) is history_proposer
+    spec.history.drafter = "device"
+    assert history_drafter(vllm_speculative_config(spec, None)) is device_proposer
+    assert history_drafter(vllm_speculative_config(SpeculationConfig(method="ngram"), None)) is None
+    assert history_drafter(None) is None
