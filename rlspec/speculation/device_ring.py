@@ -1,12 +1,10 @@
 """The host's record of the device history's ring (rlspec/speculation/device_history.py): its whole
 sequences in ring order, each with its size, prompt-tail length and prompt, and per prompt its
-sequences oldest first (inserts are planned here; the tensors stay on the device); and saved rings
-merged."""
+sequences oldest first (inserts are planned here; the tensors stay on the device)."""
 from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
 
 END = -1      # a stored sequence's last token
 EMPTY = -3    # an arena slot never written
@@ -46,14 +44,3 @@ class RingSequences:
     def clear(self) -> None:
         self.seqs.clear()
         self.by_prompt.clear()
-
-
-def merge_device_states(states: list[dict]) -> dict:
-    """Several engines' saved rings (DeviceHistory.state_dict) as one: their sequences one after
-    another (one ring: as saved, held state included)."""
-    if len(states) == 1:
-        return states[0]
-    return {"format": "device", **{key: np.concatenate([np.zeros(0, t)] + [np.asarray(s[key], t) for s in states])
-                                   for key, t in (("tokens", np.int32), ("salts", np.int64), ("sizes", np.int64))},
-            "heads": np.concatenate([np.zeros(0, np.int64)] + [np.asarray(s.get("heads", np.zeros(len(s["sizes"]))),
-                                                                          np.int64) for s in states])}

@@ -14,14 +14,16 @@ class RingCheckpoint:
     """DeviceHistory's state_dict and load_state_dict (a base class: the store's own attributes)."""
 
     def state_dict(self) -> dict:
-        """The ring's whole sequences, oldest first, on the host: their tokens ([prompt tail |
-        response | END], concatenated: int32), their prompts' salts (int64) and tails' lengths."""
+        """The ring's whole sequences, oldest first, on the host, in the host store's layout
+        (history_state.py: per sequence its prompt's salt, its response's length and its stored
+        length, [prompt tail | response | END]; the sequences concatenated: arena), and the ring as
+        held (exact)."""
         seqs = list(self._ring.seqs.items())
         at = self._positions([(a, n) for a, (n, _, _) in seqs])
-        return {"format": "device", "tokens": self.tok[at].cpu().numpy().astype(np.int32),
-                "salts": np.array([salt for _, (_, _, salt) in seqs], np.int64),
-                "sizes": np.array([n for _, (n, _, _) in seqs], np.int64),
-                "heads": np.array([h for _, (_, h, _) in seqs], np.int64), "exact": self._held()}
+        stored = np.array([n for _, (n, _, _) in seqs], np.int64)
+        return {"format": "device", "salt": np.array([salt for _, (_, _, salt) in seqs], np.int64).view(np.uint64),
+                "tokens": stored - 1 - np.array([h for _, (_, h, _) in seqs], np.int64), "stored": stored,
+                "arena": self.tok[at].cpu().numpy().astype(np.int32), "exact": self._held()}
 
     def _settings(self) -> str:
         """What decides the ring's layout and contents (a held state loads only into its like)."""
@@ -62,13 +64,13 @@ class RingCheckpoint:
     def load_state_dict(self, state: dict) -> None:
         """A saved ring (state_dict): as it was held where this store has its settings (the same
         drafts after a resume); else (other settings, several engines' states merged by
-        merge_device_states) its sequences inserted afresh: past capacity, the newest stay."""
-        tokens = np.asarray(state["tokens"], np.int32)
-        sizes = np.asarray(state["sizes"], np.int64)
-        salts = np.asarray(state["salts"], np.int64)
-        heads = np.asarray(state.get("heads", np.zeros(len(sizes))), np.int64)  # none: tails counted
+        history_state.merge_states) its sequences inserted afresh: past capacity, the newest stay."""
+        tokens = np.asarray(state["arena"], np.int32)
+        sizes = np.asarray(state["stored"], np.int64)
+        salts = np.asarray(state["salt"], np.uint64).view(np.int64)
+        heads = sizes - 1 - np.asarray(state["tokens"], np.int64)
         if len(sizes) != len(salts) or len(heads) != len(sizes) or int(sizes.sum()) != len(tokens) or \
-                (len(sizes) and not np.all(tokens[np.cumsum(sizes) - 1] == END)):
+                (len(sizes) and (not np.all(tokens[np.cumsum(sizes) - 1] == END) or heads.min() < 0)):
             raise ValueError("device history state: sequences and tokens do not agree")
         self.tok = torch.full_like(self.tok, EMPTY)
         self.pid, self.table, self.fill = torch.zeros_like(self.pid), torch.full_like(self.table, -1), \

@@ -16,13 +16,21 @@ STATE_GLOBALS = [np.zeros(0).__reduce__()[0], np.ndarray, np.dtype,
                  *(type(np.dtype(t)) for t in (np.int32, np.int64, np.uint64, np.bool_))]
 
 
+SEQUENCES = {"salt": np.uint64, "tokens": np.int64, "stored": np.int64, "arena": np.int32}
+
+
 def merge_states(states: list[dict]) -> dict:
-    """Several engines' saved stores (state_dict, one per Generator) as one state load_state_dict
+    """Several engines' saved stores (state_dict, one per Generator; either drafter's: the device
+    drafter saves its sequences in this layout too, format "device") as one state load_state_dict
     takes: their sequences one store after another, each in its own order, the most permissive
     admission limit and the largest chain-head count (loading applies the bounds). Every state must
-    be of one format version."""
-    if len(states) == 1:   # one engine's store: as saved (its count table too)
+    be of one drafter and one format version."""
+    if len(states) == 1:   # one engine's store: as saved (its count table, the ring as held)
         return states[0]
+    if len({s.get("format", "host") for s in states}) > 1:
+        raise ValueError("history stores saved by both speculation.history.drafter backends cannot merge")
+    if states[0].get("format") == "device":
+        return {"format": "device", **_concatenated(states)}
     versions = {s.get("version") for s in states}
     if len(versions) > 1:
         raise ValueError(f"history stores of different format versions {sorted(map(str, versions))} cannot merge")
@@ -31,9 +39,14 @@ def merge_states(states: list[dict]) -> dict:
     if version != STATE_VERSION:
         out = {"prompts": [x for s in states for x in s["prompts"]]}
         return out if version is None else {**out, "version": version, "admit_below": admit}
-    empty = {"salt": np.uint64, "tokens": np.int64, "stored": np.int64, "arena": np.int32}
     return {"version": version, "admit_below": admit, "heads": max((int(s["heads"]) for s in states), default=0),
-            **{key: np.concatenate([np.zeros(0, t)] + [s[key] for s in states]) for key, t in empty.items()}}
+            **_concatenated(states)}
+
+
+def _concatenated(states: list[dict]) -> dict:
+    """The states' sequences (SEQUENCES' arrays), one state's after another."""
+    return {key: np.concatenate([np.zeros(0, t)] + [np.asarray(s[key], t) for s in states])
+            for key, t in SEQUENCES.items()}
 
 
 def _arrays_of_v2(state: dict) -> dict:

@@ -114,7 +114,6 @@ class Generator(RefitReceiver):
 
     def load_history(self, paths: list[str]) -> None:
         """The stores saved at `paths`, merged (least recently seen first, bounds applied)."""
-        from rlspec.speculation.device_ring import merge_device_states
         from rlspec.speculation.history_state import STATE_GLOBALS, merge_states
 
         with torch.serialization.safe_globals(STATE_GLOBALS):
@@ -123,7 +122,7 @@ class Generator(RefitReceiver):
         if formats != {self.drafter is not history_proposer}:
             raise ValueError(f"history stores {paths} were saved by another speculation.history.drafter than this "
                              "run's: a run resumes with the drafter it was saved with")
-        self.load_history_state(merge_device_states(states) if True in formats else merge_states(states))
+        self.load_history_state(merge_states(states))
 
     def refit_target(self) -> VLLMEngine:
         return self.engine

@@ -90,7 +90,7 @@ def test_the_host_store_and_the_device_drafter_draft_the_same_tokens(seed):
         host.record(ps, rs, wait=True)
         device.insert(ps, rs)
         # both hold the same number of answers per prompt: at most the bound, the newest
-        held = Counter(device.state_dict()["salts"].tolist())
+        held = Counter(device.state_dict()["salt"].tolist())
         assert sorted(held.values()) == sorted(len(r.seqs) for r in host.prompts.values()), held
         assert max(held.values()) <= cfg.max_rollouts_per_prompt
     assert checked > 100, checked

@@ -326,7 +326,8 @@ def test_a_prompt_keeps_its_newest_answers_up_to_the_bound():
     # one of the two [20, 21] answers went: one vote each, the newest wins (held, 20 would have two)
     assert device_drafts(dev, [p + [10, 11]], [3], 2) == [[30, 31]]
     state = dev.state_dict()
-    assert state["sizes"].tolist() == [3 + 4 + 1] * 3 and len(set(state["salts"].tolist())) == 2
+    assert state["stored"].tolist() == [3 + 4 + 1] * 3 and state["tokens"].tolist() == [4] * 3
+    assert len(set(state["salt"].tolist())) == 2
 
 
 def test_the_ring_evicts_the_oldest():

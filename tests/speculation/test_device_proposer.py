@@ -10,7 +10,7 @@ import torch
 
 from rlspec.speculation import SOURCES
 from rlspec.speculation.device_history import END, DeviceHistory, prompt_hash
-from rlspec.speculation.device_ring import merge_device_states
+from rlspec.speculation.history_state import merge_states
 from rlspec.speculation.history_stats import HistoryStats
 
 SMALL = dict(max_tokens=1 << 12, width=8, max_match=8, prompt_keys=(4, 2, 1))
@@ -51,8 +51,8 @@ def test_a_saved_ring_loads_into_a_fresh_store_and_drafts_the_same():
         a = DeviceHistory(**{**SMALL, "max_tokens": cap})
         a.insert(prompts, answers)
         state = a.state_dict()
-        ends = np.cumsum(state["sizes"]) - 1
-        assert np.all(state["tokens"][ends] == END) and state["tokens"].size <= a.stored()
+        ends = np.cumsum(state["stored"]) - 1
+        assert np.all(state["arena"][ends] == END) and state["arena"].size <= a.stored()
         b = DeviceHistory(**{**SMALL, "max_tokens": cap})
         b.load_state_dict(state)
         assert _drafts(b, queries, [6] * 12) == _drafts(a, queries, [6] * 12)
@@ -60,12 +60,14 @@ def test_a_saved_ring_loads_into_a_fresh_store_and_drafts_the_same():
     one.insert(prompts[:6], answers[:6])
     two.insert(prompts[6:], answers[6:])
     both = DeviceHistory(**SMALL)
-    both.load_state_dict(merge_device_states([one.state_dict(), two.state_dict()]))
+    both.load_state_dict(merge_states([one.state_dict(), two.state_dict()]))
     whole = DeviceHistory(**SMALL)
     whole.insert(prompts, answers)
     assert _drafts(both, queries, [6] * 12) == _drafts(whole, queries, [6] * 12)
     with pytest.raises(ValueError, match="do not agree"):
-        both.load_state_dict({**one.state_dict(), "sizes": np.array([3])})
+        both.load_state_dict({**one.state_dict(), "stored": np.array([3])})
+    with pytest.raises(ValueError, match="both speculation.history.drafter backends"):   # one merge for both
+        merge_states([one.state_dict(), {"version": 3, "admit_below": "1", "heads": 0}])
     assert _drafts(both, queries, [6] * 12) == _drafts(whole, queries, [6] * 12)   # left as it was
 
 
