@@ -1,12 +1,14 @@
 """One drafting rule in both backends: the host store (rlspec/speculation/store.py, numba over chains)
 and the device drafter (device_history.py, torch over buckets) fed the same random traces draft the
 same tokens, whole drafts, from every source (the prompt's stored answers, the row itself, its
-siblings, the count table).
+siblings, the count table); each backend's saved state loads, alone or merged with another, to the
+drafts of the store it came from.
 
 Where the two may part by design, the traces stay inside both: nothing is evicted by size (the
 ring and the count table hold every token; the per-prompt bound bites, in both), chain heads and
-buckets enough that no key shares one with a full one, groups have at most MAX_SIBLINGS rows, and a
-finished answer stays in the batch (drafting nothing) until the call ends, when both store it."""
+buckets enough that no key shares one with a full one (a key overflows its own bucket: both read its
+newest max_candidates positions), groups have at most MAX_SIBLINGS rows, and a finished answer stays
+in the batch (drafting nothing) until the call ends, when both store it."""
 import random
 from collections import Counter
 
@@ -19,6 +21,7 @@ from rlspec.speculation import SOURCES
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
 from rlspec.speculation.arena import HistoryArena
 from rlspec.speculation.history import HistoryIndex
+from rlspec.speculation.history_state import merge_states
 
 K = 5
 RING = 1 << 14
@@ -29,17 +32,72 @@ def drafters(rng: random.Random):
     keys = [m for m in rng.choice([[8, 3, 1], [3, 1], [4, 2], [2], [1]]) if m <= max_match]
     counts = rng.random() < 0.75
     cfg = HistoryConfig(prompt_keys=keys, max_match=max_match, min_prob=rng.choice([0.25, 0.5]),
+                        max_candidates=rng.choice([2, 4, 64]),
                         global_source=counts, count_tokens=RING, max_rollouts_per_prompt=rng.choice([2, 5, 1 << 10]),
                         max_tokens=1 << 20)
+    host, device = stores(cfg)
+    return cfg, host, device
+
+
+def stores(cfg: HistoryConfig) -> tuple[HistoryIndex, DeviceHistory]:
+    """Empty host and device stores of cfg's settings."""
     host = HistoryIndex(cfg, k_max=K)
     host.walk = 1 << 30   # the live walks read every match (the device reads every row)
     # chain heads and buckets enough that no key shares a slot with another's full one
     host.arena = HistoryArena(len(host.pkeys), len(host.gkeys), 1 << 16, heads=1 << 20)
-    device = DeviceHistory(max_tokens=RING, max_match=max_match, prompt_keys=tuple(keys), min_prob=cfg.min_prob,
-                           width=cfg.max_candidates, buckets=1 << 16, max_per_prompt=cfg.max_rollouts_per_prompt,
-                           global_source=counts,
-                           **({"count_buckets": host.count_table.table.buckets} if counts else {}))
-    return cfg, host, device
+    device = DeviceHistory(max_tokens=RING, max_match=cfg.max_match, prompt_keys=tuple(cfg.prompt_keys),
+                           min_prob=cfg.min_prob, width=cfg.max_candidates, buckets=1 << 16,
+                           max_per_prompt=cfg.max_rollouts_per_prompt, global_source=cfg.global_source,
+                           **({"count_buckets": host.count_table.table.buckets} if cfg.global_source else {}))
+    return host, device
+
+
+def one_step(store, rows, plens):
+    """Every row's draft at one engine step, each row a request of its own (nothing running before)."""
+    if isinstance(store, DeviceHistory):
+        return device_step(store, rows, plens, [True] * len(rows))[0]
+    store.begin_call()
+    return store.propose([np.asarray(r, np.int32) for r in rows], [[0]] * len(rows), K,
+                         keys=[f"q{i}" for i in range(len(rows))], prompt_lens=plens)
+
+
+@pytest.mark.parametrize("backend", ["host", "device"])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_store_saved_and_merged_drafts_as_the_stores_it_came_from(backend, seed):
+    """Either backend: answers recorded call by call (the per-prompt bound biting, keys past their
+    buckets' width) and saved load into an empty store of the same settings that drafts every query
+    as the saved one did; two stores' states merged (history_state.merge_states, both backends' one
+    merge) draft as one store that recorded both's answers."""
+    rng = random.Random(seed)
+    V = rng.choice([3, 5])
+    cfg = HistoryConfig(prompt_keys=[3, 1], max_match=8, max_candidates=rng.choice([2, 64]), count_tokens=RING,
+                        max_rollouts_per_prompt=rng.choice([2, 1 << 10]), max_tokens=1 << 20)
+    pick = 0 if backend == "host" else 1
+    prompts = [[rng.randrange(V) for _ in range(rng.randrange(2, 8))] for _ in range(3)]
+    calls = [[(p, [rng.randrange(V) for _ in range(rng.randrange(3, 30))]) for p in prompts for _ in range(3)]
+             for _ in range(4)]
+    def record(store, call):
+        ps, rs = [p for p, _ in call], [r for _, r in call]
+        store.record(ps, rs, wait=True) if backend == "host" else store.insert(ps, rs)
+
+    whole, halves, parts = stores(cfg)[pick], [stores(cfg)[pick], stores(cfg)[pick]], stores(cfg)[pick]
+    for i, call in enumerate(calls):
+        record(whole, call)
+        record(halves[i % 2], call)
+    for call in calls[0::2] + calls[1::2]:   # the merged state's order: one store's answers, then the other's
+        record(parts, call)
+    queries = [p + r[: rng.randrange(1, 6)] for call in calls for p, r in call][::3]
+    plens = [len(p) for call in calls for p, _ in call][::3]
+    want = one_step(whole, queries, plens)
+    assert sum(map(len, want)) > 10, want
+    loaded = stores(cfg)[pick]
+    loaded.load_state_dict(whole.state_dict())
+    assert one_step(loaded, queries, plens) == want
+    merged = stores(cfg)[pick]
+    merged.load_state_dict(merge_states([h.state_dict() for h in halves]))
+    assert one_step(merged, queries, plens) == one_step(parts, queries, plens)
+    if backend == "device" and cfg.max_candidates == 2:
+        assert bool((whole.fill > whole.width).any())
 
 
 def device_step(device, rows, plens, active):
@@ -95,6 +153,8 @@ def test_the_host_store_and_the_device_drafter_draft_the_same_tokens(seed):
         assert max(held.values()) <= cfg.max_rollouts_per_prompt
     assert checked > 100, checked
     assert sum(x > 0 for x in by_source) >= 3, by_source
+    if device.width <= 4:   # keys past their bucket's width: the newest `width` drafted, as the chains' walk reads
+        assert bool((device.fill > device.width).any())
 
 
 def test_every_row_of_a_group_larger_than_max_siblings_drafts_from_its_siblings():
