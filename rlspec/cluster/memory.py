@@ -150,21 +150,23 @@ def cuda_graph_pool_gib(cfg, m) -> float:
     return forward_bytes(m, tokens, tokens, DTYPE_BYTES[g.dtype]) / g.tensor_parallel_size / GIB
 
 
-def device_drafter_gib(cfg) -> float:
-    """The device history drafter's memory per engine rank (speculation.history.drafter=device):
-    its store and the call's finished answers, allocated with the runner, and a step's working
-    tensors at the engine's largest batch (rlspec/speculation/device_memory.py); inside the
-    engine's share, taken from its KV cache (vLLM profiles a step: device_proposer.profile_step)."""
+def device_drafter_gib(cfg) -> tuple[float, float]:
+    """The device history drafter's memory per engine rank (speculation.history.drafter=device),
+    resident and working: its store and the call's finished answers, allocated with the runner
+    (plain torch tensors: they stay while the engine sleeps, vLLM's sleep frees its own pool), and
+    a step's working tensors at the engine's largest batch (rlspec/speculation/device_memory.py).
+    Both inside the engine's share, taken from its KV cache (vLLM profiles a step:
+    device_proposer.profile_step)."""
     s = cfg.speculation
     if s.method != "history" or s.history.drafter != "device":
-        return 0.0
+        return 0.0, 0.0
     h, L = s.history, cfg.model.max_model_len
     rows = ENGINE_MAX_SEQS_LARGE if (cfg.cluster.gpu_memory_gib or 0) >= 70 else GRAPH_MAX_SEQS
     levels = len(h.prompt_keys)
     resident = store_bytes(h.device_max_tokens, levels, h.max_candidates, h.global_source, COUNT_WIDTH) + \
         finished_bytes(rows, L)
-    return (resident + working_bytes(rows, L, s.k_max, levels, h.max_candidates, h.max_match, MAX_SIBLINGS,
-                                     MAX_VOTERS, h.global_source, COUNT_WIDTH)) / GIB
+    return resident / GIB, working_bytes(rows, L, s.k_max, levels, h.max_candidates, h.max_match, MAX_SIBLINGS,
+                                         MAX_VOTERS, h.global_source, COUNT_WIDTH) / GIB
 
 
 def ipc_buffer_gib(cfg, m) -> float:
@@ -259,12 +261,13 @@ def gpu_memory(cfg, plan) -> GPUMemory | None:
     engine_gib = g.gpu_memory_utilization * cap if cap else 0.0
     # the engine's weights (sharded over its TP ranks) sit inside its fraction; the rest is KV cache
     engine_weights = DTYPE_BYTES[g.dtype] * P / g.tensor_parallel_size / GIB
-    drafter = device_drafter_gib(cfg)
+    drafter_resident, drafter_working = device_drafter_gib(cfg)
+    drafter = drafter_resident + drafter_working
     engine = RoleMemory(f"generator (TP {g.tensor_parallel_size})", weights=engine_weights, drafter=drafter,
                         engine=engine_gib - engine_weights - drafter, buffers=cuda_graph_pool_gib(cfg, m))
     draft = draft_trainer_memory(cfg, m) if cfg.speculation.online.enabled else None
     roles = [r for r in (engine, learner, logprob, draft) if r is not None]
-    asleep = ENGINE_ASLEEP_GIB + engine.buffers if g.sleep_mode else engine_gib
+    asleep = ENGINE_ASLEEP_GIB + engine.buffers + drafter_resident if g.sleep_mode else engine_gib
     # the DraftTrainer's GPU (a learner's) holds its state throughout and trains beside the learner
     shared_resident = (logprob.resident if logprob else 0.0) + (draft.resident + CONTEXT_GIB if draft else 0.0)
     head_act = draft.activations if draft else 0.0

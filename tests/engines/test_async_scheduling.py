@@ -15,11 +15,12 @@ def _calls(gen, prompts, n=2):
     return [ray.get(gen.generate.remote(prompts, sampling(1, 0.0, 32)), timeout=600) for _ in range(n)]
 
 
-@pytest.mark.slow  # three engines
+@pytest.mark.slow  # four engines
 def test_async_scheduling_on_cpu_is_exact_with_the_device_drafter(ray_session, tokenizer):
-    """Greedy: an engine scheduling asynchronously (its runner says so) with the device drafter
-    answers as a synchronous one without speculation, its second call drafts from the first's
-    answers, and it accepts from each source what the synchronous engine's device drafter does."""
+    """Greedy: engines scheduling asynchronously (their runners say so), without speculation and
+    with the device drafter, answer as a synchronous one without speculation; the device drafter's
+    second call drafts from the first's answers, and it accepts from each source what the
+    synchronous engine's device drafter does."""
     import ray
 
     from conftest import heldout_prompts, start_generator
@@ -27,8 +28,9 @@ def test_async_scheduling_on_cpu_is_exact_with_the_device_drafter(ray_session, t
     prompts = heldout_prompts(tokenizer, 8)
     out = {}
     device = ["speculation=history", "speculation.history.drafter=device"]
-    for name, over in (("sync", []), ("sync_device", device), ("async_device", ["generation.async_scheduling=true",
-                                                                               *device])):
+    async_on = ["generation.async_scheduling=true"]
+    engines = (("sync", []), ("async", async_on), ("sync_device", device), ("async_device", [*async_on, *device]))
+    for name, over in engines:
         gen = start_generator(over)
         info = ray.get(gen.runner_info.remote(), timeout=600)   # the first call waits for the engine
         assert (info["model_runner"], info["async_scheduling"], info["executor"], info["tensor_parallel_size"]) == \

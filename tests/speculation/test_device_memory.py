@@ -107,15 +107,23 @@ def test_vllms_profile_run_drafts_a_step_at_the_engines_largest_shape_on_both_ru
 def test_the_dry_run_takes_the_device_drafters_memory_from_the_engines_kv_cache():
     """rl_zero_qwen3_8b on GB200s with the device drafter: its store, finished answers and a step
     at 1,024 rows (vLLM's default max_num_seqs on a GPU of 70 GiB or more) x max_model_len are
-    counted inside the engine's share; the host drafter (in the engine's host process) counts none."""
+    counted inside the engine's share, and the store and finished answers stay while the engine
+    sleeps through the train stage (colocated); the host drafter (in the engine's host process)
+    counts none."""
     over = ["+experiment=rl_zero_qwen3_8b", "speculation.method=history", "speculation.model=null"]
     device = resolve_auto(compose([*over, "speculation.history.drafter=device"], plain=False))
     host = resolve_auto(compose(over, plain=False))
-    d, h = gpu_memory(device, plan_of(device)).roles[0], gpu_memory(host, plan_of(host)).roles[0]
+    dm, hm = gpu_memory(device, plan_of(device)), gpu_memory(host, plan_of(host))
+    d, h = dm.roles[0], hm.roles[0]
     hist, L = device.speculation.history, device.model.max_model_len
     rows = 1024
-    expect = (store_bytes(hist.device_max_tokens, 3, hist.max_candidates, True, COUNT_WIDTH)
-              + finished_bytes(rows, L) + planned(rows, L, device.speculation.k_max, DEFAULTS)) / 2**30
-    assert d.drafter == pytest.approx(expect) == device_drafter_gib(device) and d.drafter > 1.0
+    resident = (store_bytes(hist.device_max_tokens, 3, hist.max_candidates, True, COUNT_WIDTH)
+                + finished_bytes(rows, L)) / 2**30
+    working = planned(rows, L, device.speculation.k_max, DEFAULTS) / 2**30
+    assert device_drafter_gib(device) == pytest.approx((resident, working)) and d.drafter == pytest.approx(
+        resident + working) and d.drafter > 1.0
     assert h.drafter == 0.0 and d.engine == pytest.approx(h.engine - d.drafter) and d.total == pytest.approx(h.total)
-    print(gpu_memory(device, plan_of(device)).describe())
+    assert device.generation.sleep_mode and device.cluster.placement == "colocated"
+    assert dm.stages["train"] - hm.stages["train"] == pytest.approx(resident)
+    assert dm.stages["generation"] == pytest.approx(hm.stages["generation"])
+    print(dm.describe())
