@@ -4,6 +4,7 @@ model or a registry are rlspec/checks.py's `validate`, which runs these first.""
 from __future__ import annotations
 
 from rlspec.config.schema import ASSETS, SPEC_METHODS, V1_ONLY_METHODS, ConfigError, RLSpecConfig
+from rlspec.config.speculation import HistoryConfig
 
 
 def require(ok: bool, key: str, msg: str) -> None:
@@ -179,6 +180,20 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
     require(h.drafter != "device" or h.min_rollouts_per_prompt <= 1, "speculation.history.min_rollouts_per_prompt",
             "speculation.history.drafter=device has no floor on a prompt's answers (its ring overwrites the "
             f"oldest tokens): leave it at 1, got {h.min_rollouts_per_prompt}")
+    # a key the chosen drafter does not read is refused, not ignored
+    unread = {"device": {"max_tokens": "the device ring's size is speculation.history.device_max_tokens",
+                         "count_tokens": "its count table follows the ring, speculation.history.device_max_tokens",
+                         "global_keys": "they key speculation.history.global_index=chains, which it does not take"},
+              "host": {"device_max_tokens": "the host store's size is speculation.history.max_tokens"}
+              }.get(h.drafter, {}) if sp.method == "history" else {}
+    if sp.method == "history" and h.drafter == "host" and h.global_index == "counts":
+        unread["global_keys"] = "they key speculation.history.global_index=chains; it is counts"
+    defaults = HistoryConfig()
+    for key, why in unread.items():
+        want = getattr(defaults, key)
+        require(getattr(h, key) == want, f"speculation.history.{key}",
+                f"speculation.history.drafter={h.drafter} does not read it ({why}): leave it at {want}, "
+                f"got {getattr(h, key)}")
     require(1 << 10 <= h.device_max_tokens <= 1 << 28, "speculation.history.device_max_tokens",
             f"must be in [2^10, 2^28] (about 110 bytes each on the engine's device: 28 GiB at 2^28), "
             f"got {h.device_max_tokens}")

@@ -86,7 +86,7 @@ class HistoryConfig:
     # the rows to the host, async scheduling kept on a GPU). The device store is a ring of
     # device_max_tokens tokens (about 110 bytes each: the ring, its buckets and the count table); it takes the
     # key settings above and max_rollouts_per_prompt, not min_rollouts_per_prompt or max_tokens (the ring
-    # drops the oldest tokens).
+    # drops the oldest tokens). Validation refuses a key the chosen drafter does not read.
     drafter: str = "host"
     device_max_tokens: int = 1 << 22
 

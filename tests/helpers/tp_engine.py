@@ -14,10 +14,12 @@ import sys
 import numpy as np
 import torch
 
+# a store size and the shadow rows, each drafter's own size key
 SETTINGS = ["speculation.history.device_max_tokens=65536", "speculation.history.shadow_rows=7"]
 METHODS = {"none": ["speculation=none"], "draft_model": ["speculation=draft_model"],
            "eagle3": ["speculation=eagle3"], "ngram": ["speculation=ngram"],
-           "history": ["speculation=history", *SETTINGS],
+           "history": ["speculation=history", "speculation.history.max_tokens=65536",
+                       "speculation.history.shadow_rows=7"],
            "history_device": ["speculation=history", "speculation.history.drafter=device", *SETTINGS],
            "history_device_async": ["speculation=history", "speculation.history.drafter=device", *SETTINGS,
                                     "generation.async_scheduling=true"]}
@@ -45,7 +47,7 @@ def ranks_hold(gen) -> dict:
         if getattr(p, "drafting", None) and p.history is not None:
             return weight, (p.history.capacity, p.shadow_rows), device_proposer.state_dict(worker)
         if isinstance(p, HistoryProposer):
-            return weight, (p.cfg.device_max_tokens, p.cfg.shadow_rows), None
+            return weight, (p.cfg.max_tokens, p.cfg.shadow_rows), None
         return weight, None, None
     return gen.engine.llm.collective_rpc(read)
 

@@ -16,7 +16,7 @@ from helpers.cli import drafts, records, train
 SMALL_TABLES = {"host": ["speculation.history.count_tokens=1024", "speculation.history.max_candidates=2",
                          "async_grpo.enabled=true", "async_grpo.max_policy_lag=1"],
                 "device": ["speculation.history.drafter=device", "speculation.history.device_max_tokens=1024",
-                           "speculation.history.count_tokens=1024", "speculation.history.max_candidates=2",
+                           "speculation.history.max_candidates=2",
                            "async_grpo.enabled=true", "async_grpo.max_policy_lag=0"]}
 
 
