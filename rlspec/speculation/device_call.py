@@ -78,7 +78,8 @@ class CallStats:
         self.pos = torch.zeros(k, dtype=torch.int64, device=device)
         self.by_source = torch.zeros(len(SOURCES), dtype=torch.int64, device=device)
         self.accepted = torch.zeros(len(SOURCES), dtype=torch.int64, device=device)
-        self.shadow: dict = {}
+        # a call that drafted nothing: what drafting would have accepted (DeviceHistory.shadow)
+        self.shadow = HistoryStats(shadow_drafted_pos=[0] * k, shadow_accepted_pos=[0] * k)
 
     def accept(self, src: torch.Tensor, drafted: torch.Tensor, sampled: torch.Tensor) -> None:
         """Credit the tokens each row's verification accepted (its draft's first sampled - 1, at most
@@ -98,13 +99,12 @@ class CallStats:
 
     def finish(self, prompts: int, history_tokens: int) -> HistoryStats:
         """The call's counters in the schema both drafters report (one sync, at the call's end)."""
-        k, sh = self.pos.shape[0], self.shadow
+        sh = self.shadow
         return HistoryStats(steps=self.steps, rows=int(self.rows), matched=int(self.matched),
                             drafted=self.by_source.tolist(), accepted=self.accepted.tolist(),
                             drafted_pos=self.pos.tolist(), prompts=prompts, history_tokens=history_tokens,
-                            shadow_responses=sh.get("shadow_responses", 0), shadow_rows=sh.get("shadow_rows", 0),
-                            shadow_drafted_pos=[sh.get(f"shadow_drafts_ge_{i + 1}", 0) for i in range(k)],
-                            shadow_accepted_pos=[sh.get(f"shadow_accepted_ge_{i + 1}", 0) for i in range(k)])
+                            shadow_responses=sh.shadow_responses, shadow_rows=sh.shadow_rows,
+                            shadow_drafted_pos=sh.shadow_drafted_pos, shadow_accepted_pos=sh.shadow_accepted_pos)
 
 
 def append_sampled(token_ids: torch.Tensor, lengths: torch.Tensor, sampled: torch.Tensor,

@@ -48,6 +48,7 @@ from rlspec.speculation.device_ops import (first_of, fold, last_true, leading_ru
                                          prompt_siblings, salted, window_keys, window_prints)
 from rlspec.speculation.device_ring import EMPTY, END, RingSequences
 from rlspec.speculation.device_state import RingCheckpoint
+from rlspec.speculation.history_stats import replay_in_shadow, shadow_rows
 
 UNKNOWN = -2  # past a running row's last token: not yet written
 _LIVE = 1 << 42   # ranks: a running row's position outranks any stored one; the row itself the others
@@ -131,6 +132,26 @@ class DeviceHistory(RingCheckpoint):
     def prompts(self) -> int:
         """Prompts with an answer in the ring."""
         return len(self._ring.by_prompt)
+
+    def shadow(self, stats, prompt_ids, response_ids, max_rows: int, k: int) -> None:
+        """What drafting k tokens would have accepted in a call that drafted nothing, on up to
+        about max_rows of its responses, into stats (history_stats.replay_in_shadow): the rows
+        in one batch, at step t each holding its first t + 1 response tokens."""
+        idx = shadow_rows(prompt_ids, max_rows)
+        if not idx:
+            return
+        dev, R = self.device, len(idx)
+        plen = torch.tensor([len(prompt_ids[i]) for i in idx], dtype=torch.int64, device=dev)
+        rlen = torch.tensor([len(response_ids[i]) for i in idx], dtype=torch.int64, device=dev)
+        tokens = torch.zeros(R, int((plen + rlen).max()) + 1, dtype=torch.int64, device=dev)
+        for r, i in enumerate(idx):
+            seq = list(prompt_ids[i]) + list(response_ids[i])
+            tokens[r, : len(seq)] = torch.tensor(seq, dtype=torch.int64, device=dev)
+        salts = prompt_hash(tokens, plen)
+
+        def step(t: int, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.propose(tokens, plen + rlen.clamp(max=t + 1), salts, plen, k, need)
+        replay_in_shadow(stats, step, [response_ids[i] for i in idx], k, dev)
 
     # -- insert (between calls) ------------------------------------------------------------------------
     def insert(self, prompts, responses) -> None:

@@ -23,7 +23,6 @@ import torch
 from rlspec.speculation.device_call import CallStats, Finished, Pending, append_sampled
 from rlspec.speculation.device_cpu import cpu_stand_ins
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
-from rlspec.speculation.device_shadow import replay_in_shadow
 from rlspec.speculation.history_proposer import own_prompt_lens
 from rlspec.speculation.vllm_hooks import V1_RUNNER, history_settings, slots_changed
 
@@ -251,9 +250,10 @@ def profile_step(p, rows: int) -> None:
     used = p.finished.used
     p.finished.used = p.finished.tok.shape[0]
     try:
-        ones = torch.ones(rows, dtype=torch.int64, device=dev)
-        draft_rows(p, torch.zeros((rows, L), dtype=torch.int32, device=dev), (L - 1) * ones.int(), ones,
-                   ones.bool(), p.k)
+        with torch.inference_mode():   # V1 calls it after its profile run's own inference mode ends
+            ones = torch.ones(rows, dtype=torch.int64, device=dev)
+            draft_rows(p, torch.zeros((rows, L), dtype=torch.int32, device=dev), (L - 1) * ones.int(), ones,
+                       ones.bool(), p.k)
     finally:
         p.finished.used = used
 
@@ -334,11 +334,11 @@ def record(worker, prompt_ids: list[list[int]], response_ids: list[list[int]]) -
 def finish_call(worker, prompt_ids=None, response_ids=None) -> dict:
     """The call's counters (rows asked, rows drafted for, tokens drafted, per position) and the
     store's size; given the call's rows and the call drafted nothing ('auto' ran it without), what
-    k_max drafts would have done, measured in shadow first (device_shadow.replay_in_shadow, on up to
+    k_max drafts would have done, measured in shadow first (DeviceHistory.shadow, on up to
     speculation.history.shadow_rows responses)."""
     p = _proposer(worker)
     if prompt_ids is not None and int(p.stats.rows) == 0:
-        p.stats.shadow = replay_in_shadow(p.history, prompt_ids, response_ids, p.shadow_rows, p.k)
+        p.history.shadow(p.stats.shadow, prompt_ids, response_ids, p.shadow_rows, p.k)
     return p.stats.finish(p.history.prompts(), p.history.stored()).as_dict()
 
 

@@ -68,8 +68,11 @@ class RingCheckpoint:
         tokens = np.asarray(state["arena"], np.int32)
         sizes = np.asarray(state["stored"], np.int64)
         salts = np.asarray(state["salt"], np.uint64).view(np.int64)
-        heads = sizes - 1 - np.asarray(state["tokens"], np.int64)
-        if len(sizes) != len(salts) or len(heads) != len(sizes) or int(sizes.sum()) != len(tokens) or \
+        lengths = np.asarray(state["tokens"], np.int64)
+        if len(sizes) != len(salts) or len(lengths) != len(sizes):
+            raise ValueError("device history state: sequences and tokens do not agree")
+        heads = sizes - 1 - lengths
+        if int(sizes.sum()) != len(tokens) or \
                 (len(sizes) and (not np.all(tokens[np.cumsum(sizes) - 1] == END) or heads.min() < 0)):
             raise ValueError("device history state: sequences and tokens do not agree")
         self.tok = torch.full_like(self.tok, EMPTY)

@@ -4,16 +4,11 @@ have accepted (rlspec/speculation/adaptive.py plans from both)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable
 
-import numpy as np
+import torch
 
-from rlspec.speculation import store as S
-from rlspec.speculation.arena import LiveArena
 from rlspec.speculation import SOURCES
-
-if TYPE_CHECKING:
-    from rlspec.speculation.history import HistoryIndex
 
 @dataclass
 class HistoryStats:
@@ -58,59 +53,65 @@ def per_pos(stats: dict, key: str, k_max: int) -> list[int]:
     return [stats.get(f"{key}_{i + 1}", 0) for i in range(k_max)]
 
 
-def replay_in_shadow(index: HistoryIndex, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                     max_rows: int) -> None:
-    """A call that drafted nothing ('auto' switched speculation off): measure what drafting k_max
-    tokens would have accepted, into index.stats, from the finished responses of some of its groups
-    (whole groups, evenly spread over the call, about max_rows responses). Without drafting every
-    request gains one token per engine step, so the call is replayed in lock step: at step t each
-    response's token t joins its group's live sequences (what its siblings see) and is checked
-    against the response's pending shadow draft; a verification would have accepted the matching
-    prefix and ended with the next token (the correction, or the bonus after a whole draft), where
-    the next shadow draft starts, read from the prompt's history as at the call's start, the group
-    and the prompt. Drafts are one-hot, so the probability a drafted token is sampled is the
-    probability it is accepted: the counts are those drafting would have made, without its
-    verification. Call before the call's responses are recorded."""
-    index.flush()
+def shadow_rows(prompt_ids: list[list[int]], max_rows: int) -> list[int]:
+    """The rows a shadow replay reads: whole groups, evenly spread over the call, about max_rows
+    responses, grouped by prompt."""
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompt_ids):
         groups.setdefault(tuple(p), []).append(i)
     keys = list(groups)
     if not keys or max_rows <= 0:
-        return
+        return []
     per_group = max(1, len(prompt_ids) // len(keys))
     stride = max(1, round(len(keys) * per_group / max_rows))
-    st = index.stats
-    for key in keys[::stride]:
-        rows = groups[key]
-        st.shadow_responses += len(rows)
-        prompt = np.asarray(key, np.int32)
-        salt = np.uint64(S.prompt_salt(prompt, len(prompt)))
-        live = LiveArena(capacity=len(prompt) + sum(len(response_ids[i]) for i in rows) + 16, slots=len(rows),
-                         head_bits=14, levels=len(index.gkeys), plevels=len(index.pkeys))
-        seqs = {i: np.concatenate([prompt, np.asarray(response_ids[i], np.int32)]) for i in rows}
-        live.append(0, -1, prompt, 0, len(prompt), salt, index.pkeys, index.gkeys)   # the prompt's copy
-        live.last[: len(rows)] = live.copy[: len(rows)] = live.last[0]
-        live.row[: len(rows)] = np.arange(len(rows))
-        pending: dict[int, tuple[list[int], int]] = {}
-        for t in range(max(len(response_ids[i]) for i in rows)):
-            for slot, i in enumerate(rows):
-                r = response_ids[i]
-                if t >= len(r):
-                    continue
-                n = len(prompt) + t + 1
-                live.append(slot, slot, seqs[i], n - 1, n, salt, index.pkeys, index.gkeys)
-                got = pending.pop(i, None)
-                if got is not None:
-                    draft, j = got
-                    if j < len(draft) and int(r[t]) == draft[j]:
-                        st.shadow_accepted_pos[j] += 1
-                        pending[i] = (draft, j + 1)
-                        continue
-                # a verification ends with this token (or none was pending): the next draft
-                st.shadow_rows += 1
-                draft, _ = index.draft_context(seqs[i][:n], int(salt), index.k_max, live, slot, len(rows))
-                for j in range(len(draft)):
-                    st.shadow_drafted_pos[j] += 1
-                if draft:
-                    pending[i] = (draft, 0)
+    return [i for key in keys[::stride] for i in groups[key]]
+
+
+# step(t, need [R] bool) -> (drafts [R, k], counts [R]): the drafts of the rows in `need`, every
+# row holding its prompt and its first t + 1 response tokens (those past their end, all of theirs)
+ShadowStep = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def replay_in_shadow(stats: HistoryStats, step: ShadowStep, responses: list[list[int]], k: int,
+                     device="cpu") -> None:
+    """A call that drafted nothing ('auto' switched speculation off): what drafting k tokens
+    would have accepted, added to stats' shadow counters, for both backends (their `step` reads
+    the store as it stood at the call's start: call before the call's responses are recorded).
+    Without drafting every request gains one token per engine step, so the responses are replayed
+    in lock step: at step t every response holds its first t + 1 tokens (what its siblings see),
+    and token t is checked against the response's pending draft; a verification would have
+    accepted the matching prefix and ended with the next token (the correction, or the bonus after
+    a whole draft), where the next draft starts. Drafts are one-hot, so the probability a drafted
+    token is sampled is the probability it is accepted: the counts are those drafting would have
+    made, without its verification."""
+    if not responses or k <= 0:
+        return
+    R, T = len(responses), max(map(len, responses))
+    rlen = torch.tensor([len(r) for r in responses], dtype=torch.int64, device=device)
+    tokens = torch.full((R, max(T, 1)), -1, dtype=torch.int64, device=device)
+    for r, resp in enumerate(responses):
+        tokens[r, : len(resp)] = torch.as_tensor(resp, dtype=torch.int64)
+    at = torch.arange(k, device=device)
+    draft = torch.full((R, k), -1, dtype=torch.int64, device=device)
+    j = torch.zeros(R, dtype=torch.int64, device=device)
+    verifications = torch.zeros((), dtype=torch.int64, device=device)
+    drafted, accepted = torch.zeros(k, dtype=torch.int64, device=device), torch.zeros(k, dtype=torch.int64, device=device)
+    for t in range(T):
+        alive = t < rlen
+        now = tokens[:, t]
+        hit = alive & (j < k) & (draft.gather(1, j.clamp(max=k - 1)[:, None])[:, 0] == now)
+        accepted += (hit[:, None] & (at[None] == j[:, None])).sum(0)
+        j = torch.where(hit, j + 1, j)
+        need = alive & ~hit
+        d, c = step(t, need)
+        c = torch.where(need, c.long(), 0)
+        verifications += need.sum()
+        drafted += (c[:, None] > at[None]).sum(0)
+        draft = torch.where(need[:, None], torch.where(at[None] < c[:, None], d.long(), -1), draft)
+        j = torch.where(need, 0, j)
+    stats.shadow_responses += R
+    stats.shadow_rows += int(verifications)
+    for name, got in (("shadow_drafted_pos", drafted), ("shadow_accepted_pos", accepted)):
+        have = getattr(stats, name)
+        have += [0] * (k - len(have))
+        setattr(stats, name, [a + b for a, b in zip(have, got.tolist())] + have[k:])

@@ -9,7 +9,7 @@ import torch
 
 from rlspec.speculation import GLOBAL, HISTORY, PROMPT, SIBLINGS
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
-from rlspec.speculation.device_shadow import replay_in_shadow
+from rlspec.speculation.history_stats import HistoryStats
 from tests.speculation.device_history_reference import Reference
 from tests.speculation.device_history_reference import prompt_hash as ref_prompt_hash
 
@@ -114,6 +114,12 @@ def shadow_reference(ref, prompts, responses, rows, k):
                 drafted[x] += 1
             pending[i] = (fresh[slot], 0)
     return verifications, drafted, accepted
+
+
+def replay_in_shadow(dev, prompts, responses, max_rows, k):
+    st = HistoryStats()
+    dev.shadow(st, prompts, responses, max_rows, k)
+    return st.as_dict()
 
 
 def shadow_counts(st, k):
