@@ -8,6 +8,12 @@ vLLM loads its plugins there: `ray_device_key_for_cpu` is the Ray job's worker s
 
 
 def ray_device_key_for_cpu() -> None:
+    import os
+
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":   # Model Runner V2 here: before vLLM's import
+        from helpers.v2_on_cpu import enable
+
+        enable()
     from vllm.platforms.cpu import CpuPlatform
 
     CpuPlatform.ray_device_key = "GPU"
@@ -15,12 +21,14 @@ def ray_device_key_for_cpu() -> None:
 
 def init_ray(gpus: int = 2) -> None:
     """A local Ray cluster of this machine's 2 cores and `gpus` declared GPUs, every worker of it
-    (and this process) with the CPU platform's Ray device key."""
+    (and this process) with the CPU platform's Ray device key; with VLLM_USE_V2_MODEL_RUNNER=1
+    (and TRITON_INTERPRET=1) in this process's environment, every worker runs Model Runner V2 as
+    tests/helpers/v2_on_cpu.py sets it up."""
     import os
 
     import ray
 
     ray_device_key_for_cpu()
+    env = {k: os.environ[k] for k in ("PYTHONPATH", "VLLM_USE_V2_MODEL_RUNNER", "TRITON_INTERPRET") if k in os.environ}
     ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"worker_process_setup_hook": ray_device_key_for_cpu,
-                          "env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+             runtime_env={"worker_process_setup_hook": ray_device_key_for_cpu, "env_vars": env})

@@ -2,7 +2,9 @@
 and placement groups on a Ray cluster declaring 2 GPUs, none needed), the TP=2 engines' workers
 through vLLM's Ray executor (tests/helpers/ray_on_cpu.py). Run as a child process: argv, the
 speculation methods to run at TP=2 (draft_model, eagle3, ngram, history, history_device, and
-history_device_async under async scheduling); TP=1 without speculation is the reference. Each
+under async scheduling history_device_async, eagle3_async, draft_model_async); TP=1 on Model Runner
+V1 without speculation is the reference. With VLLM_USE_V2_MODEL_RUNNER=1 and TRITON_INTERPRET=1 in
+the environment the TP=2 engines run Model Runner V2 (tests/helpers/ray_on_cpu.py). Each
 engine answers a greedy call on 4 held-out prompts (recorded as history); history engines answer
 it again (drafting from the first call's answers); the reference and the device drafter's engines
 then take a refit of perturbed weights and answer once more. Prints, as JSON, per engine: the
@@ -22,7 +24,9 @@ METHODS = {"none": ["speculation=none"], "draft_model": ["speculation=draft_mode
                        "speculation.history.shadow_rows=7"],
            "history_device": ["speculation=history", "speculation.history.drafter=device", *SETTINGS],
            "history_device_async": ["speculation=history", "speculation.history.drafter=device", *SETTINGS,
-                                    "generation.async_scheduling=true"]}
+                                    "generation.async_scheduling=true"],
+           "eagle3_async": ["speculation=eagle3", "generation.async_scheduling=true"],
+           "draft_model_async": ["speculation=draft_model", "generation.async_scheduling=true"]}
 REFIT = "model.norm.weight"   # replicated on every rank: read back whole on each
 
 
@@ -43,7 +47,8 @@ def ranks_hold(gen) -> dict:
     def read(worker):
         model = worker.model_runner.model
         weight = dict(model.named_parameters())[REFIT].detach().clone()
-        p = getattr(worker.model_runner, "drafter", None)
+        runner = worker.model_runner   # Model Runner V1's drafter, V2's speculator
+        p = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
         if getattr(p, "drafting", None) and p.history is not None:
             return weight, (p.history.capacity, p.shadow_rows), device_proposer.state_dict(worker)
         if isinstance(p, HistoryProposer):
@@ -68,7 +73,9 @@ def run(method: str, tp: int, prompts, weights) -> dict:
                                    num_generators=1, learner_world_size=1, logprob_world_size=1), tp)
     placed = create_placement_groups(plan, 120)
     o = actor_options(plan, placed, GEN, 0)
-    gen = ray.remote(Generator).options(**o["options"], **({"runtime_env": {"env_vars": o["env"]}} if o["env"] else {})
+    # the reference is Model Runner V1 whatever the others run
+    env = {**o["env"], **({"VLLM_USE_V2_MODEL_RUNNER": "0"} if method == "none" else {})}
+    gen = ray.remote(Generator).options(**o["options"], **({"runtime_env": {"env_vars": env}} if env else {})
                                         ).remote(paths=paths_of(cfg), model=cfg.model, generation=cfg.generation,
                                                  speculation=cfg.speculation, seed=0, threads=1)
     out = {"method": method, "tp": tp, "bundles": o["env"].get("VLLM_RAY_BUNDLE_INDICES"),

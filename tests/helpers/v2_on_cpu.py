@@ -17,7 +17,8 @@ import torch
 
 
 def enable() -> None:
-    """The three settings above; before vLLM is imported."""
+    """The three settings above, and Triton's interpreter typing comparisons as compiled Triton
+    does; before vLLM is imported."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     assert "vllm" not in sys.modules, "enable() before vLLM is imported"
     import triton.backends
@@ -27,10 +28,32 @@ def enable() -> None:
         def is_active() -> bool:
             return True
 
+        @staticmethod
+        def get_current_target():
+            # torch's inductor (vLLM compiles a few CPU ops with it, e.g. the vocabulary shard's
+            # mask under tensor parallelism) hashes the Triton target into its cache key and
+            # takes a RuntimeError as "no Triton target"
+            raise RuntimeError("no Triton target on this CPU: Triton's interpreter runs vLLM's kernels")
+
     triton.backends.backends.setdefault("cpu", types.SimpleNamespace(driver=_Driver, compiler=None))
+    interpreter_comparisons_are_int1()
     from vllm.v1.worker.gpu import buffer_utils
 
     buffer_utils.is_uva_available = lambda: False
+
+
+def interpreter_comparisons_are_int1() -> None:
+    """Triton's interpreter tags a comparison's result with its operands' type, not int1: a mask
+    made of a compared int64 scalar and a block mask (`mask & (idx >= 0)`, as vLLM's gumbel
+    sampler and n-gram speculator store with) then broadcasts as int64, and the masked store
+    refuses it ("mask has unsupported dtype"). The result tagged int1, as compiled Triton types it."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    for name in [n for n in vars(builder) if n.startswith(("create_icmp", "create_fcmp"))]:
+        setattr(builder, name, lambda self, lhs, rhs, _cmp=getattr(builder, name):
+                interpreter.TensorHandle(_cmp(self, lhs, rhs).data, tl.int1))
 
 
 def main() -> None:
