@@ -5,7 +5,7 @@ platform given a Ray device key (tests/helpers/ray_on_cpu.py), the ranks talking
 child process (tests/helpers/tp_engine.py) runs TP=1 without speculation, then TP=2 with each
 drafter rlspec builds on vLLM (history on the device under async scheduling, a GPU's default, and
 on the host; a draft model; EAGLE-3), on Model Runner V1; a second runs TP=2 on Model Runner V2
-scheduling asynchronously, as a GPU runs it. vLLM's own n-gram drafter ran here too (tp_engine.py
+scheduling asynchronously, as a GPU runs it, each engine's ranks on two Ray nodes. vLLM's own n-gram drafter ran here too (tp_engine.py
 ngram) and is left out of the suite for time: it drafts on the host from the token ids alone, as at
 TP=1."""
 import json
@@ -81,14 +81,17 @@ def test_tensor_parallel_engines_on_vllms_ray_executor_answer_as_one_rank():
     assert host[1][0]["accepted_history"] > 0
 
 
-@pytest.mark.slow  # four engines, three of them two ranks on Model Runner V2: about 3 minutes
-def test_tensor_parallel_engines_on_model_runner_v2_scheduling_asynchronously_answer_as_one_rank():
-    """What a GPU cluster runs for a model that needs tensor parallelism: TP=2 through vLLM's Ray
-    executor, Model Runner V2 in both ranks (its Triton kernels in Triton's interpreter, set up in
-    every Ray worker: tests/helpers/ray_on_cpu.py), scheduling asynchronously, with the device
-    drafter, EAGLE-3 and a draft model. Greedy answers equal TP=1's on V1 without speculation on
-    every call, the refit included; drafts are accepted; the device drafter's ranks agree as on V1."""
-    _, by = _run(V2_METHODS, "V2", VLLM_USE_V2_MODEL_RUNNER="1", TRITON_INTERPRET="1")
+@pytest.mark.slow  # four engines, three of them two ranks on Model Runner V2: about 2 minutes
+def test_tensor_parallel_engines_across_two_nodes_on_model_runner_v2_answer_as_one_rank():
+    """What a GPU cluster runs for a model that needs tensor parallelism over nodes: two Ray nodes
+    (on loopback, one declared GPU each), TP=2 through vLLM's Ray executor with a rank on each node,
+    Model Runner V2 in both ranks (its Triton kernels in Triton's interpreter, set up in every Ray
+    worker: tests/helpers/ray_on_cpu.py), scheduling asynchronously, with the device drafter,
+    EAGLE-3 and a draft model. Greedy answers equal TP=1's on V1 without speculation on every call,
+    the refit included; drafts are accepted; the device drafter's ranks agree as on one node."""
+    _, by = _run(V2_METHODS, "V2", VLLM_USE_V2_MODEL_RUNNER="1", TRITON_INTERPRET="1", TP_NODES="2")
+    for m, e in by.items():   # one rank on each node
+        assert len(set(e["node_by_rank"])) == 2, (m, e["node_by_rank"])
     assert {m: by[m]["runner"]["speculation"] for m in V2_METHODS} == {
         "history_device_async": "ngram_gpu", "eagle3_async": "eagle3", "draft_model_async": "draft_model"}
     assert all(c["accepted"] > 0 for m in ("eagle3_async", "draft_model_async") for c in by[m]["calls"])

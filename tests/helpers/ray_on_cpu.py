@@ -19,16 +19,27 @@ def ray_device_key_for_cpu() -> None:
     CpuPlatform.ray_device_key = "GPU"
 
 
-def init_ray(gpus: int = 2) -> None:
+def init_ray(gpus: int = 2, nodes: int = 1):
     """A local Ray cluster of this machine's 2 cores and `gpus` declared GPUs, every worker of it
     (and this process) with the CPU platform's Ray device key; with VLLM_USE_V2_MODEL_RUNNER=1
     (and TRITON_INTERPRET=1) in this process's environment, every worker runs Model Runner V2 as
-    tests/helpers/v2_on_cpu.py sets it up."""
+    tests/helpers/v2_on_cpu.py sets it up. With nodes > 1, that many Ray nodes on loopback
+    (ray.cluster_utils), `gpus` declared on each: the cluster, to shut down after ray's."""
     import os
 
     import ray
 
     ray_device_key_for_cpu()
     env = {k: os.environ[k] for k in ("PYTHONPATH", "VLLM_USE_V2_MODEL_RUNNER", "TRITON_INTERPRET") if k in os.environ}
-    ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"worker_process_setup_hook": ray_device_key_for_cpu, "env_vars": env})
+    runtime_env = {"worker_process_setup_hook": ray_device_key_for_cpu, "env_vars": env}
+    if nodes == 1:
+        ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+        return None
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": gpus, "include_dashboard": False})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=2, num_gpus=gpus)
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env=runtime_env)
+    cluster.wait_for_nodes()
+    return cluster

@@ -9,8 +9,9 @@ engine answers a greedy call on 4 held-out prompts (recorded as history); histor
 it again (drafting from the first call's answers); the reference and the device drafter's engines
 then take a refit of perturbed weights and answer once more. Prints, as JSON, per engine: the
 runner, each call's answers, each rank's drafter counters, and what each rank holds (the drafter's
-settings and store, the refit weight)."""
+settings and store, the refit weight) and the Ray node it ran on."""
 import json
+import os
 import sys
 
 import numpy as np
@@ -28,6 +29,8 @@ METHODS = {"none": ["speculation=none"], "draft_model": ["speculation=draft_mode
            "eagle3_async": ["speculation=eagle3", "generation.async_scheduling=true"],
            "draft_model_async": ["speculation=draft_model", "generation.async_scheduling=true"]}
 REFIT = "model.norm.weight"   # replicated on every rank: read back whole on each
+# Ray nodes on loopback (TP_NODES in the environment): with 2, each TP=2 engine has a rank on each
+NODES = int(os.environ.get("TP_NODES", "1"))
 
 
 def perturbed(path: str) -> dict[str, torch.Tensor]:
@@ -45,15 +48,18 @@ def ranks_hold(gen) -> dict:
     from rlspec.speculation.history_proposer import HistoryProposer
 
     def read(worker):
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
         model = worker.model_runner.model
         weight = dict(model.named_parameters())[REFIT].detach().clone()
         runner = worker.model_runner   # Model Runner V1's drafter, V2's speculator
         p = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
         if getattr(p, "drafting", None) and p.history is not None:
-            return weight, (p.history.capacity, p.shadow_rows), device_proposer.state_dict(worker)
+            return weight, (p.history.capacity, p.shadow_rows), device_proposer.state_dict(worker), node
         if isinstance(p, HistoryProposer):
-            return weight, (p.cfg.max_tokens, p.cfg.shadow_rows), None
-        return weight, None, None
+            return weight, (p.cfg.max_tokens, p.cfg.shadow_rows), None, node
+        return weight, None, None, node
     return gen.engine.llm.collective_rpc(read)
 
 
@@ -69,7 +75,7 @@ def run(method: str, tp: int, prompts, weights) -> dict:
 
     cfg = resolved(METHODS[method])
     cfg.generation.tensor_parallel_size = tp
-    plan = make_plan(ClusterConfig(nodes=1, gpus_per_node=2, cpus_per_slot=1, placement="colocated",
+    plan = make_plan(ClusterConfig(nodes=NODES, gpus_per_node=2 // NODES, cpus_per_slot=1, placement="colocated",
                                    num_generators=1, learner_world_size=1, logprob_world_size=1), tp)
     placed = create_placement_groups(plan, 120)
     o = actor_options(plan, placed, GEN, 0)
@@ -90,6 +96,7 @@ def run(method: str, tp: int, prompts, weights) -> dict:
     held = ray.get(gen.__ray_call__.remote(ranks_hold), timeout=120)
     out["refit_on_rank"] = [bool(torch.equal(h[0], weights[REFIT])) for h in held] if calls == 3 else None
     out["settings_by_rank"] = [h[1] for h in held]
+    out["node_by_rank"] = [h[3] for h in held]
     states = [h[2] for h in held]
     out["stores_equal"] = all(_equal(states[0], s) for s in states[1:])
     ray.kill(gen)
@@ -111,16 +118,21 @@ def _equal(a, b) -> bool:
 
 
 def main() -> None:
+    import ray
+
     from conftest import ROOT, heldout_prompts
     from helpers.ray_on_cpu import init_ray
     from rlspec.models import load_tokenizer
 
-    init_ray(gpus=2)
+    cluster = init_ray(gpus=2 // NODES, nodes=NODES)
     policy = str(ROOT / "rlspec" / "assets" / "tiny" / "policy")
     prompts = heldout_prompts(load_tokenizer(policy, "model.path"), 4)
     weights = perturbed(policy)
     engines = [run("none", 1, prompts, weights)] + [run(m, 2, prompts, weights) for m in sys.argv[1:]]
     print(json.dumps(engines))
+    if cluster is not None:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -2,14 +2,21 @@
 interpreter: tests/helpers/v2_on_cpu.py's enable), run as a child process with argv[1] V1 or V2 and
 the rest `python -m rlspec.train` overrides: two greedy calls of 24 tokens on held-out prompts,
 the first call's answers recorded as history. Prints the runner vLLM chose, each call's answers
-and its drafter counters, as JSON."""
+and its drafter counters, as JSON. With `--sample N` after the runner: one call at temperature 1
+instead, N samples of up to SAMPLE_TOKENS tokens for each of test_lossless.PROMPTS, the engine seeded
+with SEED (`--sample N SEED`)."""
 import json
 import os
 import sys
 
+SAMPLE_TOKENS = 4
+
 
 def main() -> None:
     runner, overrides = sys.argv[1], sys.argv[2:]
+    samples, seed = None, 0
+    if overrides[:1] == ["--sample"]:
+        samples, seed, overrides = int(overrides[1]), int(overrides[2]), overrides[3:]
     if runner == "V2":
         from helpers.v2_on_cpu import enable
 
@@ -23,10 +30,19 @@ def main() -> None:
 
     cfg = resolved(overrides)
     paths = paths_of(cfg)
-    gen = Generator(paths=paths, model=cfg.model, generation=cfg.generation, speculation=cfg.speculation, seed=0,
-                    threads=2)
-    prompts = heldout_prompts(load_tokenizer(paths.model, "model.path"), 4)
+    gen = Generator(paths=paths, model=cfg.model, generation=cfg.generation, speculation=cfg.speculation,
+                    seed=seed, threads=2)
+    tok = load_tokenizer(paths.model, "model.path")
     out = {"runner": gen.runner_info(), "calls": []}
+    if samples is not None:
+        from speculation.test_lossless import PROMPTS
+
+        ro = gen.generate([tok(p)["input_ids"] for p in PROMPTS], Sampling(samples, 1.0, SAMPLE_TOKENS))
+        out["samples"] = ro.response_ids
+        out["accepted"] = ro.spec.accepted_tokens if ro.spec else 0
+        print(json.dumps(out))
+        return
+    prompts = heldout_prompts(tok, 4)
     for _ in range(2):
         ro = gen.generate(prompts, Sampling(1, 0.0, 24, seed=0))
         out["calls"].append({"answers": ro.response_ids, "history": ro.history,

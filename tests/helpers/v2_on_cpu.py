@@ -37,6 +37,7 @@ def enable() -> None:
 
     triton.backends.backends.setdefault("cpu", types.SimpleNamespace(driver=_Driver, compiler=None))
     interpreter_comparisons_are_int1()
+    interpreter_log1p()
     from vllm.v1.worker.gpu import buffer_utils
 
     buffer_utils.is_uva_available = lambda: False
@@ -54,6 +55,18 @@ def interpreter_comparisons_are_int1() -> None:
     for name in [n for n in vars(builder) if n.startswith(("create_icmp", "create_fcmp"))]:
         setattr(builder, name, lambda self, lhs, rhs, _cmp=getattr(builder, name):
                 interpreter.TensorHandle(_cmp(self, lhs, rhs).data, tl.int1))
+
+
+def interpreter_log1p() -> None:
+    """Triton's interpreter runs no libdevice function (their stubs return None). V2's rejection
+    sampler resamples a rejected position from the residual max(p - q, 0) with libdevice's log1p
+    (vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py): numpy's, elementwise, in the
+    operand's dtype."""
+    import triton.language as tl
+    import triton.language.extra.libdevice as libdevice
+    from triton.runtime import interpreter
+
+    libdevice.log1p = lambda x: tl.tensor(interpreter.TensorHandle(np.log1p(x.handle.data), x.handle.dtype), x.type)
 
 
 def main() -> None:
