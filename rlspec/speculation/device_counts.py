@@ -16,25 +16,24 @@ from rlspec.speculation.device_ops import _C1, _P, _powers, _signed, mix
 
 # The defaults both backends count and draft with (the host store's count table is this one:
 # rlspec/speculation/store_counts.py)
-WIDTH, MIN_PROB, SELECT = COUNT_WIDTH, 0.1, "score"
+WIDTH, MIN_PROB = COUNT_WIDTH, 0.1
 
 
 class CountTable:
     """keys: context lengths counted (ascending); width: entries per bucket; buckets: their count
     (a power of two); min_prob: a draft goes on while the product of its tokens' shares is at least
-    this; select: `score` (walk from every context length with counts and keep the draft of highest
-    score, the sum of those products, ties to the longer: suffix decoding's choice) or `longest`
-    (walk from the longest); vocab: ids at or past it end a draft."""
+    this, walked from every context length with counts, the draft of highest score (the sum of
+    those products, ties to the longer: suffix decoding's choice) kept; vocab: ids at or past it
+    end a draft. (The walk from the longest context alone drafted less: the count_select=longest
+    row of docs/bench/history_rule_variants_counts.json.)"""
 
-    def __init__(self, device, keys, width: int, buckets: int, min_prob: float, select: str, vocab: int):
-        if select not in ("longest", "score"):
-            raise ValueError(f"device history: count_select must be longest or score, got {select!r}")
+    def __init__(self, device, keys, width: int, buckets: int, min_prob: float, vocab: int):
         if buckets & (buckets - 1) or not 1 <= buckets <= 1 << 30:
             raise ValueError(f"device history: count_buckets must be a power of two up to 2^30, got {buckets}")
         if not keys:
             raise ValueError("device history: count_keys must hold a length in 1..max_match")
         self.device, self.keys, self.width, self.buckets = device, tuple(keys), int(width), int(buckets)
-        self.min_prob, self.select, self.vocab = float(min_prob), select, int(vocab)
+        self.min_prob, self.vocab = float(min_prob), int(vocab)
         self.key = torch.zeros((self.buckets, self.width), dtype=torch.int64, device=device)
         self.tok = torch.zeros((self.buckets, self.width), dtype=torch.int32, device=device)
         self.cnt = torch.zeros((self.buckets, self.width), dtype=torch.int32, device=device)
@@ -122,21 +121,17 @@ class CountTable:
 
     # -- draft (every engine step) --------------------------------------------------------------------
     def draft(self, ctx: torch.Tensor, n: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """From a match length m (a count length the row's context has counts for), token by token
+        """From each match length m (a count length the row's context has counts for), token by token
         the most frequent next token of the context of the longest count length at most m + t
         (ties: the lower token), while the product of the shares is at least min_prob and it is a
-        token. ctx [B, M] the rows' last tokens newest first, n [B] their lengths -> drafts [B, k]
-        int32 (-1: none), m [B] (0: no context has counts)."""
+        token; the walk of highest score kept. ctx [B, M] the rows' last tokens newest first, n [B]
+        their lengths -> drafts [B, k] int32 (-1: none), m [B] (0: no context has counts)."""
         B, dev = ctx.shape[0], ctx.device
         levels, top, Lv = self.levels, max(self.keys), len(self.keys)
         seq, pw = ctx[:, :top], _powers(top, dev)
         k0 = self._keys(seq, pw)
         total = self._look(k0)[0].sum(-1)                                        # [B, Lv]
         has = (total > 0) & (n[:, None] >= levels)
-        if self.select == "longest":
-            li = torch.where(has, torch.arange(Lv, device=dev), -1).amax(1)
-            m = torch.where(li >= 0, levels[li.clamp(min=0)], 0)
-            return self._walk(seq, k0, m, li >= 0, k, pw)[0], m
         # every match length at once: rows level-major [Lv * B]
         m = levels.repeat_interleave(B)
         drafts, score = self._walk(seq.repeat(Lv, 1), k0.repeat(Lv, 1), m, has.T.reshape(-1), k, pw)

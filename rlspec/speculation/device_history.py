@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from rlspec.speculation import GLOBAL, HISTORY, MAX_SIBLINGS, MAX_VOTERS, PROMPT, SIBLINGS
-from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable
+from rlspec.speculation.device_counts import MIN_PROB, WIDTH, CountTable
 from rlspec.speculation.device_memory import count_buckets as default_count_buckets
 from rlspec.speculation.device_memory import ring_buckets
 from rlspec.speculation.device_ops import (first_of, fold, last_true, leading_run, prompt_hash,
@@ -81,14 +81,15 @@ class DeviceHistory(RingCheckpoint):
     global_source: whether there is a global draft: a count table over the stored answers
     (rlspec/speculation/device_counts.py: contexts of count_keys tokens, default 1..max_match, in
     count_buckets buckets of count_width entries, default four entries per ring token; a draft
-    while the product of the shares is at least count_min_prob, walked as count_select says), which
+    while the product of the shares is at least count_min_prob, from the context length of highest
+    score), which
     follows the ring: an overwritten answer is counted out."""
 
     def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 64,
                  max_match: int = 16, prompt_keys=(8, 3, 1), min_prob: float = 0.5,
                  max_siblings: int = MAX_SIBLINGS, max_voters: int = MAX_VOTERS, vocab_size: int | None = None,
                  global_source: bool = True, count_keys=None, count_width: int = WIDTH,
-                 count_buckets: int | None = None, count_min_prob: float = MIN_PROB, count_select: str = SELECT,
+                 count_buckets: int | None = None, count_min_prob: float = MIN_PROB,
                  max_per_prompt: int | None = None):
         if not isinstance(global_source, bool):
             raise ValueError(f"device history: global_source must be true or false, got {global_source!r}")
@@ -119,7 +120,7 @@ class DeviceHistory(RingCheckpoint):
             keys = sorted({int(c) for c in count_keys or range(1, self.max_match + 1) if 1 <= int(c) <= self.max_match})
             self.counts = CountTable(self.device, keys, count_width,
                                      count_buckets or default_count_buckets(self.capacity, count_width), count_min_prob,
-                                     count_select, self.vocab)
+                                     self.vocab)
 
     @property
     def nbytes(self) -> int:

@@ -61,9 +61,10 @@ def finished_bytes(rows: int, max_model_len: int) -> int:
 def working_bytes(rows: int, max_model_len: int, k: int, levels: int, width: int, max_match: int,
                   max_siblings: int, max_voters: int, global_source: bool, count_width: int) -> int:
     """A step's peak transient bytes with `rows` running rows and as many finished answers, an
-    upper bound: the sum of its phases, as if all were alive at once (stored candidates; the batch's rows' windows; their candidates, G x
-    levels a row; the vote among the longest match's candidates; the count table's lookup, with
-    every context length 1..max_match counted), each per row, beside the token rows."""
+    upper bound: the sum of its phases, as if all were alive at once (stored candidates; the
+    batch's rows' windows; their candidates, G x levels a row; the vote among the longest match's
+    candidates; the count table's lookup, with every context length 1..max_match counted), each per
+    row, beside the token rows."""
     B, L = 2 * rows, max_model_len
     C, G = levels * width, min(max_siblings, B)
     per_candidate = STORED_PER_MATCH * max_match + STORED_PER_DRAFT * k + STORED_FIXED

@@ -95,7 +95,8 @@ def replay_in_shadow(stats: HistoryStats, step: ShadowStep, responses: list[list
     draft = torch.full((R, k), -1, dtype=torch.int64, device=device)
     j = torch.zeros(R, dtype=torch.int64, device=device)
     verifications = torch.zeros((), dtype=torch.int64, device=device)
-    drafted, accepted = torch.zeros(k, dtype=torch.int64, device=device), torch.zeros(k, dtype=torch.int64, device=device)
+    drafted = torch.zeros(k, dtype=torch.int64, device=device)
+    accepted = torch.zeros(k, dtype=torch.int64, device=device)
     for t in range(T):
         alive = t < rlen
         now = tokens[:, t]

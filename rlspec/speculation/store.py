@@ -370,11 +370,10 @@ def _draft(ctx, n, salt, me, jump, stored, live, pkeys, gkeys, max_match, max_ca
 def _count_draft(ctx, n, own, counts, k_walk, k, vocab, c_out, out, out_src):
     """The count table's draft (k_walk tokens walked, the first k kept) where its match is longer
     than own, the longest of the prompt's own sources; else none."""
-    key, ctok, cnt, levels, salts, min_prob, score_select = counts
+    key, ctok, cnt, levels, salts, min_prob = counts
     if key.shape[0] == 0 or own >= levels[levels.shape[0] - 1]:
         return 0
-    got, m = count_draft(ctx, n, key, ctok, cnt, levels, salts, k_walk, min_prob, score_select, vocab, c_out[0],
-                         c_out[1])
+    got, m = count_draft(ctx, n, key, ctok, cnt, levels, salts, k_walk, min_prob, vocab, c_out[0], c_out[1])
     if m <= own:
         return 0
     got = min(got, k)

@@ -14,7 +14,7 @@ from collections import deque
 
 import numpy as np
 
-from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH, CountTable
+from rlspec.speculation.device_counts import MIN_PROB, WIDTH, CountTable
 from rlspec.speculation.device_memory import count_buckets
 from rlspec.speculation.store_ops import _P, _mix, nb
 
@@ -65,11 +65,11 @@ def _walk(ctx, n, m, key, tok, cnt, levels, salts, k, min_prob, vocab, out):
 
 
 @nb.njit(nogil=True, cache=True)
-def count_draft(ctx, n, key, tok, cnt, levels, salts, k, min_prob, score_select, vocab, out, scratch):
+def count_draft(ctx, n, key, tok, cnt, levels, salts, k, min_prob, vocab, out, scratch):
     """CountTable.draft for one row (its tokens ctx[:n]): up to k tokens into out; returns their
     count and the match length walked from (0: no context of a count length has counts). Lengths
-    are tried longest first; under score selection a shorter one is walked only where it could
-    score above the best so far (a walk's score is at most k times its first share: ties go to the
+    are tried longest first; a shorter one is walked only where it could score above the best so
+    far (a walk's score is at most k times its first share: ties go to the
     longer), so a long context that drafts all k tokens with certainty is the only walk."""
     mask = np.uint64(key.shape[0] - 1)
     best, best_m, best_count = -1.0, 0, 0
@@ -86,16 +86,13 @@ def count_draft(ctx, n, key, tok, cnt, levels, salts, k, min_prob, score_select,
                 votes = max(votes, cnt[b, w])
         if votes == 0:
             continue
-        if score_select and best >= 0.0:
+        if best >= 0.0:
             first, bound = 1.0 * (votes / total), 0.0
             for _ in range(k):   # summed as a walk sums: no walk from here scores above it
                 bound += first
             if best >= bound:
                 continue
         got, score = _walk(ctx, n, c, key, tok, cnt, levels, salts, k, min_prob, vocab, scratch)
-        if not score_select:
-            out[:got] = scratch[:got]
-            return got, c
         if score > best:   # ties: the longer, walked first
             best, best_m, best_count = score, c, got
             out[:got] = scratch[:got]
@@ -202,7 +199,7 @@ def _merge_pairs(tkey, ttok, tcnt, keys, toks, delta):
 
 # No count table (global_index=chains, or no global source): what the store's walks get instead
 NO_COUNTS = (np.zeros((0, 1), np.uint64), np.zeros((0, 1), np.int32), np.zeros((0, 1), np.int32), np.ones(1, np.int64),
-             np.zeros(1, np.uint64), 1.0, False)
+             np.zeros(1, np.uint64), 1.0)
 
 
 class HostCounts:
@@ -211,22 +208,22 @@ class HostCounts:
     the store's walks read."""
 
     def __init__(self, max_match: int, max_tokens: int, vocab: int, width: int = WIDTH, buckets: int | None = None,
-                 min_prob: float = MIN_PROB, select: str = SELECT):
+                 min_prob: float = MIN_PROB):
         self.max_tokens = int(max_tokens)
         buckets = buckets or count_buckets(self.max_tokens, width)
-        self.table = CountTable("cpu", range(1, max_match + 1), width, buckets, min_prob, select, vocab)
+        self.table = CountTable("cpu", range(1, max_match + 1), width, buckets, min_prob, vocab)
         self.seqs: deque = deque()   # counted, oldest first
         self.total = 0               # their stored tokens
         t = self.table
         self._arrays = (t.key.numpy().view(np.uint64), t.tok.numpy(), t.cnt.numpy(), t.levels.numpy(),
-                        t.level_salt.numpy().view(np.uint64), t.min_prob, select == "score")
+                        t.level_salt.numpy().view(np.uint64), t.min_prob)
 
     @property
     def nbytes(self) -> int:
         return self.table.nbytes
 
     def arrays(self) -> tuple:
-        """(keys as uint64, tokens, counts, count lengths, their salts, min_prob, score selection)."""
+        """(keys as uint64, tokens, counts, count lengths, their salts, min_prob)."""
         return self._arrays
 
     def update(self, read, gone: list, new: list) -> None:
@@ -284,7 +281,7 @@ class HostCounts:
     def settings(self) -> str:
         """What decides the table's layout and contents (a saved table loads only into its like)."""
         t = self.table
-        return repr((self.max_tokens, t.keys, t.width, t.buckets, t.min_prob, t.select, t.vocab))
+        return repr((self.max_tokens, t.keys, t.width, t.buckets, t.min_prob, t.vocab))
 
     def state(self) -> dict:
         """The table's held entries as they are: a full bucket kept its highest counts as each

@@ -5,9 +5,9 @@ platform given a Ray device key (tests/helpers/ray_on_cpu.py), the ranks talking
 child process (tests/helpers/tp_engine.py) runs TP=1 without speculation, then TP=2 with each
 drafter rlspec builds on vLLM (history on the device under async scheduling, a GPU's default, and
 on the host; a draft model; EAGLE-3), on Model Runner V1; a second runs TP=2 on Model Runner V2
-scheduling asynchronously, as a GPU runs it, each engine's ranks on two Ray nodes. vLLM's own n-gram drafter ran here too (tp_engine.py
-ngram) and is left out of the suite for time: it drafts on the host from the token ids alone, as at
-TP=1."""
+scheduling asynchronously, as a GPU runs it, each engine's ranks on two Ray nodes. vLLM's own
+n-gram drafter ran here too (tp_engine.py ngram) and is left out of the suite for time: it drafts
+on the host from the token ids alone, as at TP=1."""
 import json
 import subprocess
 import sys

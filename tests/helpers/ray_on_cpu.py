@@ -37,7 +37,8 @@ def init_ray(gpus: int = 2, nodes: int = 1):
         return None
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": gpus, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 2, "num_gpus": gpus, "include_dashboard": False})
     for _ in range(nodes - 1):
         cluster.add_node(num_cpus=2, num_gpus=gpus)
     ray.init(address=cluster.address, log_to_driver=False, runtime_env=runtime_env)

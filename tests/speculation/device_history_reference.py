@@ -156,9 +156,9 @@ class CountReference:
     sequences counted in, and out once the ring overwrites their start (the host store's count
     table counts the same newest sequences)."""
 
-    def __init__(self, max_tokens, count_keys, count_width, count_buckets, count_min_prob, count_select, vocab):
+    def __init__(self, max_tokens, count_keys, count_width, count_buckets, count_min_prob, vocab):
         self.A, self.count_keys, self.CW, self.NC = max_tokens, list(count_keys), count_width, count_buckets
-        self.count_min_prob, self.count_select, self.vocab = count_min_prob, count_select, vocab
+        self.count_min_prob, self.vocab = count_min_prob, vocab
         self.table: dict[int, list] = {}   # count bucket -> [(key, token, count)], highest count first
         self.seqs: deque = deque()         # (start, (body, head)) of the sequences counted
         self.written = 0
@@ -198,9 +198,8 @@ class CountReference:
             self.table[b] = kept[: self.CW]
 
     def walk(self, ctx, k):
-        """(draft, match length) of the count table for a row whose tokens are ctx: the walk from
-        the longest count key with counts (count_select=longest), or of highest score from any of
-        them, ties to the longer (score)."""
+        """(draft, match length) of the count table for a row whose tokens are ctx: the walk of
+        highest score from any count key with counts, ties to the longer."""
         def hits(seq, c):
             key = fold(seq[len(seq) - c:])
             return {x: n for kk, x, n in self.table.get(key & (self.NC - 1), []) if kk == key}
@@ -223,7 +222,5 @@ class CountReference:
         starts = [c for c in self.count_keys if c <= len(ctx) and hits(ctx, c)]
         if not starts:
             return [], 0
-        if self.count_select == "longest":
-            return walk(starts[-1])[0], starts[-1]
         best = max((walk(m)[1], m) for m in starts)[1]
         return walk(best)[0], best

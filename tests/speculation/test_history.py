@@ -14,7 +14,7 @@ from rlspec.speculation.history import SOURCES, HistoryIndex
 from rlspec.speculation.history_stats import per_pos
 from rlspec.speculation.history_state import STATE_GLOBALS
 from rlspec.speculation.history_proposer import HistoryProposer, configure
-from rlspec.speculation.device_counts import MIN_PROB, SELECT, WIDTH
+from rlspec.speculation.device_counts import MIN_PROB, WIDTH
 from rlspec.speculation.device_memory import count_buckets
 from tests.speculation.device_history_reference import CountReference
 
@@ -422,7 +422,7 @@ class Reference:
         self.counts = None
         if cfg.global_source and cfg.global_index == "counts":
             self.counts = CountReference(cfg.count_tokens, range(1, cfg.max_match + 1), WIDTH,
-                                         count_buckets(cfg.count_tokens, WIDTH), MIN_PROB, SELECT, 1 << 31)
+                                         count_buckets(cfg.count_tokens, WIDTH), MIN_PROB, 1 << 31)
         self.stored = []   # (prompt, [tail | response | END]) oldest first
         self.clock = 0
 

@@ -37,9 +37,9 @@ def torch_draft(table: CountTable, ctx: list[int], k: int) -> tuple[list[int], i
 
 
 def numba_draft(counts: HostCounts, ctx: list[int], k: int, vocab: int) -> tuple[list[int], int]:
-    key, tok, cnt, levels, salts, min_prob, score = counts.arrays()
+    key, tok, cnt, levels, salts, min_prob = counts.arrays()
     out, scratch = np.zeros(k, np.int64), np.zeros(k, np.int64)
-    got, m = count_draft(np.array(ctx, np.int32), len(ctx), key, tok, cnt, levels, salts, k, min_prob, score, vocab,
+    got, m = count_draft(np.array(ctx, np.int32), len(ctx), key, tok, cnt, levels, salts, k, min_prob, vocab,
                          out, scratch)
     return out[:got].tolist(), int(m)
 
@@ -47,13 +47,13 @@ def numba_draft(counts: HostCounts, ctx: list[int], k: int, vocab: int) -> tuple
 @pytest.mark.parametrize("seed", range(8))
 def test_the_numba_walk_drafts_what_the_torch_walk_drafts(seed):
     """Random answers over a small vocabulary counted into tables of few buckets and entries (so
-    buckets fill and prune), under both selections, some with a vocabulary bound: every context's
+    buckets fill and prune), some with a vocabulary bound: every context's
     draft and match length are the torch walk's."""
     rng = random.Random(seed)
     V, max_match = rng.choice([3, 5, 8]), rng.choice([4, 8, 16])
     vocab = V - 1 if seed % 3 == 0 else 1 << 30
     counts = HostCounts(max_match, 400, vocab, width=rng.choice([2, 4, 16]), buckets=rng.choice([1, 8, 64]),
-                        min_prob=rng.choice([0.1, 0.3]), select="score" if seed % 2 else "longest")
+                        min_prob=rng.choice([0.1, 0.3]))
     bodies = {}
     for _ in range(6):
         new = []
@@ -161,10 +161,8 @@ def test_a_count_past_2_to_the_15_still_ranks_first_on_both_backends():
     sizes, heads = [80_001] + [3] * 10, [0] * 11
     host = HostCounts(2, 200_000, 1 << 30, width=4, buckets=16)
     host._add(np.split(body, np.cumsum(sizes)[:-1]), heads, 1)
-    table = CountTable("cpu", [1, 2], 4, 16, 0.1, "longest", 1 << 30)
+    table = CountTable("cpu", [1, 2], 4, 16, 0.1, 1 << 30)
     table.add(torch.from_numpy(body.astype(np.int64)), torch.tensor(sizes), torch.tensor(heads), 1)
     assert torch.equal(table.cnt, host.table.cnt) and int(table.cnt.max()) == 40_000
-    for select in ("longest", "score"):
-        table.select = select
-        assert torch_draft(table, [3, 5], 1) == ([7], 1)
+    assert torch_draft(table, [3, 5], 1) == ([7], 1)
     assert numba_draft(host, [3, 5], 1, 1 << 30) == ([7], 1)
