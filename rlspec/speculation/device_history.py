@@ -82,8 +82,7 @@ class DeviceHistory(RingCheckpoint):
     (rlspec/speculation/device_counts.py: contexts of count_keys tokens, default 1..max_match, in
     count_buckets buckets of count_width entries, default four entries per ring token; a draft
     while the product of the shares is at least count_min_prob, from the context length of highest
-    score), which
-    follows the ring: an overwritten answer is counted out."""
+    score), which follows the ring: an overwritten answer is counted out."""
 
     def __init__(self, device="cpu", max_tokens: int = 1 << 22, buckets: int | None = None, width: int = 64,
                  max_match: int = 16, prompt_keys=(8, 3, 1), min_prob: float = 0.5,

@@ -499,9 +499,9 @@ class HistoryIndex:
             for slot, r in enumerate(members):
                 rows.append((r, live, slot, n, salt, np.concatenate([prompt, np.asarray(response_ids[r], np.int32)])))
         rows.sort(key=lambda row: row[0])
+        plen = [len(p) for p in prompt_ids]
 
         def step(t: int, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            plen = [len(p) for p in prompt_ids]
             for r, live, slot, _, salt, seq in rows:
                 if t < len(response_ids[r]):
                     live.append(slot, slot, seq, plen[r] + t, plen[r] + t + 1, salt, self.pkeys, self.gkeys)
