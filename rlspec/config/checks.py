@@ -182,11 +182,10 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
             f"oldest tokens): leave it at 1, got {h.min_rollouts_per_prompt}")
     # a key the chosen drafter does not read is refused, not ignored
     unread = {"device": {"max_tokens": "the device ring's size is speculation.history.device_max_tokens",
-                         "count_tokens": "its count table follows the ring, speculation.history.device_max_tokens",
-                         "global_keys": "they key speculation.history.global_index=chains, which it does not take"},
+                         "count_tokens": "its count table follows the ring, speculation.history.device_max_tokens"},
               "host": {"device_max_tokens": "the host store's size is speculation.history.max_tokens"}
               }.get(h.drafter, {}) if sp.method == "history" else {}
-    if sp.method == "history" and h.drafter == "host" and h.global_index == "counts":
+    if sp.method == "history" and h.global_index == "counts":
         unread["global_keys"] = "they key speculation.history.global_index=chains; it is counts"
     defaults = HistoryConfig()
     for key, why in unread.items():

@@ -4,6 +4,7 @@ grows past MAX_POSITIONS."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from rlspec.speculation import store as S
 from rlspec.speculation import store_live as L
@@ -168,3 +169,36 @@ class LiveArena:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self.arrays(), self.head, self.ghead, self.last, self.row, self.copy,
                                       self.ans))
+
+
+def shadow_step(index, prompt_ids: list[list[int]], response_ids: list[list[int]], groups: list[list[int]]):
+    """The host store's drafts for a shadow replay of `groups`' rows, in that order
+    (history_stats.ShadowStep; index: a HistoryIndex): each group's rows live in an arena of their
+    own, each row's token t appended before any row drafts at step t."""
+    k, rows = index.k_max, []
+    for members in groups:
+        prompt = np.asarray(prompt_ids[members[0]], np.int32)
+        salt = np.uint64(S.prompt_salt(prompt, len(prompt)))
+        n = len(members)
+        live = LiveArena(capacity=len(prompt) + sum(len(response_ids[r]) for r in members) + 16, slots=n,
+                         head_bits=14, levels=len(index.gkeys), plevels=len(index.pkeys))
+        live.append(0, -1, prompt, 0, len(prompt), salt, index.pkeys, index.gkeys)   # the prompt's copy
+        live.last[:n] = live.copy[:n] = live.last[0]
+        live.row[:n] = np.arange(n)
+        for slot, r in enumerate(members):
+            seq = np.concatenate([prompt, np.asarray(response_ids[r], np.int32)])
+            rows.append((live, slot, n, salt, len(prompt), len(response_ids[r]), seq))
+
+    def step(t: int, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for live, slot, _, salt, plen, rlen, seq in rows:
+            if t < rlen:
+                live.append(slot, slot, seq, plen + t, plen + t + 1, salt, index.pkeys, index.gkeys)
+        drafts = torch.full((len(rows), k), -1, dtype=torch.int64)
+        counts = torch.zeros(len(rows), dtype=torch.int64)
+        for r in need.nonzero()[:, 0].tolist():
+            live, slot, n_slots, salt, plen, _, seq = rows[r]
+            draft, _ = index.draft_context(seq[: plen + t + 1], int(salt), k, live, slot, n_slots)
+            drafts[r, : len(draft)] = torch.as_tensor(draft, dtype=torch.int64)
+            counts[r] = len(draft)
+        return drafts, counts
+    return step

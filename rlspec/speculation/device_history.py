@@ -48,7 +48,7 @@ from rlspec.speculation.device_ops import (first_of, fold, last_true, leading_ru
                                          prompt_siblings, salted, window_keys, window_prints)
 from rlspec.speculation.device_ring import EMPTY, END, RingSequences
 from rlspec.speculation.device_state import RingCheckpoint
-from rlspec.speculation.history_stats import replay_in_shadow, shadow_rows
+from rlspec.speculation.history_stats import replay_in_shadow, shadow_groups
 
 UNKNOWN = -2  # past a running row's last token: not yet written
 _LIVE = 1 << 42   # ranks: a running row's position outranks any stored one; the row itself the others
@@ -137,7 +137,7 @@ class DeviceHistory(RingCheckpoint):
         """What drafting k tokens would have accepted in a call that drafted nothing, on up to
         about max_rows of its responses, into stats (history_stats.replay_in_shadow): the rows
         in one batch, at step t each holding its first t + 1 response tokens."""
-        idx = shadow_rows(prompt_ids, max_rows)
+        idx = [i for g in shadow_groups(prompt_ids, max_rows) for i in g]
         if not idx:
             return
         dev, R = self.device, len(idx)

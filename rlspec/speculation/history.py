@@ -41,10 +41,10 @@ import torch
 from rlspec.config import HistoryConfig
 from rlspec.speculation import store as S
 from rlspec.speculation import store_live as L
-from rlspec.speculation.arena import HistoryArena, LiveArena
+from rlspec.speculation.arena import HistoryArena, LiveArena, shadow_step
 from rlspec.speculation.history_records import MAX_ID, PromptRecord, Seq, insert_batch, as_ids, Undo
 from rlspec.speculation.history_state import STATE_VERSION, loadable
-from rlspec.speculation.history_stats import HistoryStats, replay_in_shadow, shadow_rows
+from rlspec.speculation.history_stats import HistoryStats, replay_in_shadow, shadow_groups
 from rlspec.speculation.store_counts import NO_COUNTS, HostCounts
 from rlspec.speculation import SOURCES
 
@@ -476,41 +476,7 @@ class HistoryIndex:
         """What drafting would have accepted in a call that drafted nothing, on up to about
         max_rows of its responses (history_stats.replay_in_shadow)."""
         self.flush()
-        rows = shadow_rows(prompt_ids, max_rows)
-        replay_in_shadow(self.stats, self._shadow_step([prompt_ids[i] for i in rows], [response_ids[i] for i in rows]),
+        groups = shadow_groups(prompt_ids, max_rows)
+        rows = [i for g in groups for i in g]
+        replay_in_shadow(self.stats, shadow_step(self, prompt_ids, response_ids, groups),
                          [response_ids[i] for i in rows], self.k_max)
-
-    def _shadow_step(self, prompt_ids: list[list[int]], response_ids: list[list[int]]):
-        """The shadow replay's drafts (history_stats.ShadowStep): each group's rows live in an
-        arena of their own, each row's token t appended before any row drafts at step t."""
-        k, rows = self.k_max, []
-        groups: dict[tuple, list[int]] = {}
-        for r, p in enumerate(prompt_ids):
-            groups.setdefault(tuple(p), []).append(r)
-        for key, members in groups.items():
-            prompt = np.asarray(key, np.int32)
-            salt = np.uint64(S.prompt_salt(prompt, len(prompt)))
-            n = len(members)
-            live = LiveArena(capacity=len(prompt) + sum(len(response_ids[r]) for r in members) + 16, slots=n,
-                             head_bits=14, levels=len(self.gkeys), plevels=len(self.pkeys))
-            live.append(0, -1, prompt, 0, len(prompt), salt, self.pkeys, self.gkeys)   # the prompt's copy
-            live.last[:n] = live.copy[:n] = live.last[0]
-            live.row[:n] = np.arange(n)
-            for slot, r in enumerate(members):
-                rows.append((r, live, slot, n, salt, np.concatenate([prompt, np.asarray(response_ids[r], np.int32)])))
-        rows.sort(key=lambda row: row[0])
-        plen = [len(p) for p in prompt_ids]
-
-        def step(t: int, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            for r, live, slot, _, salt, seq in rows:
-                if t < len(response_ids[r]):
-                    live.append(slot, slot, seq, plen[r] + t, plen[r] + t + 1, salt, self.pkeys, self.gkeys)
-            drafts = torch.full((len(rows), k), -1, dtype=torch.int64)
-            counts = torch.zeros(len(rows), dtype=torch.int64)
-            for r in need.nonzero()[:, 0].tolist():
-                _, live, slot, n_slots, salt, seq = rows[r]
-                draft, _ = self.draft_context(seq[: plen[r] + t + 1], int(salt), k, live, slot, n_slots)
-                drafts[r, : len(draft)] = torch.as_tensor(draft, dtype=torch.int64)
-                counts[r] = len(draft)
-            return drafts, counts
-        return step

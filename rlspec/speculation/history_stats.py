@@ -53,9 +53,9 @@ def per_pos(stats: dict, key: str, k_max: int) -> list[int]:
     return [stats.get(f"{key}_{i + 1}", 0) for i in range(k_max)]
 
 
-def shadow_rows(prompt_ids: list[list[int]], max_rows: int) -> list[int]:
-    """The rows a shadow replay reads: whole groups, evenly spread over the call, about max_rows
-    responses, grouped by prompt."""
+def shadow_groups(prompt_ids: list[list[int]], max_rows: int) -> list[list[int]]:
+    """The rows a shadow replay reads, by prompt: whole groups, evenly spread over the call, about
+    max_rows responses."""
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompt_ids):
         groups.setdefault(tuple(p), []).append(i)
@@ -64,7 +64,7 @@ def shadow_rows(prompt_ids: list[list[int]], max_rows: int) -> list[int]:
         return []
     per_group = max(1, len(prompt_ids) // len(keys))
     stride = max(1, round(len(keys) * per_group / max_rows))
-    return [i for key in keys[::stride] for i in groups[key]]
+    return [groups[key] for key in keys[::stride]]
 
 
 # step(t, need [R] bool) -> (drafts [R, k], counts [R]): the drafts of the rows in `need`, every
@@ -113,6 +113,5 @@ def replay_in_shadow(stats: HistoryStats, step: ShadowStep, responses: list[list
     stats.shadow_responses += R
     stats.shadow_rows += int(verifications)
     for name, got in (("shadow_drafted_pos", drafted), ("shadow_accepted_pos", accepted)):
-        have = getattr(stats, name)
-        have += [0] * (k - len(have))
-        setattr(stats, name, [a + b for a, b in zip(have, got.tolist())] + have[k:])
+        have = getattr(stats, name) or [0] * k  # a bare HistoryStats() starts empty
+        setattr(stats, name, [a + b for a, b in zip(have, got.tolist())])
