@@ -36,7 +36,6 @@ import threading
 from dataclasses import replace
 
 import numpy as np
-import torch
 
 from rlspec.config import HistoryConfig
 from rlspec.speculation import store as S
