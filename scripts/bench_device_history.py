@@ -82,9 +82,10 @@ def time_device(args, stored, rows, plens, cuts) -> float:
 
 def time_host(args, stored, rows, plens, cuts) -> float:
     from rlspec.config import HistoryConfig
+    from rlspec.config.speculation import history_config
     from rlspec.speculation.history import HistoryIndex
 
-    h = HistoryIndex(HistoryConfig(max_tokens=args.arena), args.k)
+    h = HistoryIndex(history_config(max_tokens=args.arena), args.k)
     HistoryIndex.warm_up(HistoryConfig(), args.k)
     t0 = time.perf_counter()
     h.record([p for p, _ in stored], [r for _, r in stored], wait=True)

@@ -72,11 +72,11 @@ HISTORY_SETTINGS: dict = {}  # --history KEY=VALUE: speculation.history settings
 
 class Rlspec:
     def __init__(self, k: int, max_tokens: int, **settings):
-        from rlspec.config import HistoryConfig
+        from rlspec.config.speculation import history_config
         from rlspec.speculation.history import HistoryIndex
 
-        self.h = HistoryIndex(HistoryConfig(**{"max_tokens": max_tokens, **HISTORY_SETTINGS, **settings}), k)
-        warm = HistoryIndex(HistoryConfig(), k)   # compile the store's functions before anything is timed
+        self.h = HistoryIndex(history_config(**{"max_tokens": max_tokens, **HISTORY_SETTINGS, **settings}), k)
+        warm = HistoryIndex(history_config(), k)   # compile the store's functions before anything is timed
         warm.record([[1, 2, 3]], [[4, 5, 6, 7]], wait=True)
         warm.begin_call()
         warm.propose([np.array([1, 2, 3, 4, 5], np.int32)], [[5]], k, prompt_lens=[3])
@@ -113,10 +113,10 @@ class Dict:
     def __init__(self, k: int, max_tokens: int):
         from history_dict_store import HistoryIndex
 
-        from rlspec.config import HistoryConfig
+        from rlspec.config.speculation import history_config
 
         # its own settings: contexts of 2 to 8 tokens (a table entry per length and token)
-        self.h = HistoryIndex(HistoryConfig(max_match=8, max_tokens=max_tokens), k, min_order=2)
+        self.h = HistoryIndex(history_config(max_match=8, max_tokens=max_tokens), k, min_order=2)
 
     def begin_call(self, prompts) -> None:
         self.h.begin_call(prompts)

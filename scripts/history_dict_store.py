@@ -138,7 +138,7 @@ class HistoryIndex:
         every prompt is down to one response. RL visits each prompt once an epoch: evicting whole
         prompts by recency would drop exactly those the epoch has yet to bring back, while what
         each prompt keeps are its latest answers, the nearest to the policy its drafts serve."""
-        limit = self.cfg.max_tokens
+        limit = self.cfg.host.max_tokens
         while self.total > limit:
             most = max((len(h.responses) for h in self.prompts.values()), default=0)
             if most <= 1:

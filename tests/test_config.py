@@ -142,19 +142,19 @@ def test_sleep_mode_is_on_for_colocated_gpus_only():
     ("speculation.method=medusa", "speculation.method"),
     ("speculation=draft_model speculation.draft_sample_method=typical", "speculation.draft_sample_method"),
     ("speculation=history speculation.history.drafter=gpu", "speculation.history.drafter"),
-    ("speculation=history speculation.history.drafter=device speculation.history.device_max_tokens=10",
-     "speculation.history.device_max_tokens"),
+    ("speculation=history speculation.history.drafter=device speculation.history.device.max_tokens=10",
+     "speculation.history.device.max_tokens"),
     # bounds against memory: 2^31 ring tokens are about 236 GB
-    ("speculation=history speculation.history.drafter=device speculation.history.device_max_tokens=2147483648",
-     "speculation.history.device_max_tokens"),
-    # a key the chosen drafter does not read is refused, naming it and the drafter
-    ("speculation=history speculation.history.device_max_tokens=65536", "speculation.history.device_max_tokens"),
-    ("speculation=history speculation.history.drafter=device speculation.history.count_tokens=4096",
-     "speculation.history.count_tokens"),
-    ("speculation=history speculation.history.drafter=device speculation.history.max_tokens=4096",
-     "speculation.history.max_tokens"),
-    ("speculation=history speculation.history.global_keys=[3]", "speculation.history.global_keys"),
-    ("speculation=history speculation.history.count_tokens=2147483648", "speculation.history.count_tokens"),
+    ("speculation=history speculation.history.drafter=device speculation.history.device.max_tokens=2147483648",
+     "speculation.history.device.max_tokens"),
+    # a key the chosen drafter does not read (the other drafter's section) is refused, naming it
+    ("speculation=history speculation.history.device.max_tokens=65536", "speculation.history.device.max_tokens"),
+    ("speculation=history speculation.history.drafter=device speculation.history.host.count_tokens=4096",
+     "speculation.history.host.count_tokens"),
+    ("speculation=history speculation.history.drafter=device speculation.history.host.max_tokens=4096",
+     "speculation.history.host.max_tokens"),
+    ("speculation=history speculation.history.host.global_keys=[3]", "speculation.history.host.global_keys"),
+    ("speculation=history speculation.history.host.count_tokens=2147483648", "speculation.history.host.count_tokens"),
 ])
 def test_invalid_speculation_and_sampling_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -163,7 +163,7 @@ def device_drafter_gib(cfg) -> tuple[float, float]:
     h, L = s.history, cfg.model.max_model_len
     rows = ENGINE_MAX_SEQS_LARGE if (cfg.cluster.gpu_memory_gib or 0) >= 70 else GRAPH_MAX_SEQS
     levels = len(h.prompt_keys)
-    resident = store_bytes(h.device_max_tokens, levels, h.max_candidates, h.global_source, COUNT_WIDTH) + \
+    resident = store_bytes(h.device.max_tokens, levels, h.max_candidates, h.global_source, COUNT_WIDTH) + \
         finished_bytes(rows, L)
     return resident / GIB, working_bytes(rows, L, s.k_max, levels, h.max_candidates, h.max_match, MAX_SIBLINGS,
                                          MAX_VOTERS, h.global_source, COUNT_WIDTH) / GIB
@@ -297,7 +297,7 @@ def check_fits(mem: GPUMemory) -> tuple[str, str] | None:
         return "generation.gpu_memory_utilization", (
             f"an engine's weights take {engine.weights:.0f} GiB per GPU{drafter}, its whole share of the GPU "
             f"({engine.total:.0f} GiB): no room for a KV cache (raise it, or generation.tensor_parallel_size"
-            + (", or lower speculation.history.device_max_tokens" if engine.drafter else "") + ")")
+            + (", or lower speculation.history.device.max_tokens" if engine.drafter else "") + ")")
     stage, peak = mem.peak
     if peak <= mem.capacity:
         return None

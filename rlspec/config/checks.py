@@ -152,50 +152,44 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
             "speculation.history.prompt_keys",
             f"must be distinct key lengths in [1, speculation.history.max_match], longest first, got {pkeys}")
     require(0 < h.min_prob <= 1, "speculation.history.min_prob", f"must be in (0, 1], got {h.min_prob}")
-    for key in ("max_rollouts_per_prompt", "max_tokens"):
-        require(getattr(h, key) >= 1, f"speculation.history.{key}", "must be >= 1")
-    # the store's arena positions are int32: max_tokens response tokens with their prompt tails,
-    # an insert's room and 1.5x to grow (rlspec/speculation/arena.py) stay under 2^31 positions
-    require(h.max_tokens <= 1 << 29, "speculation.history.max_tokens",
-            f"must be <= {1 << 29} (the history store's positions are int32), got {h.max_tokens}")
+    require(h.max_rollouts_per_prompt >= 1, "speculation.history.max_rollouts_per_prompt", "must be >= 1")
     require(h.max_candidates >= 1, "speculation.history.max_candidates", "must be >= 1")
-    require(h.global_index in ("counts", "chains"), "speculation.history.global_index",
-            f"must be counts or chains, got {h.global_index!r}")
-    # bounds against memory: about 64 bytes a counted token, 110 a device-ring token (2^28: 16 and
-    # 28 GiB), on the engine's device or its host
-    require(1 << 10 <= h.count_tokens <= 1 << 28, "speculation.history.count_tokens",
-            f"must be in [2^10, 2^28] (about 64 bytes each: 16 GiB at 2^28), got {h.count_tokens}")
-    keys = list(h.global_keys)
-    require(all(1 <= g <= h.max_match for g in keys) and keys == sorted(set(keys), reverse=True),
-            "speculation.history.global_keys",
-            f"must be distinct key lengths in [1, speculation.history.max_match], longest first, got {keys}")
-    require(0 <= h.min_rollouts_per_prompt <= h.max_rollouts_per_prompt, "speculation.history.min_rollouts_per_prompt",
-            "must be in [0, speculation.history.max_rollouts_per_prompt]")
     require(h.shadow_rows >= 0, "speculation.history.shadow_rows", f"must be >= 0, got {h.shadow_rows}")
     require(h.drafter in ("host", "device"), "speculation.history.drafter",
             f"must be host or device, got {h.drafter!r}")
-    # the device drafter's global source is the count table, and its ring keeps no old answers back
-    require(h.drafter != "device" or h.global_index == "counts", "speculation.history.global_index",
-            f"speculation.history.drafter=device drafts from the count table (counts), got {h.global_index!r}")
-    require(h.drafter != "device" or h.min_rollouts_per_prompt <= 1, "speculation.history.min_rollouts_per_prompt",
-            "speculation.history.drafter=device has no floor on a prompt's answers (its ring overwrites the "
-            f"oldest tokens): leave it at 1, got {h.min_rollouts_per_prompt}")
-    # a key the chosen drafter does not read is refused, not ignored
-    unread = {"device": {"max_tokens": "the device ring's size is speculation.history.device_max_tokens",
-                         "count_tokens": "its count table follows the ring, speculation.history.device_max_tokens"},
-              "host": {"device_max_tokens": "the host store's size is speculation.history.max_tokens"}
-              }.get(h.drafter, {}) if sp.method == "history" else {}
-    if sp.method == "history" and h.global_index == "counts":
-        unread["global_keys"] = "they key speculation.history.global_index=chains; it is counts"
-    defaults = HistoryConfig()
-    for key, why in unread.items():
-        want = getattr(defaults, key)
-        require(getattr(h, key) == want, f"speculation.history.{key}",
-                f"speculation.history.drafter={h.drafter} does not read it ({why}): leave it at {want}, "
-                f"got {getattr(h, key)}")
-    require(1 << 10 <= h.device_max_tokens <= 1 << 28, "speculation.history.device_max_tokens",
+    hs, H = h.host, "speculation.history.host"
+    # the store's arena positions are int32: max_tokens response tokens with their prompt tails,
+    # an insert's room and 1.5x to grow (rlspec/speculation/arena.py) stay under 2^31 positions
+    require(1 <= hs.max_tokens <= 1 << 29, f"{H}.max_tokens",
+            f"must be in [1, {1 << 29}] (the history store's positions are int32), got {hs.max_tokens}")
+    require(hs.global_index in ("counts", "chains"), f"{H}.global_index",
+            f"must be counts or chains, got {hs.global_index!r}")
+    # bounds against memory: about 64 bytes a counted token, 110 a device-ring token (2^28: 16 and
+    # 28 GiB), on the engine's device or its host
+    require(1 << 10 <= hs.count_tokens <= 1 << 28, f"{H}.count_tokens",
+            f"must be in [2^10, 2^28] (about 64 bytes each: 16 GiB at 2^28), got {hs.count_tokens}")
+    keys = list(hs.global_keys)
+    require(all(1 <= g <= h.max_match for g in keys) and keys == sorted(set(keys), reverse=True),
+            f"{H}.global_keys",
+            f"must be distinct key lengths in [1, speculation.history.max_match], longest first, got {keys}")
+    require(0 <= hs.min_rollouts_per_prompt <= h.max_rollouts_per_prompt, f"{H}.min_rollouts_per_prompt",
+            "must be in [0, speculation.history.max_rollouts_per_prompt]")
+    require(1 << 10 <= h.device.max_tokens <= 1 << 28, "speculation.history.device.max_tokens",
             f"must be in [2^10, 2^28] (about 110 bytes each on the engine's device: 28 GiB at 2^28), "
-            f"got {h.device_max_tokens}")
+            f"got {h.device.max_tokens}")
+    # a key the chosen drafter does not read is refused, not ignored: the other drafter's section,
+    # and the host's chain keys under counts
+    if sp.method == "history":
+        other = "device" if h.drafter == "host" else "host"
+        unread = [(f"{other}.{key}", f"speculation.history.drafter={h.drafter} does not read it")
+                  for key in vars(getattr(h, other))]
+        if hs.global_index == "counts":
+            unread.append(("host.global_keys", f"{H}.global_index=counts does not read it"))
+        defaults = HistoryConfig()
+        for key, why in unread:
+            section, name = key.split(".")
+            got, want = getattr(getattr(h, section), name), getattr(getattr(defaults, section), name)
+            require(got == want, f"speculation.history.{key}", f"{why}: leave it at {want}, got {got}")
     o = sp.online
     if o.enabled:
         require(sp.method == "eagle3", "speculation.online.enabled",

@@ -36,10 +36,47 @@ class OnlineDraftConfig:
 
 
 @dataclass
+class HostHistoryConfig:
+    """The host drafter's store (speculation.history.drafter=host, rlspec/speculation/history.py):
+    in the engine's process, vLLM's custom proposer (Model Runner V1, async scheduling off)."""
+    # Drafts from any prompt's answers (global_source) come from:
+    # - `counts` (the device drafter's rule): a count table of the newest count_tokens stored tokens
+    #   (tails, answers and END marks), per context of 1..max_match answer tokens its next tokens'
+    #   counts, drafted as suffix decoding does (the commonest next token while the product of the
+    #   shares is at least 0.1, from the context length of highest score); about 64 bytes a counted
+    #   token (256 MB at the default count_tokens), whatever the store holds.
+    # - `chains`: hash chains over the whole store and this call's running answers, one per key
+    #   length of global_keys, longest first: the first that yields matches decides (4 bytes per
+    #   stored token each, and time per insert).
+    global_index: str = "counts"
+    count_tokens: int = 1 << 22
+    global_keys: list[int] = field(default_factory=lambda: [4, 1])
+    # Response tokens kept over all prompts (about 20-40 bytes each). Over it the prompts holding
+    # the most responses drop their oldest, down to min_rollouts_per_prompt; then whole prompts go,
+    # a fixed subset of them kept (the prompts whose identity hashes lowest), so that every epoch
+    # comes back to the same ones.
+    max_tokens: int = 50_000_000
+    min_rollouts_per_prompt: int = 1
+
+
+@dataclass
+class DeviceHistoryConfig:
+    """The device drafter's store (speculation.history.drafter=device,
+    rlspec/speculation/device_history.py): tensors on the engine's device, in vLLM's ngram_gpu slot
+    (no copy of the rows to the host, async scheduling kept on a GPU). Its global source is the
+    count table; its ring drops the oldest tokens, so no prompt keeps a floor of answers."""
+    # The ring's tokens (about 110 bytes each: the ring, its buckets and the count table).
+    max_tokens: int = 1 << 22
+
+
+@dataclass
 class HistoryConfig:
-    """Rollout-history drafting (speculation.method=history, rlspec/speculation/history.py): drafts
-    read from earlier rollouts of the same prompt, the live siblings of its group, the prompt, and
-    where those give nothing, earlier rollouts of any prompt."""
+    """Rollout-history drafting (speculation.method=history): drafts read from earlier rollouts of
+    the same prompt, the live siblings of its group, the prompt, and where those give nothing,
+    earlier rollouts of any prompt. The keys here are both drafters'; `host` and `device` hold
+    each drafter's own, and validation refuses a key set in the section of the drafter not chosen."""
+    # Where drafts are made: `host` or `device` (the sections below).
+    drafter: str = "host"
     # A draft continues the longest context suffix (at most max_match tokens) seen before in the
     # prompt's own sources, found by keys of these lengths (longest first; the device drafter's).
     prompt_keys: list[int] = field(default_factory=lambda: [8, 3, 1])
@@ -52,26 +89,10 @@ class HistoryConfig:
     max_candidates: int = 64
     # Draft from any prompt's answers where they match the context further back than the prompt's
     # own history, its siblings and the prompt itself (a prompt seen for the first time has only
-    # these). global_index says how:
-    # - `counts` (the device drafter's rule): a count table of the newest count_tokens stored tokens
-    #   (tails, answers and END marks), per context of 1..max_match answer tokens its next tokens'
-    #   counts, drafted as suffix decoding does (the commonest next token while the product of the
-    #   shares is at least 0.1, from the context length of highest score); about 64 bytes a counted
-    #   token (256 MB at the default count_tokens), whatever the store holds.
-    # - `chains`: hash chains over the whole store and this call's running answers, one per key
-    #   length of global_keys, longest first: the first that yields matches decides (4 bytes per
-    #   stored token each, and time per insert).
+    # these): host.global_index says how; the device drafter reads its count table.
     global_source: bool = True
-    global_index: str = "counts"
-    count_tokens: int = 1 << 22
-    global_keys: list[int] = field(default_factory=lambda: [4, 1])
-    # Bounds: responses kept per prompt (oldest dropped), and response tokens kept over all
-    # prompts (about 20-40 bytes each). Over it the prompts holding the most responses drop their
-    # oldest, down to min_rollouts_per_prompt; then whole prompts go, a fixed subset of them kept
-    # (the prompts whose identity hashes lowest), so that every epoch comes back to the same ones.
+    # Responses kept per prompt (oldest dropped).
     max_rollouts_per_prompt: int = 32
-    min_rollouts_per_prompt: int = 1
-    max_tokens: int = 50_000_000
     # Draft for validation calls too. Held-out prompts have no history and one answer each (no
     # siblings), so only the prompt and the answer itself are left to draft from: off by default.
     draft_validation: bool = False
@@ -80,15 +101,22 @@ class HistoryConfig:
     # drafted, and check it against the tokens the target samples next: the acceptance 'auto' needs
     # to turn drafting back on when prompts come back with history (0: no such measurement).
     shadow_rows: int = 32
-    # Where drafts are made: `host`, the store above in the engine's process (vLLM's custom
-    # proposer: Model Runner V1, async scheduling off); `device`, the store in tensors on the
-    # engine's device (rlspec/speculation/device_history.py, in vLLM's ngram_gpu slot: no copy of
-    # the rows to the host, async scheduling kept on a GPU). The device store is a ring of
-    # device_max_tokens tokens (about 110 bytes each: the ring, its buckets and the count table); it takes the
-    # key settings above and max_rollouts_per_prompt, not min_rollouts_per_prompt or max_tokens (the ring
-    # drops the oldest tokens). Validation refuses a key the chosen drafter does not read.
-    drafter: str = "host"
-    device_max_tokens: int = 1 << 22
+    host: HostHistoryConfig = field(default_factory=HostHistoryConfig)
+    device: DeviceHistoryConfig = field(default_factory=DeviceHistoryConfig)
+
+    def __post_init__(self):  # from a dict (the engine's additional_config) as from keywords
+        if isinstance(self.host, dict):
+            self.host = HostHistoryConfig(**self.host)
+        if isinstance(self.device, dict):
+            self.device = DeviceHistoryConfig(**self.device)
+
+
+def history_config(**flat) -> HistoryConfig:
+    """HistoryConfig from flat keywords, the host section's (max_tokens, count_tokens, global_index,
+    ...) among them: how the benchmarks and tests set a host store."""
+    host_keys = HostHistoryConfig.__dataclass_fields__
+    host = HostHistoryConfig(**{k: v for k, v in flat.items() if k in host_keys})
+    return HistoryConfig(**{k: v for k, v in flat.items() if k not in host_keys}, host=host)
 
 
 @dataclass

@@ -29,7 +29,7 @@ class HistoryArena:
     def __init__(self, plevels: int, levels: int, capacity: int = 1 << 16, heads: int | None = None):
         if capacity > MAX_POSITIONS:
             raise OverflowError(f"the history store needs {capacity} arena positions, past int32's {MAX_POSITIONS}: "
-                                f"lower speculation.history.max_tokens")
+                                f"lower speculation.history.host.max_tokens")
         self.tok = np.full(capacity, S.DEAD, np.int32)
         self.psalt = np.zeros(capacity, np.uint32)
         self.chain = np.full((plevels, capacity), -1, np.int32)

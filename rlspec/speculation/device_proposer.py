@@ -268,7 +268,7 @@ def settings(vllm_config) -> dict:
     cfg = history_settings(vllm_config)
     if not cfg:
         return {}
-    return {"max_tokens": cfg["device_max_tokens"], "max_match": cfg["max_match"], "min_prob": cfg["min_prob"],
+    return {"max_tokens": cfg["device"]["max_tokens"], "max_match": cfg["max_match"], "min_prob": cfg["min_prob"],
             "prompt_keys": tuple(cfg["prompt_keys"]), "width": cfg["max_candidates"],
             "max_per_prompt": cfg["max_rollouts_per_prompt"], "global_source": bool(cfg["global_source"])}
 

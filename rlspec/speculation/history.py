@@ -63,10 +63,10 @@ class HistoryIndex:
         self.min_prob = float(cfg.min_prob)
         self.tail = cfg.max_match  # prompt tokens kept in front of each stored response
         self.walk = WALK * cfg.max_candidates  # chain links a source's lookup follows at most
-        counts = cfg.global_source and cfg.global_index == "counts"
-        self.count_table = HostCounts(cfg.max_match, cfg.count_tokens, self.vocab) if counts else None
+        counts = cfg.global_source and cfg.host.global_index == "counts"
+        self.count_table = HostCounts(cfg.max_match, cfg.host.count_tokens, self.vocab) if counts else None
         # the global chains' key lengths, longest first (none: the count table is the global source)
-        self.gkeys = np.array([] if counts else cfg.global_keys, np.int64)
+        self.gkeys = np.array([] if counts else cfg.host.global_keys, np.int64)
         self.pkeys = np.array(cfg.prompt_keys, np.int64)  # the prompt's own chains' key lengths, longest first
         self.global_walk = 2 * cfg.max_candidates  # ... and the global chains', all key lengths together
         self.arena = HistoryArena(len(self.pkeys), len(self.gkeys))
@@ -91,7 +91,8 @@ class HistoryIndex:
     def warm_up(cls, cfg: HistoryConfig, k_max: int) -> None:
         """Compile (or load from numba's cache) every store function a run calls, on a throwaway
         store of these settings: seconds that no engine step, and so no drafting time, pays."""
-        h = cls(replace(cfg, max_rollouts_per_prompt=2, max_tokens=1 << 10, count_tokens=1 << 10), max(k_max, 1))
+        small = replace(cfg.host, max_tokens=1 << 10, count_tokens=1 << 10)
+        h = cls(replace(cfg, max_rollouts_per_prompt=2, host=small), max(k_max, 1))
         p, q, r = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
         h.record([p, p, q, q, r, r], [[9, 10, 11, 12, 13]] * 6, wait=True)
         h.record([p], [[9, 10, 11]], wait=True)   # p's oldest evicted in place
@@ -180,7 +181,7 @@ class HistoryIndex:
     def _fit(self, undo: Undo) -> None:
         """Bring the store under max_tokens (the policy in the module docstring), or where far
         under it, raise the admission limit."""
-        limit, floor = self.cfg.max_tokens, self.cfg.min_rollouts_per_prompt
+        limit, floor = self.cfg.host.max_tokens, self.cfg.host.min_rollouts_per_prompt
         if self.total < RISE * limit and self.admit_below < 1 << 64:
             # prompts hash uniformly: the tokens held grow in proportion to the limit
             self.admit_below = min(1 << 64, self.admit_below * int(SLACK * limit) // max(self.total, 1))

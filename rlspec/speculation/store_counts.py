@@ -7,7 +7,7 @@ the same answers (tests/speculation/test_store_counts.py: entry for entry, token
 It counts the newest stored sequences up to max_tokens tokens, whole sequences in and out, as the
 device ring holds them: a sequence leaves when the store evicts it or when newer ones push it past
 the bound. About 64 bytes per counted token at the defaults (four 16-byte entries), whatever the
-store holds: the store's own bound (speculation.history.max_tokens) is larger."""
+store holds: the store's own bound (speculation.history.host.max_tokens) is larger."""
 from __future__ import annotations
 
 from collections import deque

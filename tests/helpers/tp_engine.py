@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 # a store size and the shadow rows, each drafter's own size key
-SETTINGS = ["speculation.history.device_max_tokens=65536", "speculation.history.shadow_rows=7"]
+SETTINGS = ["speculation.history.device.max_tokens=65536", "speculation.history.shadow_rows=7"]
 METHODS = {"none": ["speculation=none"], "draft_model": ["speculation=draft_model"],
            "eagle3": ["speculation=eagle3"], "ngram": ["speculation=ngram"],
-           "history": ["speculation=history", "speculation.history.max_tokens=65536",
+           "history": ["speculation=history", "speculation.history.host.max_tokens=65536",
                        "speculation.history.shadow_rows=7"],
            "history_device": ["speculation=history", "speculation.history.drafter=device", *SETTINGS],
            "history_device_async": ["speculation=history", "speculation.history.drafter=device", *SETTINGS,
@@ -58,7 +58,7 @@ def ranks_hold(gen) -> dict:
         if getattr(p, "drafting", None) and p.history is not None:
             return weight, (p.history.capacity, p.shadow_rows), device_proposer.state_dict(worker), node
         if isinstance(p, HistoryProposer):
-            return weight, (p.cfg.max_tokens, p.cfg.shadow_rows), None, node
+            return weight, (p.cfg.host.max_tokens, p.cfg.shadow_rows), None, node
         return weight, None, None, node
     return gen.engine.llm.collective_rpc(read)
 

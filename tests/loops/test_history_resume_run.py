@@ -13,9 +13,9 @@ import pytest
 
 from helpers.cli import drafts, records, train
 
-SMALL_TABLES = {"host": ["speculation.history.count_tokens=1024", "speculation.history.max_candidates=2",
+SMALL_TABLES = {"host": ["speculation.history.host.count_tokens=1024", "speculation.history.max_candidates=2",
                          "async_grpo.enabled=true", "async_grpo.max_policy_lag=1"],
-                "device": ["speculation.history.drafter=device", "speculation.history.device_max_tokens=1024",
+                "device": ["speculation.history.drafter=device", "speculation.history.device.max_tokens=1024",
                            "speculation.history.max_candidates=2",
                            "async_grpo.enabled=true", "async_grpo.max_policy_lag=0"]}
 

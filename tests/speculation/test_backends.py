@@ -22,6 +22,7 @@ from rlspec.speculation.device_history import DeviceHistory, prompt_hash
 from rlspec.speculation.arena import HistoryArena
 from rlspec.speculation.history import HistoryIndex
 from rlspec.speculation.history_state import merge_states
+from rlspec.config.speculation import history_config
 
 K = 5
 RING = 1 << 14
@@ -31,7 +32,7 @@ def drafters(rng: random.Random):
     max_match = rng.choice([4, 8, 16])
     keys = [m for m in rng.choice([[8, 3, 1], [3, 1], [4, 2], [2], [1]]) if m <= max_match]
     counts = rng.random() < 0.75
-    cfg = HistoryConfig(prompt_keys=keys, max_match=max_match, min_prob=rng.choice([0.25, 0.5]),
+    cfg = history_config(prompt_keys=keys, max_match=max_match, min_prob=rng.choice([0.25, 0.5]),
                         max_candidates=rng.choice([2, 4, 64]),
                         global_source=counts, count_tokens=RING, max_rollouts_per_prompt=rng.choice([2, 5, 1 << 10]),
                         max_tokens=1 << 20)
@@ -70,7 +71,7 @@ def test_a_store_saved_and_merged_drafts_as_the_stores_it_came_from(backend, see
     merge) draft as one store that recorded both's answers."""
     rng = random.Random(seed)
     V = rng.choice([3, 5])
-    cfg = HistoryConfig(prompt_keys=[3, 1], max_match=8, max_candidates=rng.choice([2, 64]), count_tokens=RING,
+    cfg = history_config(prompt_keys=[3, 1], max_match=8, max_candidates=rng.choice([2, 64]), count_tokens=RING,
                         max_rollouts_per_prompt=rng.choice([2, 1 << 10]), max_tokens=1 << 20)
     pick = 0 if backend == "host" else 1
     prompts = [[rng.randrange(V) for _ in range(rng.randrange(2, 8))] for _ in range(3)]
@@ -164,7 +165,7 @@ def test_every_row_of_a_group_larger_than_max_siblings_drafts_from_its_siblings(
     MAX_SIBLINGS rows of a prompt only, and the rest drafted the stale answer)."""
     from rlspec.speculation import MAX_SIBLINGS
 
-    cfg = HistoryConfig(prompt_keys=[3, 1], max_match=8, global_source=False, max_tokens=1 << 20)
+    cfg = history_config(prompt_keys=[3, 1], max_match=8, global_source=False, max_tokens=1 << 20)
     host = HistoryIndex(cfg, k_max=K)
     device = DeviceHistory(max_tokens=RING, max_match=8, prompt_keys=(3, 1), width=cfg.max_candidates,
                            buckets=1 << 16, global_source=False)

@@ -117,7 +117,7 @@ def test_the_dry_run_takes_the_device_drafters_memory_from_the_engines_kv_cache(
     d, h = dm.roles[0], hm.roles[0]
     hist, L = device.speculation.history, device.model.max_model_len
     rows = 1024
-    resident = (store_bytes(hist.device_max_tokens, 3, hist.max_candidates, True, COUNT_WIDTH)
+    resident = (store_bytes(hist.device.max_tokens, 3, hist.max_candidates, True, COUNT_WIDTH)
                 + finished_bytes(rows, L)) / 2**30
     working = planned(rows, L, device.speculation.k_max, DEFAULTS) / 2**30
     assert device_drafter_gib(device) == pytest.approx((resident, working)) and d.drafter == pytest.approx(

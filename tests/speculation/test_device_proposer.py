@@ -230,7 +230,7 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     base = _gen(plain, prompts, 1, 0.0)
     ray.kill(plain)
     # settings other than the defaults, which reach the engine's workers in vLLM's additional_config
-    over = ["speculation=history", "speculation.history.drafter=device", "speculation.history.device_max_tokens=65536",
+    over = ["speculation=history", "speculation.history.drafter=device", "speculation.history.device.max_tokens=65536",
             "speculation.history.shadow_rows=7"]
     dev = start_generator(over)
     assert ray.get(dev.runner_info.remote(), timeout=600)["speculation"] == "ngram_gpu"   # waits for the engine

@@ -16,6 +16,7 @@ from rlspec.speculation.history_state import STATE_GLOBALS
 from rlspec.speculation.history_proposer import HistoryProposer, configure
 from rlspec.speculation.device_counts import MIN_PROB, WIDTH
 from rlspec.speculation.device_memory import count_buckets
+from rlspec.config.speculation import history_config
 from tests.speculation.device_history_reference import CountReference
 
 PROMPT = [1, 2, 3]
@@ -24,7 +25,7 @@ H, SIB, PR, GL = range(4)
 
 def index(**kw) -> HistoryIndex:
     """A store keyed on 2 tokens, matching up to 8 (short hand-made rows)."""
-    return HistoryIndex(HistoryConfig(**{"prompt_keys": [2], "max_match": 8, "max_candidates": 16, **kw}), k_max=5)
+    return HistoryIndex(history_config(**{"prompt_keys": [2], "max_match": 8, "max_candidates": 16, **kw}), k_max=5)
 
 
 def ask(h, rows, sampled, k, keys=None, prompt_len=3):
@@ -420,9 +421,9 @@ class Reference:
     def __init__(self, cfg: HistoryConfig, tail: int):
         self.cfg, self.tail = cfg, tail
         self.counts = None
-        if cfg.global_source and cfg.global_index == "counts":
-            self.counts = CountReference(cfg.count_tokens, range(1, cfg.max_match + 1), WIDTH,
-                                         count_buckets(cfg.count_tokens, WIDTH), MIN_PROB, 1 << 31)
+        if cfg.global_source and cfg.host.global_index == "counts":
+            self.counts = CountReference(cfg.host.count_tokens, range(1, cfg.max_match + 1), WIDTH,
+                                         count_buckets(cfg.host.count_tokens, WIDTH), MIN_PROB, 1 << 31)
         self.stored = []   # (prompt, [tail | response | END]) oldest first
         self.clock = 0
 
@@ -484,7 +485,7 @@ class Reference:
         if self.counts is not None:   # the count table's draft where its match is longer and it drafts
             far, m = self.counts.walk(ctx, k) if own < c.max_match else ([], 0)
             return far if far and m > own else self._extend(mine, k)
-        for gm in c.global_keys if c.global_source else []:
+        for gm in c.host.global_keys if c.global_source else []:
             if own >= c.max_match or n < gm:
                 continue
             # matches of gm tokens or more where longer than all of the prompt's own: other prompts'
@@ -530,7 +531,7 @@ def test_the_store_drafts_token_for_token_what_the_plain_rule_drafts(seed):
     that no key shares one with another's (the only places the two may part)."""
     rng = random.Random(seed)
     max_match = rng.choice([4, 8])
-    cfg = HistoryConfig(prompt_keys=[m for m in rng.choice([[8, 3, 1], [3], [2, 1], [4, 1]]) if m <= max_match],
+    cfg = history_config(prompt_keys=[m for m in rng.choice([[8, 3, 1], [3], [2, 1], [4, 1]]) if m <= max_match],
                         max_match=max_match, min_prob=rng.choice([0.3, 0.5]),
                         max_candidates=rng.choice([2, 4, 16]), global_source=rng.random() < 0.8,
                         global_index=rng.choice(["counts", "chains"]), count_tokens=rng.choice([150, 1 << 12]),
@@ -581,21 +582,22 @@ def test_settings_are_validated_by_key():
         validate(compose(["speculation=history", "speculation.history.prompt_keys=[20]"]))
     with pytest.raises(ConfigError, match=r"^speculation\.history\.min_prob"):
         validate(compose(["speculation=history", "speculation.history.min_prob=0"]))
-    with pytest.raises(ConfigError, match=r"^speculation\.history\.global_keys: must be distinct key lengths"):
-        validate(compose(["speculation=history", "speculation.history.global_keys=[1,4]"]))
+    with pytest.raises(ConfigError, match=r"^speculation\.history\.host\.global_keys: must be distinct key lengths"):
+        validate(compose(["speculation=history", "speculation.history.host.global_keys=[1,4]"]))
     # arena positions are int32 (rlspec/speculation/arena.py)
-    validate(compose(["speculation=history", "speculation.history.max_tokens=500000000"]))
-    with pytest.raises(ConfigError, match=r"^speculation\.history\.max_tokens: must be <= 536870912"):
-        validate(compose(["speculation=history", "speculation.history.max_tokens=3000000000"]))
+    validate(compose(["speculation=history", "speculation.history.host.max_tokens=500000000"]))
+    with pytest.raises(ConfigError, match=r"^speculation\.history\.host\.max_tokens: must be in \[1, 536870912\]"):
+        validate(compose(["speculation=history", "speculation.history.host.max_tokens=3000000000"]))
     # the device drafter's settings: a host store's key it would ignore is refused, naming both keys
     validate(compose(["speculation=history", "speculation.history.drafter=device"]))
-    with pytest.raises(ConfigError, match=r"^speculation\.history\.global_index: speculation\.history\.drafter=device"):
-        validate(compose(["speculation=history", "speculation.history.drafter=device",
-                          "speculation.history.global_index=chains"]))
     with pytest.raises(ConfigError,
-                       match=r"^speculation\.history\.min_rollouts_per_prompt: speculation\.history\.drafter=device"):
+                       match=r"^speculation\.history\.host\.global_index: speculation\.history\.drafter=device"):
         validate(compose(["speculation=history", "speculation.history.drafter=device",
-                          "speculation.history.min_rollouts_per_prompt=4"]))
+                          "speculation.history.host.global_index=chains"]))
+    key = r"^speculation\.history\.host\.min_rollouts_per_prompt"
+    with pytest.raises(ConfigError, match=key + r": speculation\.history\.drafter=device"):
+        validate(compose(["speculation=history", "speculation.history.drafter=device",
+                          "speculation.history.host.min_rollouts_per_prompt=4"]))
 
 
 # -- through real vLLM: the drafter hosted as vLLM's custom proposer, in a Generator actor ---------

@@ -9,10 +9,10 @@ import random
 import numpy as np
 import torch
 
-from rlspec.config import HistoryConfig
 from rlspec.speculation.device_history import DeviceHistory, prompt_hash
 from rlspec.speculation.history import HistoryIndex
 from rlspec.speculation.history_state import STATE_GLOBALS
+from rlspec.config.speculation import history_config
 
 K = 5
 
@@ -84,7 +84,7 @@ def test_a_saved_host_store_loads_its_count_table_as_it_was_held_and_drafts_the_
     entry, it counts the same sequences, and every row drafts the same; counted afresh from the
     saved sequences the table would differ."""
     rng = random.Random(1)
-    cfg = HistoryConfig(prompt_keys=[3, 1], max_match=8, count_tokens=1 << 10, max_tokens=1 << 20)
+    cfg = history_config(prompt_keys=[3, 1], max_match=8, count_tokens=1 << 10, max_tokens=1 << 20)
 
     def drafts(h: HistoryIndex, rows):
         h.begin_call()

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rlspec.config import HistoryConfig
 from rlspec.speculation import history_proposer as hp
 from rlspec.speculation import vllm_hooks
 from rlspec.speculation.history import HistoryIndex
+from rlspec.config.speculation import history_config
 
 PROMPT = [1, 2, 3]
 HERE = Path(__file__).parent
@@ -25,7 +25,7 @@ HERE = Path(__file__).parent
 
 def index(**kw) -> HistoryIndex:
     """A store keyed on 2 tokens, matching up to 8 (short hand-made rows)."""
-    return HistoryIndex(HistoryConfig(**{"prompt_keys": [2], "max_match": 8, "max_candidates": 16, **kw}), k_max=5)
+    return HistoryIndex(history_config(**{"prompt_keys": [2], "max_match": 8, "max_candidates": 16, **kw}), k_max=5)
 
 
 def ask(h, rows, sampled, k, keys=None, prompt_len=3):
@@ -257,7 +257,7 @@ def test_only_the_rank_whose_drafts_vllm_reads_stores_and_drafts():
 def test_an_arena_past_int32_positions_is_refused_before_it_is_allocated():
     from rlspec.speculation.arena import HistoryArena, LiveArena
 
-    with pytest.raises(OverflowError, match="speculation.history.max_tokens"):
+    with pytest.raises(OverflowError, match="speculation.history.host.max_tokens"):
         HistoryArena(plevels=3, levels=2, capacity=1 << 31)
     live = LiveArena()
     with pytest.raises(OverflowError, match="int32"):
@@ -285,7 +285,7 @@ def test_drafting_waits_for_the_responses_being_recorded():
             gate.wait()
             super()._record(work)
 
-    h = Gated(HistoryConfig(prompt_keys=[2], max_match=8), k_max=5)
+    h = Gated(history_config(prompt_keys=[2], max_match=8), k_max=5)
     h.begin_call()
     h.record([PROMPT], [[10, 11, 12, 13]])
     worker, join = h._worker, h._worker.join

@@ -15,6 +15,7 @@ from rlspec.speculation.history import HistoryIndex
 from rlspec.speculation.store import prompt_salt
 from rlspec.speculation import store_counts
 from rlspec.speculation.store_counts import HostCounts, count_draft
+from rlspec.config.speculation import history_config
 
 from helpers.states import same_state
 
@@ -74,7 +75,7 @@ def test_the_numba_walk_drafts_what_the_torch_walk_drafts(seed):
 
 
 def history_settings(count_tokens: int) -> HistoryConfig:
-    return HistoryConfig(prompt_keys=[2], max_match=8, count_tokens=count_tokens)
+    return history_config(prompt_keys=[2], max_match=8, count_tokens=count_tokens)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -113,7 +114,7 @@ def test_the_count_table_follows_the_stores_evictions():
     count_tokens leave the table: it equals a table that counts the sequences still counted at
     once, and every one of them is stored."""
     rng = random.Random(3)
-    h = HistoryIndex(HistoryConfig(prompt_keys=[2], max_match=8, max_rollouts_per_prompt=3, max_tokens=1500,
+    h = HistoryIndex(history_config(prompt_keys=[2], max_match=8, max_rollouts_per_prompt=3, max_tokens=1500,
                                    count_tokens=1200), k_max=5)
     h.count_table = HostCounts(8, 1200, h.vocab, buckets=1 << 12)   # no bucket fills: no pruning
     prompts = [[rng.randrange(50) for _ in range(4)] for _ in range(12)]
