@@ -1,5 +1,5 @@
 """Drafting cost per engine step of the device-resident history drafter
-(rlspec/speculation/device_history.py) beside the host store's (rlspec/speculation/history.py, numba),
+(rlspec/speculation/history/device/store.py) beside the host store's (rlspec/speculation/history/host/index.py, numba),
 on the same store and rows: microseconds per running row, at each batch size, JSON out.
 
 Store: --prompts-stored prompts of 200 tokens, 16 responses each of about --response tokens (noisy
@@ -59,7 +59,7 @@ def rows_of(args, g, prompts, latents, batch):
 
 
 def time_device(args, stored, rows, plens, cuts) -> float:
-    from rlspec.speculation.device_history import DeviceHistory, prompt_hash
+    from rlspec.speculation.history.device.store import DeviceHistory, prompt_hash
 
     h = DeviceHistory(max_tokens=args.arena, max_siblings=GROUP)
     t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def time_device(args, stored, rows, plens, cuts) -> float:
 def time_host(args, stored, rows, plens, cuts) -> float:
     from rlspec.config import HistoryConfig
     from rlspec.config.speculation import history_config
-    from rlspec.speculation.history import HistoryIndex
+    from rlspec.speculation.history.host.index import HistoryIndex
 
     h = HistoryIndex(history_config(max_tokens=args.arena), args.k)
     HistoryIndex.warm_up(HistoryConfig(), args.k)
@@ -115,7 +115,7 @@ def traffic(batch: int, width: int, k: int, arena: int) -> dict:
     it dispatches and the bytes they move (reads and writes)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from rlspec.speculation.device_history import DeviceHistory
+    from rlspec.speculation.history.device.store import DeviceHistory
 
     def nbytes(x) -> int:
         return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0

@@ -1,12 +1,12 @@
 """History drafting at scale: rollouts replayed through a drafter alone (no model), side by side for
 several stores, JSON out and a table printed.
 
-Stores: rlspec's compiled store (rlspec/speculation/store.py, `rlspec`; `rlspec_chains`, only where
+Stores: rlspec's compiled store (rlspec/speculation/history/host/store.py, `rlspec`; `rlspec_chains`, only where
 --stores names it: the cheaper rule, global_index=chains and prompt keys of 3 tokens), a dict-based store of
 hashed n-gram continuation counts (scripts/history_dict_store.py, `dict`), and arctic-inference's
 SuffixDecodingCache driven as vLLM's `suffix` method drives it (`suffix`: a suffix tree over each
 request's prompt and its answer so far, and a global one over earlier responses of any prompt),
-and the device-resident drafter (rlspec/speculation/device_history.py, `device`, on CPU tensors;
+and the device-resident drafter (rlspec/speculation/history/device/store.py, `device`, on CPU tensors;
 --device KEY=VALUE sets its arguments); only where --stores names them, `suffix_finished` (suffix
 whose global tree reads finished answers only) and `device_suffix` (a prototype: the device rule's
 own sources with a suffix tree over finished answers as its global source).
@@ -73,7 +73,7 @@ HISTORY_SETTINGS: dict = {}  # --history KEY=VALUE: speculation.history settings
 class Rlspec:
     def __init__(self, k: int, max_tokens: int, **settings):
         from rlspec.config.speculation import history_config
-        from rlspec.speculation.history import HistoryIndex
+        from rlspec.speculation.history.host.index import HistoryIndex
 
         self.h = HistoryIndex(history_config(**{"max_tokens": max_tokens, **HISTORY_SETTINGS, **settings}), k)
         warm = HistoryIndex(history_config(), k)   # compile the store's functions before anything is timed
@@ -97,7 +97,7 @@ class Rlspec:
         self.record(prompts, responses)
 
     def has_history(self, prompt) -> bool:
-        from rlspec.speculation.store import prompt_salt
+        from rlspec.speculation.history.host.store import prompt_salt
 
         a = np.asarray(prompt, np.int32)
         return int(prompt_salt(a, len(a))) in self.h.prompts
@@ -149,14 +149,14 @@ DEVICE_ARENA = 1 << 21  # the device store's ring, at most (its buckets grow wit
 
 
 class Device:
-    """rlspec/speculation/device_history.py's drafter on CPU torch tensors: the batch's rows as
+    """rlspec/speculation/history/device/store.py's drafter on CPU torch tensors: the batch's rows as
     the engine's token buffer, each row's prompt identity hashed from its row."""
 
     def __init__(self, k: int, max_tokens: int, **settings):
         import torch
 
         from rlspec.config import HistoryConfig
-        from rlspec.speculation.device_history import DeviceHistory
+        from rlspec.speculation.history.device.store import DeviceHistory
 
         torch.set_num_threads(1)   # as the host store drafts: one core
         # the per-prompt bound a run gives it (speculation.history.max_rollouts_per_prompt), as the host store has
@@ -172,7 +172,7 @@ class Device:
     def step(self, ids, nums, new, keys, plens, k) -> list[list[int]]:
         import torch
 
-        from rlspec.speculation.device_history import prompt_hash
+        from rlspec.speculation.history.device.store import prompt_hash
 
         self._flush()
         t, pl = torch.from_numpy(ids), torch.as_tensor(np.asarray(plens, np.int64))
@@ -330,7 +330,7 @@ class DeviceSuffix(Device):
     def step(self, ids, nums, new, keys, plens, k) -> list[list[int]]:
         import torch
 
-        from rlspec.speculation.device_history import prompt_hash
+        from rlspec.speculation.history.device.store import prompt_hash
 
         self._flush()
         t, pl, n = torch.from_numpy(ids), torch.as_tensor(np.asarray(plens, np.int64)), torch.as_tensor(nums)

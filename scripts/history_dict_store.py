@@ -2,7 +2,7 @@
 counts of the tokens that followed it, in Python dicts keyed by the context's hash, per prompt
 (its responses), per call (the group's live answers) and per prompt (its own tokens); rows are
 told apart by their prompt prefix. The baseline that scripts/bench_history_store.py compares
-rlspec's compiled store (rlspec/speculation/store.py) against: the same sources and draft rule
+rlspec's compiled store (rlspec/speculation/history/host/store.py) against: the same sources and draft rule
 family, at about 1 KB and 5 us a stored token."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from rlspec.config import HistoryConfig
-from rlspec.speculation.history import HistoryStats  # its counters; this store drafts from the first three sources
+from rlspec.speculation.history.host.index import HistoryStats  # its counters; it drafts from the first three sources
 
 
 class Table:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlspec.speculation import MAX_SIBLINGS, MAX_VOTERS
-from rlspec.speculation.device_memory import COUNT_WIDTH, finished_bytes, store_bytes, working_bytes
+from rlspec.speculation.history.device.memory import COUNT_WIDTH, finished_bytes, store_bytes, working_bytes
 
 GIB = 1 << 30
 ENGINE_ASLEEP_GIB = 1.0      # allocator reserve an engine keeps while asleep
@@ -154,9 +154,9 @@ def device_drafter_gib(cfg) -> tuple[float, float]:
     """The device history drafter's memory per engine rank (speculation.history.drafter=device),
     resident and working: its store and the call's finished answers, allocated with the runner
     (plain torch tensors: they stay while the engine sleeps, vLLM's sleep frees its own pool), and
-    a step's working tensors at the engine's largest batch (rlspec/speculation/device_memory.py).
+    a step's working tensors at the engine's largest batch (rlspec/speculation/history/device/memory.py).
     Both inside the engine's share, taken from its KV cache (vLLM profiles a step:
-    device_proposer.profile_step)."""
+    device.proposer.profile_step)."""
     s = cfg.speculation
     if s.method != "history" or s.history.drafter != "device":
         return 0.0, 0.0

@@ -159,7 +159,7 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
             f"must be host or device, got {h.drafter!r}")
     hs, H = h.host, "speculation.history.host"
     # the store's arena positions are int32: max_tokens response tokens with their prompt tails,
-    # an insert's room and 1.5x to grow (rlspec/speculation/arena.py) stay under 2^31 positions
+    # an insert's room and 1.5x to grow (rlspec/speculation/history/host/arena.py) stay under 2^31 positions
     require(1 <= hs.max_tokens <= 1 << 29, f"{H}.max_tokens",
             f"must be in [1, {1 << 29}] (the history store's positions are int32), got {hs.max_tokens}")
     require(hs.global_index in ("counts", "chains"), f"{H}.global_index",

@@ -37,7 +37,7 @@ class OnlineDraftConfig:
 
 @dataclass
 class HostHistoryConfig:
-    """The host drafter's store (speculation.history.drafter=host, rlspec/speculation/history.py):
+    """The host drafter's store (speculation.history.drafter=host, rlspec/speculation/history/host/index.py):
     in the engine's process, vLLM's custom proposer (Model Runner V1, async scheduling off)."""
     # Drafts from any prompt's answers (global_source) come from:
     # - `counts` (the device drafter's rule): a count table of the newest count_tokens stored tokens
@@ -62,7 +62,7 @@ class HostHistoryConfig:
 @dataclass
 class DeviceHistoryConfig:
     """The device drafter's store (speculation.history.drafter=device,
-    rlspec/speculation/device_history.py): tensors on the engine's device, in vLLM's ngram_gpu slot
+    rlspec/speculation/history/device/store.py): tensors on the engine's device, in vLLM's ngram_gpu slot
     (no copy of the rows to the host, async scheduling kept on a GPU). Its global source is the
     count table; its ring drops the oldest tokens, so no prompt keeps a floor of answers."""
     # The ring's tokens (about 110 bytes each: the ring, its buckets and the count table).

@@ -4,7 +4,7 @@
 SOURCES = ("history", "siblings", "prompt", "global")
 HISTORY, SIBLINGS, PROMPT, GLOBAL = range(4)
 
-# The prompt's own sources, as both drafters read them (rlspec/speculation/store.py and
-# device_history.py): answers of the running group read per prompt (the row's own included), and
+# The prompt's own sources, as both drafters read them (rlspec/speculation/history/host/store.py and
+# history/device/store.py): answers of the running group read per prompt (the row's own included), and
 # candidates of the longest match that vote (the highest ranked).
 MAX_SIBLINGS, MAX_VOTERS = 16, 64

@@ -36,7 +36,7 @@ position i among those that drafted position i-1 (measured like a_i), a row draf
 D(k) = sum_{i<k} prod_{j<=i} g_j tokens on average, and a step costs
 t(B, 0) + D(k) / k (t(B, k) - t(B, 0)), t(B, k) being timed with every row drafting k tokens. A
 model drafter always drafts k: D(k) = k and the cost is t(B, k). Calls that drafted nothing are
-measured in shadow (rlspec/speculation/history_stats.py: replay_in_shadow).
+measured in shadow (rlspec/speculation/history/stats.py: replay_in_shadow).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from rlspec.config import SpeculationConfig
 from rlspec.engines.vllm_engine import VLLMEngine, decode_only
 from rlspec.messages import RolloutBatch
 from rlspec.speculation.adaptive import OFF, DraftLengthPlanner, DraftPlan, load_step_costs, non_decreasing
-from rlspec.speculation import drafters
+from rlspec.speculation.history import drafters
 
 
 class AdaptiveK:
@@ -62,7 +62,7 @@ class AdaptiveK:
         self.last_lengths = [len(r) for r in ro.response_ids]
         k_min = self.planner.calls_k_min(self.plan, len(ro.response_ids))
         if ro.history is not None:  # drafts per request: measured over every row it was asked for
-            from rlspec.speculation.history_stats import per_pos
+            from rlspec.speculation.history.stats import per_pos
 
             h, k_max = ro.history, self.planner.k_max
             if h.get("propose_timing"):  # the lookups' own time, charged to drafting modes only
@@ -94,7 +94,7 @@ class AdaptiveK:
         sched.dynamic_sd_lookup[:] = [0] * n if off else [0] + [k_of_batch(b) for b in range(1, n)]
         method = self.engine.spec_config["method"]
         if method == "custom_class":  # rlspec's host history drafter reads k itself
-            from rlspec.speculation import history_proposer
+            from rlspec.speculation.history.host import proposer as history_proposer
 
             self.engine.llm.collective_rpc(history_proposer.set_k, args=(list(sched.dynamic_sd_lookup),))
         # n-gram lookup costs nothing to skip; the device history drafter is handed the scheduler's

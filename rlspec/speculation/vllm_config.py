@@ -12,11 +12,11 @@ def vllm_speculative_config(spec: SpeculationConfig, draft_dir: str | None) -> d
     out: dict = {"method": spec.method, "num_speculative_tokens": spec.k_max}
     if spec.method == "history" and spec.history.drafter == "device":
         # rlspec's drafter on the engine's device, in vLLM's ngram_gpu slot (its n-gram settings unread)
-        from rlspec.speculation.device_proposer import MARK
+        from rlspec.speculation.history.device.proposer import MARK
 
         out.update(method="ngram_gpu", model=MARK, prompt_lookup_min=1, prompt_lookup_max=1)
     elif spec.method == "history":  # rlspec's own drafter, hosted as vLLM's custom proposer
-        from rlspec.speculation.history_proposer import PROPOSER
+        from rlspec.speculation.history.host.proposer import PROPOSER
 
         out.update(method="custom_class", model=PROPOSER)
     if spec.adaptive:

@@ -31,7 +31,7 @@ VLLM_SURFACE = {
     # the history drafter matches rows to requests as vLLM's suffix proposer does (V1 only)
     **{m: ["vllm.v1.worker.gpu_input_batch:InputBatch"] for m in ("req_ids", "num_prompt_tokens")},
     "drafter": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],  # V1 (speculation=history runs there)
-    # the device history drafter's width of drafts on V1 (device_proposer)
+    # the device history drafter's width of drafts on V1 (history/device/proposer.py)
     "use_async_scheduling": ["vllm.v1.worker.gpu_model_runner:GPUModelRunner"],
     "step": ["vllm.v1.engine.llm_engine:LLMEngine"],
     "has_unfinished_requests": ["vllm.v1.engine.llm_engine:LLMEngine"],
@@ -62,7 +62,7 @@ VLLM_SURFACE = {
 V1_ONLY = ("propose_draft_token_ids", "input_batch")
 
 
-# The device history drafter's slots (rlspec/speculation/device_proposer.py), as vLLM 0.32 has them:
+# The device history drafter's slots (rlspec/speculation/history/device/proposer.py), as vLLM 0.32 has them:
 # modules, names and propose() parameters
 PINNED_VLLM = "0.32"
 V1_PROPOSE = ("num_speculative_tokens", "num_tokens_no_spec", "token_ids_gpu", "valid_sampled_token_ids_gpu",

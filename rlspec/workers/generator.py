@@ -14,7 +14,9 @@ from rlspec.engines.vllm_engine import VLLMEngine
 from rlspec.messages import Group, RolloutBatch, Sampling
 from rlspec.models import ModelPaths
 from rlspec.refit.receiver import RefitReceiver
-from rlspec.speculation import drafters, history_proposer, vllm_hooks
+from rlspec.speculation import vllm_hooks
+from rlspec.speculation.history import drafters
+from rlspec.speculation.history.host import proposer as history_proposer
 from rlspec.speculation.calibration import AdaptiveK
 from rlspec.speculation.vllm_config import vllm_speculative_config
 
@@ -114,7 +116,7 @@ class Generator(RefitReceiver):
 
     def load_history(self, paths: list[str]) -> None:
         """The stores saved at `paths`, merged (least recently seen first, bounds applied)."""
-        from rlspec.speculation.history_state import STATE_GLOBALS, merge_states
+        from rlspec.speculation.history.state import STATE_GLOBALS, merge_states
 
         with torch.serialization.safe_globals(STATE_GLOBALS):
             states = [torch.load(p, weights_only=True) for p in paths]

@@ -19,7 +19,7 @@ def auto_calls_keep_to_their_schedule(actor, generate, want, calls: int = 2, k_m
     drafting it among those that drafted the one before, each in (0, 1]."""
     import ray
 
-    from rlspec.speculation.history_stats import per_pos
+    from rlspec.speculation.history.stats import per_pos
 
     for _ in range(calls):
         ro = generate(actor)

@@ -44,8 +44,8 @@ def perturbed(path: str) -> dict[str, torch.Tensor]:
 def ranks_hold(gen) -> dict:
     """Per rank: the refit weight, the history drafter's settings (the device drafter's as its store
     holds them) and the device drafter's store (where it drafts)."""
-    from rlspec.speculation import device_proposer
-    from rlspec.speculation.history_proposer import HistoryProposer
+    from rlspec.speculation.history.device import proposer as device_proposer
+    from rlspec.speculation.history.host.proposer import HistoryProposer
 
     def read(worker):
         import ray

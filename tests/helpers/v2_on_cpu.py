@@ -76,7 +76,7 @@ def main() -> None:
     from vllm.v1.worker.gpu.spec_decode.ngram import speculator
     from vllm.v1.worker.gpu.states import RequestState
 
-    from rlspec.speculation.device_proposer import MARK, _speculator_class, begin_call
+    from rlspec.speculation.history.device.proposer import MARK, _speculator_class, begin_call
 
     K, SLOTS, WIDTH = 4, 4, 64
     dev = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""A plain reading of rlspec/speculation/device_history.py's rule, row by row in Python ints: the
+"""A plain reading of rlspec/speculation/history/device/store.py's rule, row by row in Python ints: the
 same hashes (mod 2^64), the same ring and buckets, candidates and vote."""
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ class Reference:
 
 
 class CountReference:
-    """The count table (rlspec/speculation/device_counts.py) over a ring of max_tokens tokens: whole
+    """The count table (rlspec/speculation/history/device/counts.py) over a ring of max_tokens tokens: whole
     sequences counted in, and out once the ring overwrites their start (the host store's count
     table counts the same newest sequences)."""
 

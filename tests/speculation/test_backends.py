@@ -1,5 +1,5 @@
-"""One drafting rule in both backends: the host store (rlspec/speculation/store.py, numba over chains)
-and the device drafter (device_history.py, torch over buckets) fed the same random traces draft the
+"""One drafting rule in both backends: the host store (rlspec/speculation/history/host/store.py, numba over chains)
+and the device drafter (history/device/store.py, torch over buckets) fed the same random traces draft the
 same tokens, whole drafts, from every source (the prompt's stored answers, the row itself, its
 siblings, the count table); each backend's saved state loads, alone or merged with another, to the
 drafts of the store it came from.
@@ -18,10 +18,10 @@ import torch
 
 from rlspec.config import HistoryConfig
 from rlspec.speculation import SOURCES
-from rlspec.speculation.device_history import DeviceHistory, prompt_hash
-from rlspec.speculation.arena import HistoryArena
-from rlspec.speculation.history import HistoryIndex
-from rlspec.speculation.history_state import merge_states
+from rlspec.speculation.history.device.store import DeviceHistory, prompt_hash
+from rlspec.speculation.history.host.arena import HistoryArena
+from rlspec.speculation.history.host.index import HistoryIndex
+from rlspec.speculation.history.state import merge_states
 from rlspec.config.speculation import history_config
 
 K = 5
@@ -67,7 +67,7 @@ def one_step(store, rows, plens):
 def test_a_store_saved_and_merged_drafts_as_the_stores_it_came_from(backend, seed):
     """Either backend: answers recorded call by call (the per-prompt bound biting, keys past their
     buckets' width) and saved load into an empty store of the same settings that drafts every query
-    as the saved one did; two stores' states merged (history_state.merge_states, both backends' one
+    as the saved one did; two stores' states merged (history.state.merge_states, both backends' one
     merge) draft as one store that recorded both's answers."""
     rng = random.Random(seed)
     V = rng.choice([3, 5])
@@ -187,11 +187,11 @@ def test_every_row_of_a_group_larger_than_max_siblings_drafts_from_its_siblings(
 
 @pytest.mark.parametrize("seed", range(6))
 def test_both_backends_replay_a_call_in_shadow_to_the_same_counts(seed):
-    """One shadow replay (history_stats.replay_in_shadow) over either backend's drafts: a call that
+    """One shadow replay (history.stats.replay_in_shadow) over either backend's drafts: a call that
     drafted nothing, replayed in lock step against stores that recorded earlier calls (the
     per-prompt bound biting), gives the same verifications, drafts and accepts per position in
     both, siblings' tokens seen at the same step."""
-    from rlspec.speculation.history_stats import HistoryStats
+    from rlspec.speculation.history.stats import HistoryStats
 
     rng = random.Random(300 + seed)
     V = rng.choice([3, 5, 8])

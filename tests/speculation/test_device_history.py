@@ -1,4 +1,4 @@
-"""The device-resident history drafter (rlspec/speculation/device_history.py): token for token
+"""The device-resident history drafter (rlspec/speculation/history/device/store.py): token for token
 against a plain reading of its rule on random traces (small vocabularies, so that matches, hash
 collisions, bucket overflow and ring eviction all happen), hand-made cases per source, and its
 propose checked to be one graph of fixed shapes with no host sync and no device mixing."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlspec.speculation import GLOBAL, HISTORY, PROMPT, SIBLINGS
-from rlspec.speculation.device_history import DeviceHistory, prompt_hash
-from rlspec.speculation.history_stats import HistoryStats
+from rlspec.speculation.history.device.store import DeviceHistory, prompt_hash
+from rlspec.speculation.history.stats import HistoryStats
 from tests.speculation.device_history_reference import Reference
 from tests.speculation.device_history_reference import prompt_hash as ref_prompt_hash
 
@@ -223,7 +223,7 @@ def test_the_calls_finished_answers_draft_for_their_running_siblings():
     """The last `done` rows are answers of the call that finished: a running row reads them as
     siblings (its max_siblings - 1 followers are its prompt's running and finished answers in
     proportion, not only the running rows in lockstep with it), and nothing drafts for them."""
-    from rlspec.speculation.device_ops import prompt_siblings
+    from rlspec.speculation.history.device.ops import prompt_siblings
 
     dev = DeviceHistory(**SMALL)   # max_siblings=3: each row reads 2 siblings
     p = [1, 2, 3, 4, 5]

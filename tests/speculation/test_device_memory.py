@@ -1,6 +1,6 @@
 """The device history drafter's memory inside vLLM's budget: a step's peak bytes, counted from the
 allocator's own events under torch's profiler, held to the plan (rlspec/speculation/
-device_memory.py) at shapes and settings its constants were not fitted on; the store's planned
+history/device/memory.py) at shapes and settings its constants were not fitted on; the store's planned
 bytes equal to its tensors'; vLLM's profile run drafting a step at the engine's largest shape on
 both runners; the dry run's memory table taking the drafter from the engine's KV cache."""
 from types import SimpleNamespace
@@ -13,10 +13,10 @@ from conftest import compose
 from rlspec.checks import plan_of, resolve_auto
 from rlspec.cluster.memory import device_drafter_gib, gpu_memory
 from rlspec.speculation import MAX_SIBLINGS, MAX_VOTERS
-from rlspec.speculation.device_call import Finished
-from rlspec.speculation.device_history import DeviceHistory
-from rlspec.speculation.device_memory import COUNT_WIDTH, finished_bytes, store_bytes, working_bytes
-from rlspec.speculation.device_proposer import MARK, _proposer_class, _speculator_class, profile_step
+from rlspec.speculation.history.device.call import Finished
+from rlspec.speculation.history.device.store import DeviceHistory
+from rlspec.speculation.history.device.memory import COUNT_WIDTH, finished_bytes, store_bytes, working_bytes
+from rlspec.speculation.history.device.proposer import MARK, _proposer_class, _speculator_class, profile_step
 
 DEFAULTS = dict(width=64, max_match=16, prompt_keys=(8, 3, 1), max_siblings=MAX_SIBLINGS, max_voters=MAX_VOTERS,
                 global_source=True)

@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from rlspec.speculation import SOURCES
-from rlspec.speculation.device_history import END, DeviceHistory, prompt_hash
-from rlspec.speculation.history_state import merge_states
-from rlspec.speculation.history_stats import HistoryStats
+from rlspec.speculation.history.device.store import END, DeviceHistory, prompt_hash
+from rlspec.speculation.history.state import merge_states
+from rlspec.speculation.history.stats import HistoryStats
 
 SMALL = dict(max_tokens=1 << 12, width=8, max_match=8, prompt_keys=(4, 2, 1))
 
 
 def test_append_sampled_writes_the_valid_tokens_after_each_row():
-    from rlspec.speculation.device_call import append_sampled
+    from rlspec.speculation.history.device.call import append_sampled
 
     ids = torch.zeros(3, 6, dtype=torch.int32)
     ids[:, :2] = torch.tensor([[1, 2], [3, 4], [5, 6]])
@@ -84,7 +84,7 @@ def _states(plen):
 def _v2_speculator(states, k=4):
     from vllm.v1.worker.gpu.spec_decode.ngram import speculator
 
-    from rlspec.speculation.device_proposer import MARK, _speculator_class
+    from rlspec.speculation.history.device.proposer import MARK, _speculator_class
 
     cls = _speculator_class(speculator.NgramGPUSpeculator)
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(model=MARK, num_speculative_tokens=k),
@@ -180,7 +180,8 @@ def test_a_vllm_whose_slots_moved_stops_the_run_naming_what_moved(monkeypatch):
     from vllm.v1.spec_decode import ngram_proposer_gpu
     from vllm.v1.worker import gpu_model_runner
 
-    from rlspec.speculation import device_proposer, vllm_hooks
+    from rlspec.speculation import vllm_hooks
+    from rlspec.speculation.history.device import proposer as device_proposer
 
     assert vllm_hooks.slots_changed() == []
 
@@ -301,7 +302,7 @@ def test_device_drafting_with_auto_k_is_exact_and_drafts_the_k_it_is_given(ray_s
     auto_calls_keep_to_their_schedule(auto, lambda a: _gen(a, prompts, 1, 0.0), base.response_ids)
 
     def generate_at(gen, k, prompts, s):  # the engine alone, at a k set as 'auto' sets it
-        from rlspec.speculation import device_proposer
+        from rlspec.speculation.history.device import proposer as device_proposer
         from rlspec.speculation.adaptive import OFF
 
         gen.adaptive.set_k(OFF if k == OFF else (lambda b: k))
@@ -323,7 +324,8 @@ def test_device_drafting_with_auto_k_is_exact_and_drafts_the_k_it_is_given(ray_s
 def test_a_store_saved_by_the_other_drafter_is_refused(tmp_path):
     """Generator.load_history: a run resumes with the drafter its stores were saved by; a host
     store given to the device drafter (and the reverse) stops the resume naming both."""
-    from rlspec.speculation import device_proposer, history_proposer
+    from rlspec.speculation.history.device import proposer as device_proposer
+    from rlspec.speculation.history.host import proposer as history_proposer
     from rlspec.workers.generator import Generator
 
     dev = DeviceHistory(**SMALL)
@@ -355,8 +357,8 @@ def test_the_cpu_stand_ins_touch_only_this_drafters_runners():
         pytest.skip("the stand-ins are for vLLM's CPU platform")
     from vllm.v1.worker import cpu_model_runner
 
-    from rlspec.speculation.device_cpu import Event
-    from rlspec.speculation.device_proposer import install
+    from rlspec.speculation.history.device.cpu import Event
+    from rlspec.speculation.history.device.proposer import install
 
     install()
     event, zeros = torch.cuda.Event, torch.zeros
@@ -381,7 +383,7 @@ def test_the_cpu_row_copy_keeps_the_rows_as_vllms_incremental_update_does(seed, 
 
     from vllm.v1.spec_decode import ngram_proposer_gpu as ngp
 
-    from rlspec.speculation.device_cpu import copy_rows
+    from rlspec.speculation.history.device.cpu import copy_rows
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
     monkeypatch.setattr(ngp, "async_tensor_h2d", lambda data, dtype=None, device=None: torch.tensor(data, dtype=dtype))

@@ -9,13 +9,13 @@ import pytest
 
 from helpers.states import same_state
 from rlspec.config import HistoryConfig
-from rlspec.speculation.arena import HistoryArena
-from rlspec.speculation.history import SOURCES, HistoryIndex
-from rlspec.speculation.history_stats import per_pos
-from rlspec.speculation.history_state import STATE_GLOBALS
-from rlspec.speculation.history_proposer import HistoryProposer, configure
-from rlspec.speculation.device_counts import MIN_PROB, WIDTH
-from rlspec.speculation.device_memory import count_buckets
+from rlspec.speculation.history.host.arena import HistoryArena
+from rlspec.speculation.history.host.index import SOURCES, HistoryIndex
+from rlspec.speculation.history.stats import per_pos
+from rlspec.speculation.history.state import STATE_GLOBALS
+from rlspec.speculation.history.host.proposer import HistoryProposer, configure
+from rlspec.speculation.history.device.counts import MIN_PROB, WIDTH
+from rlspec.speculation.history.device.memory import count_buckets
 from rlspec.config.speculation import history_config
 from tests.speculation.device_history_reference import CountReference
 
@@ -313,7 +313,7 @@ def test_bounds_per_prompt_then_the_fullest_prompts_then_a_fixed_resident_set():
 
 
 def salt(prompt) -> int:
-    from rlspec.speculation.store import prompt_salt
+    from rlspec.speculation.history.host.store import prompt_salt
 
     a = np.asarray(prompt, np.int32)
     return int(prompt_salt(a, len(a)))
@@ -414,7 +414,7 @@ LIVE, SELF = 1 << 42, 1 << 41
 
 
 class Reference:
-    """The draft rule of rlspec/speculation/store.py read plainly: rows and sequences in lists, every
+    """The draft rule of rlspec/speculation/history/host/store.py read plainly: rows and sequences in lists, every
     position scanned, no hashing; the count table (global_index=counts) the device drafter's plain
     reading."""
 
@@ -584,7 +584,7 @@ def test_settings_are_validated_by_key():
         validate(compose(["speculation=history", "speculation.history.min_prob=0"]))
     with pytest.raises(ConfigError, match=r"^speculation\.history\.host\.global_keys: must be distinct key lengths"):
         validate(compose(["speculation=history", "speculation.history.host.global_keys=[1,4]"]))
-    # arena positions are int32 (rlspec/speculation/arena.py)
+    # arena positions are int32 (rlspec/speculation/history/host/arena.py)
     validate(compose(["speculation=history", "speculation.history.host.max_tokens=500000000"]))
     with pytest.raises(ConfigError, match=r"^speculation\.history\.host\.max_tokens: must be in \[1, 536870912\]"):
         validate(compose(["speculation=history", "speculation.history.host.max_tokens=3000000000"]))
@@ -680,7 +680,7 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
 
     def generate_at(gen, k, prompts, s):  # the engine alone, at a k set as 'auto' sets it
         from rlspec.speculation.adaptive import OFF
-        from rlspec.speculation import history_proposer
+        from rlspec.speculation.history.host import proposer as history_proposer
         gen.adaptive.set_k(OFF if k == OFF else (lambda b: k))
         gen.engine.llm.collective_rpc(history_proposer.begin_call, args=(True,))
         return gen.engine.generate(prompts, s, 0)
@@ -691,7 +691,7 @@ def test_history_with_auto_k_is_exact_and_drafts_the_k_it_is_given(base, prompts
     off = ray.get(auto.__ray_call__.remote(generate_at, -1, prompts, sampling(1, 0.0, 48)), timeout=600)
     assert off.response_ids == base.response_ids and off.spec.draft_tokens == 0
     # switched off, it measured in shadow: the same greedy answers again, so shadow drafts are accepted
-    from rlspec.speculation import history_proposer
+    from rlspec.speculation.history.host import proposer as history_proposer
     st = ray.get(auto.__ray_call__.remote(
         lambda g: g.engine.llm.collective_rpc(history_proposer.finish_call,
                                               args=(off.prompt_ids, off.response_ids))[0]),

@@ -9,9 +9,9 @@ import random
 import numpy as np
 import torch
 
-from rlspec.speculation.device_history import DeviceHistory, prompt_hash
-from rlspec.speculation.history import HistoryIndex
-from rlspec.speculation.history_state import STATE_GLOBALS
+from rlspec.speculation.history.device.store import DeviceHistory, prompt_hash
+from rlspec.speculation.history.host.index import HistoryIndex
+from rlspec.speculation.history.state import STATE_GLOBALS
 from rlspec.config.speculation import history_config
 
 K = 5

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rlspec.speculation import history_proposer as hp
+from rlspec.speculation.history.host import proposer as hp
 from rlspec.speculation import vllm_hooks
-from rlspec.speculation.history import HistoryIndex
+from rlspec.speculation.history.host.index import HistoryIndex
 from rlspec.config.speculation import history_config
 
 PROMPT = [1, 2, 3]
@@ -34,7 +34,7 @@ def ask(h, rows, sampled, k, keys=None, prompt_len=3):
 
 
 def salt(prompt) -> int:
-    from rlspec.speculation.store import prompt_salt
+    from rlspec.speculation.history.host.store import prompt_salt
 
     a = np.asarray(prompt, np.int32)
     return int(prompt_salt(a, len(a)))
@@ -95,7 +95,8 @@ def compiles_nothing_after_configure() -> None:
     compilation (seconds) falls into an engine step, where propose_timing would charge it to drafting."""
     from numba.core.dispatcher import Dispatcher
 
-    from rlspec.speculation import store, store_live
+    from rlspec.speculation.history.host import store
+    from rlspec.speculation.history.host import live as store_live
 
     def compiled():
         return {name: len(f.signatures) for module in (store, store_live) for name, f in vars(module).items()
@@ -134,7 +135,7 @@ def test_the_store_imports_where_numba_cannot_write_its_cache(tmp_path):
         (folder / "__pycache__").write_text("")   # not a folder: nothing can be written there
     blocked = tmp_path / "a_file"
     blocked.write_text("")
-    code = ("import numba, numpy as np; import rlspec.speculation.store as s; "
+    code = ("import numba, numpy as np; import rlspec.speculation.history.host.store as s; "
             "assert s.__file__.startswith(%r); "
             "assert s.prompt_salt(np.arange(4, dtype=np.int32), 4) != 0; print(numba.config.CACHE_DIR)" % str(pkg))
     r = subprocess.run([sys.executable, "-c", code], cwd=pkg, capture_output=True, text=True, timeout=600,
@@ -149,8 +150,8 @@ def test_without_numba_only_history_drafting_fails_and_says_why():
     """Every Generator imports the proposer module, whatever its method: it must import without
     numba; building the history drafter then names what is missing."""
     code = ("import sys; sys.modules['numba'] = None\n"
-            "import rlspec.speculation.history_proposer as hp\n"
-            "try:\n    import rlspec.speculation.store\nexcept ImportError as e:\n    print(e)\n")
+            "import rlspec.speculation.history.host.proposer as hp\n"
+            "try:\n    import rlspec.speculation.history.host.store\nexcept ImportError as e:\n    print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=child_env(), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -255,7 +256,7 @@ def test_only_the_rank_whose_drafts_vllm_reads_stores_and_drafts():
 
 # -- 8. bounds (max_tokens in validation: test_history.py's test_settings_are_validated_by_key) ------------
 def test_an_arena_past_int32_positions_is_refused_before_it_is_allocated():
-    from rlspec.speculation.arena import HistoryArena, LiveArena
+    from rlspec.speculation.history.host.arena import HistoryArena, LiveArena
 
     with pytest.raises(OverflowError, match="speculation.history.host.max_tokens"):
         HistoryArena(plevels=3, levels=2, capacity=1 << 31)
@@ -323,7 +324,7 @@ def test_a_failed_insert_leaves_the_store_as_it_was():
 def test_an_insert_that_cannot_allocate_leaves_the_store_as_it_was(monkeypatch):
     """Over max_tokens (whole prompts evicted) and past the arena's room (a new arena): the
     allocation fails, and the store keeps its prompts, total, admission limit and drafts."""
-    from rlspec.speculation import history
+    from rlspec.speculation.history.host import index as history
 
     h = index(max_tokens=400)
     prompts = [[40 + i, 41, 42] for i in range(8)]

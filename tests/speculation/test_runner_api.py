@@ -76,7 +76,7 @@ def test_history_drafter_is_a_vllm_custom_proposer_run_by_v1():
     to V1); V1 calls it with the batch's token rows, and vLLM's factory builds it from its path."""
     from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
 
-    from rlspec.speculation.history_proposer import PROPOSER, HistoryProposer
+    from rlspec.speculation.history.host.proposer import PROPOSER, HistoryProposer
 
     spec = SpeculationConfig(method="history", num_speculative_tokens=3)
     assert vllm_speculative_config(spec, None) == {"method": "custom_class", "model": PROPOSER,
@@ -113,7 +113,7 @@ def test_the_device_history_drafter_takes_ngram_gpus_slot_in_both_runners():
     from vllm.v1.worker.gpu.spec_decode import init_speculator
     from vllm.v1.worker.gpu.spec_decode.ngram import speculator
 
-    from rlspec.speculation.device_proposer import MARK, install
+    from rlspec.speculation.history.device.proposer import MARK, install
 
     spec = SpeculationConfig(method="history", num_speculative_tokens=3)
     spec.history.drafter = "device"
@@ -142,8 +142,9 @@ def test_both_history_drafters_answer_the_generators_calls_and_are_chosen_from_t
     'auto' calibration does."""
     import inspect
 
-    from rlspec.speculation import device_proposer, history_proposer
-    from rlspec.speculation.drafters import DRAFTER_CALLS, history_drafter
+    from rlspec.speculation.history.device import proposer as device_proposer
+    from rlspec.speculation.history.host import proposer as history_proposer
+    from rlspec.speculation.history.drafters import DRAFTER_CALLS, history_drafter
 
     for name in DRAFTER_CALLS:
         host, device = getattr(history_proposer, name), getattr(device_proposer, name)

@@ -1,5 +1,5 @@
-"""The history store's count table (rlspec/speculation/store_counts.py) against the device drafter's
-(rlspec/speculation/device_counts.py): the same answers counted give the same table, entry for entry,
+"""The history store's count table (rlspec/speculation/history/host/counts.py) against the device drafter's
+(rlspec/speculation/history/device/counts.py): the same answers counted give the same table, entry for entry,
 and the numba walk drafts what the torch walk drafts, token for token, on random traces."""
 import random
 
@@ -9,12 +9,12 @@ import torch
 
 from rlspec.config import HistoryConfig
 from rlspec.speculation import GLOBAL
-from rlspec.speculation.device_counts import CountTable
-from rlspec.speculation.device_history import DeviceHistory
-from rlspec.speculation.history import HistoryIndex
-from rlspec.speculation.store import prompt_salt
-from rlspec.speculation import store_counts
-from rlspec.speculation.store_counts import HostCounts, count_draft
+from rlspec.speculation.history.device.counts import CountTable
+from rlspec.speculation.history.device.store import DeviceHistory
+from rlspec.speculation.history.host.index import HistoryIndex
+from rlspec.speculation.history.host.store import prompt_salt
+from rlspec.speculation.history.host import counts as store_counts
+from rlspec.speculation.history.host.counts import HostCounts, count_draft
 from rlspec.config.speculation import history_config
 
 from helpers.states import same_state

@@ -11,7 +11,7 @@ def call(method, *args):
 
 
 def test_merged_states_keep_their_format_version_and_admission_limit():
-    from rlspec.speculation.history_state import merge_states
+    from rlspec.speculation.history.state import merge_states
 
     a = {"version": 2, "admit_below": "5", "prompts": [["1", []]]}
     b = {"version": 2, "admit_below": str(1 << 63), "prompts": [["2", []]]}
@@ -37,7 +37,7 @@ def test_a_calls_seconds_cover_the_drafters_work_around_the_engine(gen, tokenize
     def slow_finish_call(g, seconds: float) -> None:  # in the actor (nested: Ray pickles it by value)
         import time
 
-        from rlspec.speculation import history_proposer
+        from rlspec.speculation.history.host import proposer as history_proposer
 
         finish = getattr(history_proposer.finish_call, "unslowed", history_proposer.finish_call)
         slowed = lambda *args, **kwargs: time.sleep(seconds) or finish(*args, **kwargs)  # noqa: E731

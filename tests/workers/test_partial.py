@@ -221,7 +221,7 @@ def test_a_resumed_answer_is_drafted_under_its_own_prompt():
     import numpy as np
 
     from rlspec.engines.vllm_engine import VLLMEngine
-    from rlspec.speculation.history_proposer import own_prompt_lens
+    from rlspec.speculation.history.host.proposer import own_prompt_lens
 
     rid = VLLMEngine.request_id
     own = {rid(4, 0, 1): 12, rid(4, 2, 0): 9}

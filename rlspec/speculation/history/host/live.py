@@ -1,4 +1,4 @@
-"""The history store's live arena (rlspec/speculation/arena.py's LiveArena): a call's running answers
+"""The history store's live arena (rlspec/speculation/history/host/arena.py's LiveArena): a call's running answers
 and each prompt's tokens once, linked token to token, walked by store.py's rule; and one engine
 step over it (propose_rows): every row's new tokens in, then every row's draft, so that each row
 reads what all its siblings wrote by this step, as the device drafter reads the batch."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlspec.speculation.store import _draft, _scratch, chain_salt, link
-from rlspec.speculation.store_ops import nb
+from rlspec.speculation.history.host.store import _draft, _scratch, chain_salt, link
+from rlspec.speculation.history.host.ops import nb
 
 
 @nb.njit(nogil=True, cache=True)

@@ -2,10 +2,11 @@
 behind an engine's speculative_config, and the entry points both modules answer."""
 from __future__ import annotations
 
-from rlspec.speculation import device_proposer, history_proposer
+from rlspec.speculation.history.device import proposer as device_proposer
+from rlspec.speculation.history.host import proposer as history_proposer
 
 # What the Generator calls on every worker of an engine with a history drafter (collective_rpc), the
-# same in both backends' modules (rlspec/speculation/history_proposer.py, device_proposer.py):
+# same in both backends' modules (rlspec/speculation/history/host/proposer.py, device/proposer.py):
 # configure (link the runner's drafter; check it is rlspec's), begin_call, finish_call (the call's
 # counters: HistoryStats.as_dict), record, set_full ('auto' timing), state_dict, load_state_dict.
 DRAFTER_CALLS = ("configure", "begin_call", "finish_call", "record", "set_full", "state_dict", "load_state_dict")

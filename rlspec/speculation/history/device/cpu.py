@@ -1,6 +1,6 @@
 """vLLM's CPU platform has no accelerator, and the V1 runner's `ngram_gpu` path asks for pinned host
 buffers and CUDA streams and events: the stand-ins rlspec's vLLM plugin gives a CPU runner of the
-device drafter's engine (rlspec/speculation/device_proposer.py), so the CPU tests run the drafter
+device drafter's engine (rlspec/speculation/history/device/proposer.py), so the CPU tests run the drafter
 through the runner path a GPU runs."""
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Resident, allocated with the model runner before vLLM profiles memory (so vLLM's
 it as it counts the weights): the ring (DeviceHistory: an int32 token and an int64 prompt salt per
 arena token; `width` int64 positions and a fill count per bucket), the count table (an int64
 key, an int32 token and an int32 count per entry) and the call's finished answers (a
-max_model_len-wide int32 row per batch row, rlspec/speculation/device_call.py).
+max_model_len-wide int32 row per batch row, rlspec/speculation/history/device/call.py).
 
 Working, a step's transient tensors: the running rows and the finished ones (2 x rows) are
 drafted together, the finished rows' tokens concatenated after a copy of the running ones (V2
@@ -19,7 +19,7 @@ estimate adds the phases as if all were alive at once, an upper bound (tests/spe
 test_device_memory.py: measured <= planned at shapes and settings the fit did not use; about 2x the
 peak at a few hundred columns, where the phases are alike, approaching 1x as max_model_len grows and
 the windows dominate). The KV cache itself is sized from the real step: vLLM's profile run executes
-one at the engine's largest shape (device_proposer.profile_step)."""
+one at the engine's largest shape (device.proposer.profile_step)."""
 from __future__ import annotations
 
 import math
@@ -32,7 +32,7 @@ LIVE_PER_COLUMN = 70
 COUNT_PER_ENTRY, COUNT_PER_PAIR = 21, 43
 VOTE_PER_PAIR = 10     # the vote, per row and pair of voters: their agreement mask and its count
 COUNT_ENTRY = 16       # int64 key, int32 token, int32 count
-COUNT_WIDTH = 16       # the count table's entries per bucket (device_counts.WIDTH)
+COUNT_WIDTH = 16       # the count table's entries per bucket (device.counts.WIDTH)
 
 
 def ring_buckets(max_tokens: int, levels: int, width: int) -> int:

@@ -2,7 +2,7 @@
 already generated. RL samples G answers per prompt and returns to the same prompts every epoch;
 RhymeRL (arXiv 2508.18588) drafts from a prompt's earlier answers, Seer (arXiv 2511.14617) from
 the siblings of its group, SuffixDecoding (vLLM's `suffix`) from earlier answers to any prompt.
-Four sources serve each request, in rlspec/speculation/arena.py's arrays, walked by store.py's
+Four sources serve each request, in rlspec/speculation/history/host/arena.py's arrays, walked by store.py's
 compiled functions:
 
 - history: the prompt's stored responses (the most recent max_rollouts_per_prompt),
@@ -11,7 +11,7 @@ compiled functions:
 - global: stored responses to any prompt, where they match the context further back than the
   first three do (a prompt seen for the first time has only these).
 
-The draft rule is store.py's, the device drafter's (device_history.py) read over chains: the
+The draft rule is store.py's, the device drafter's (history/device/store.py) read over chains: the
 longest context match decides, the candidates' majority token goes on while at least min_prob of
 them agree, and a draft stops where the responses it follows ended. Drafts are deterministic
 (one-hot q), so vLLM's rejection sampling keeps the target's distribution whatever the history
@@ -27,7 +27,7 @@ again, in proportion. Finished responses join the store in a background thread, 
 trains; the next engine step waits for it. A record that fails (a bad id, no memory) leaves the
 store as it was.
 
-vLLM hosts the drafter as a custom proposer (rlspec/speculation/history_proposer.py; Model
+vLLM hosts the drafter as a custom proposer (rlspec/speculation/history/host/proposer.py; Model
 Runner V1 runs it: on a GPU vLLM falls back to V1 for it); the Generator tells it through
 collective_rpc when a call begins (`begin_call`) and which responses the call returned (`record`)."""
 from __future__ import annotations
@@ -38,13 +38,13 @@ from dataclasses import replace
 import numpy as np
 
 from rlspec.config import HistoryConfig
-from rlspec.speculation import store as S
-from rlspec.speculation import store_live as L
-from rlspec.speculation.arena import HistoryArena, LiveArena, shadow_step
-from rlspec.speculation.history_records import MAX_ID, PromptRecord, Seq, insert_batch, as_ids, Undo
-from rlspec.speculation.history_state import STATE_VERSION, loadable
-from rlspec.speculation.history_stats import HistoryStats, replay_in_shadow, shadow_groups
-from rlspec.speculation.store_counts import NO_COUNTS, HostCounts
+from rlspec.speculation.history.host import store as S
+from rlspec.speculation.history.host import live as L
+from rlspec.speculation.history.host.arena import HistoryArena, LiveArena, shadow_step
+from rlspec.speculation.history.host.records import MAX_ID, PromptRecord, Seq, insert_batch, as_ids, Undo
+from rlspec.speculation.history.state import STATE_VERSION, loadable
+from rlspec.speculation.history.stats import HistoryStats, replay_in_shadow, shadow_groups
+from rlspec.speculation.history.host.counts import NO_COUNTS, HostCounts
 from rlspec.speculation import SOURCES
 
 WALK = 4  # chain links a lookup follows per candidate it may take (hash collisions and evicted text)
@@ -299,7 +299,7 @@ class HistoryIndex:
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """A saved state (history_state.py; several: merge_states), every bound applied, relinked
+        """A saved state (history/state.py; several: merge_states), every bound applied, relinked
         with its chain-head count, and its count table as it was held where the settings are the
         same and no sequence is dropped: then every draft is as before. A state that fails to
         load leaves the store as it was."""
@@ -474,7 +474,7 @@ class HistoryIndex:
 
     def shadow(self, prompt_ids: list[list[int]], response_ids: list[list[int]], max_rows: int) -> None:
         """What drafting would have accepted in a call that drafted nothing, on up to about
-        max_rows of its responses (history_stats.replay_in_shadow)."""
+        max_rows of its responses (history.stats.replay_in_shadow)."""
         self.flush()
         groups = shadow_groups(prompt_ids, max_rows)
         rows = [i for g in groups for i in g]

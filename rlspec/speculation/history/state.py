@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlspec.speculation.store import END
+from rlspec.speculation.history.host.store import END
 
 STATE_VERSION = 3
 # What a saved state's numpy arrays unpickle through: a file written by torch.save loads with

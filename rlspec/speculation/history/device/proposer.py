@@ -1,5 +1,5 @@
 """Rollout-history drafting on vLLM's fast path (`speculation.history.drafter=device`): the drafter
-of rlspec/speculation/device_history.py in the slot of vLLM's `ngram_gpu` proposer on Model Runner
+of rlspec/speculation/history/device/store.py in the slot of vLLM's `ngram_gpu` proposer on Model Runner
 V1, where the drafts are made on the engine's device from the runner's own token buffer, with no
 copy to the host and async scheduling left on (vLLM turns it off for a custom proposer).
 
@@ -12,7 +12,7 @@ host drafter: drafters.DRAFTER_CALLS.
 
 vLLM's CPU build has no accelerator, and the V1 runner's `ngram_gpu` path asks for pinned host
 buffers and CUDA streams and events; on the CPU platform `install` also gives the runner CPU
-stand-ins for those (rlspec/speculation/device_cpu.py), so the CPU tests run the drafter through the same runner
+stand-ins for those (rlspec/speculation/history/device/cpu.py), so the CPU tests run the drafter through the same runner
 path a GPU runs."""
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import sys
 
 import torch
 
-from rlspec.speculation.device_call import CallStats, Finished, Pending, append_sampled
-from rlspec.speculation.device_cpu import cpu_stand_ins
-from rlspec.speculation.device_history import DeviceHistory, prompt_hash
-from rlspec.speculation.history_proposer import own_prompt_lens
+from rlspec.speculation.history.device.call import CallStats, Finished, Pending, append_sampled
+from rlspec.speculation.history.device.cpu import cpu_stand_ins
+from rlspec.speculation.history.device.store import DeviceHistory, prompt_hash
+from rlspec.speculation.history.host.proposer import own_prompt_lens
 from rlspec.speculation.vllm_hooks import V1_RUNNER, history_settings, slots_changed
 
 MARK = "rlspec-device-history"  # speculative_config model under method ngram_gpu: this drafter
@@ -244,7 +244,7 @@ def profile_step(p, rows: int) -> None:
     token buffer, as V2's gather of the batch's rows makes) and a full ring of finished answers,
     every row drafting k. vLLM sizes the KV cache from the peak memory of its profile run: run in
     it, the step's working tensors, which grow with rows x max_model_len
-    (rlspec/speculation/device_memory.py), are kept out of the KV cache as the model's
+    (rlspec/speculation/history/device/memory.py), are kept out of the KV cache as the model's
     activations are."""
     L, dev = p.max_model_len, p.device
     used = p.finished.used
@@ -312,7 +312,7 @@ def configure(worker) -> None:
 
 
 def begin_call(worker, draft: bool = True, prompt_len_of: dict[str, int] | None = None) -> None:
-    """As history_proposer.begin_call: prompt_len_of (rlspec's request id -> its own prompt's
+    """As host.proposer.begin_call: prompt_len_of (rlspec's request id -> its own prompt's
     length) names the resumed answers of partial rollouts, whose prompt in vLLM holds their answer
     so far; both runners draft them under their own prompt."""
     p = _proposer(worker)

@@ -1,5 +1,5 @@
 """vLLM's side of rollout-history drafting: the custom proposer (speculative_config method
-'custom_class', which Model Runner V1 runs) over rlspec/speculation/history.py's HistoryIndex, and
+'custom_class', which Model Runner V1 runs) over rlspec/speculation/history/host/index.py's HistoryIndex, and
 the functions the Generator sends through collective_rpc (they run in every worker, where
 `worker.model_runner.drafter` is the proposer). The proposer reads each row's request id and prompt
 length from the runner's input batch, as vLLM's own suffix proposer does, so rows are matched to
@@ -20,7 +20,7 @@ import numpy as np
 from rlspec.config import HistoryConfig
 from rlspec.speculation.vllm_hooks import history_settings
 
-PROPOSER = "rlspec.speculation.history_proposer.HistoryProposer"
+PROPOSER = "rlspec.speculation.history.host.proposer.HistoryProposer"
 
 
 class HistoryProposer:
@@ -29,7 +29,7 @@ class HistoryProposer:
     below)."""
 
     def __init__(self, vllm_config):
-        from rlspec.speculation.history import HistoryIndex
+        from rlspec.speculation.history.host.index import HistoryIndex
 
         spec = vllm_config.speculative_config
         self.k_max = int(spec.num_speculative_tokens)
@@ -107,7 +107,7 @@ def reads_drafts(worker) -> bool:
 def configure(worker) -> None:
     """The store of the engine's settings (speculation.history), its functions compiled now rather
     than in the first engine step; on a worker whose drafts vLLM does not read, none."""
-    from rlspec.speculation.history import HistoryIndex
+    from rlspec.speculation.history.host.index import HistoryIndex
 
     p = _proposer(worker)
     p.runner = worker.model_runner

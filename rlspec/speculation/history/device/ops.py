@@ -1,4 +1,4 @@
-"""Fixed-shape tensor helpers of the device history drafter (rlspec/speculation/device_history.py)
+"""Fixed-shape tensor helpers of the device history drafter (rlspec/speculation/history/device/store.py)
 and its keys' hashes (64-bit, in wrapping int64 arithmetic): no host sync, no loop over rows."""
 from __future__ import annotations
 

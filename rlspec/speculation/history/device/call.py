@@ -1,4 +1,4 @@
-"""The device drafter's state within one generate call (rlspec/speculation/device_proposer.py): the
+"""The device drafter's state within one generate call (rlspec/speculation/history/device/proposer.py): the
 call's finished answers its running siblings still read, each row's pending draft until its
 verification, the call's counters, and the write of newly sampled tokens into the token rows. All
 on the engine's device; nothing here syncs with the host before finish_call reads the counters."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from rlspec.speculation import SOURCES
-from rlspec.speculation.history_stats import HistoryStats
+from rlspec.speculation.history.stats import HistoryStats
 
 
 class Finished:

@@ -1,4 +1,4 @@
-"""The history store's arrays (rlspec/speculation/store.py walks them): the history arena of stored
+"""The history store's arrays (rlspec/speculation/history/host/store.py walks them): the history arena of stored
 responses and the live arena of a call's running requests. Positions are int32: neither arena
 grows past MAX_POSITIONS."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlspec.speculation import store as S
-from rlspec.speculation import store_live as L
+from rlspec.speculation.history.host import store as S
+from rlspec.speculation.history.host import live as L
 
 MAX_LIVE_HEAD_BITS = 22  # the live arena's chain heads: at most 4M slots per chain
 MAX_POSITIONS = (1 << 31) - 1  # arena positions and chain links are int32
@@ -115,7 +115,7 @@ class LiveArena:
 
     def append(self, seq: int, owner: int, row: np.ndarray, lo: int, hi: int, salt, pkeys: np.ndarray,
                gkeys: np.ndarray) -> None:
-        """row[lo:hi] onto live sequence `seq`, owned by slot `owner` (store_live.live_append)."""
+        """row[lo:hi] onto live sequence `seq`, owned by slot `owner` (live.live_append)."""
         self.used = L.live_append(self.walk(), seq, owner, row, lo, hi, salt, pkeys, gkeys, self.used, self.ans)
 
     def _heads(self, n: int) -> None:
@@ -173,7 +173,7 @@ class LiveArena:
 
 def shadow_step(index, prompt_ids: list[list[int]], response_ids: list[list[int]], groups: list[list[int]]):
     """The host store's drafts for a shadow replay of `groups`' rows, in that order
-    (history_stats.ShadowStep; index: a HistoryIndex): each group's rows live in an arena of their
+    (history.stats.ShadowStep; index: a HistoryIndex): each group's rows live in an arena of their
     own, each row's token t appended before any row drafts at step t."""
     k, rows = index.k_max, []
     for members in groups:

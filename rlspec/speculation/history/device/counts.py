@@ -1,4 +1,4 @@
-"""The device drafter's global source (rlspec/speculation/device_history.py): a count table over the
+"""The device drafter's global source (rlspec/speculation/history/device/store.py): a count table over the
 stored answers, as suffix decoding's global tree counts continuations, in fixed-shape tensors.
 
 Per context of each length in `keys` within an answer, its next tokens (the answer's END among
@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlspec.speculation.device_memory import COUNT_WIDTH
-from rlspec.speculation.device_ops import _C1, _P, _powers, _signed, mix
+from rlspec.speculation.history.device.memory import COUNT_WIDTH
+from rlspec.speculation.history.device.ops import _C1, _P, _powers, _signed, mix
 
 # The defaults both backends count and draft with (the host store's count table is this one:
-# rlspec/speculation/store_counts.py)
+# rlspec/speculation/history/host/counts.py)
 WIDTH, MIN_PROB = COUNT_WIDTH, 0.1
 
 

@@ -14,7 +14,7 @@ from rlspec.speculation import SOURCES
 class HistoryStats:
     """Per-call counters of the history drafter, both backends' (rows: a request at one engine
     step; the device drafter counts on the device and fills these at the call's end:
-    device_call.CallStats)."""
+    device.call.CallStats)."""
     steps: int = 0             # engine steps the drafter was asked at
     rows: int = 0              # requests the drafter was asked for
     matched: int = 0           # ... that got a draft

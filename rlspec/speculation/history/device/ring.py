@@ -1,4 +1,4 @@
-"""The host's record of the device history's ring (rlspec/speculation/device_history.py): its whole
+"""The host's record of the device history's ring (rlspec/speculation/history/device/store.py): its whole
 sequences in ring order, each with its size, prompt-tail length and prompt, and per prompt its
 sequences oldest first (inserts are planned here; the tensors stay on the device)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The device history's checkpoint (rlspec/speculation/device_history.py): its whole sequences, which
+"""The device history's checkpoint (rlspec/speculation/history/device/store.py): its whole sequences, which
 load into a store of any settings (inserted afresh), and the ring as it is held (written tokens,
 bucket entries, fills, count table, sequence starts), which loads exactly into a store of the same
 settings: buckets keep their newest entries and the count table its highest counts insert by
@@ -8,14 +8,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlspec.speculation.device_ring import EMPTY, END
+from rlspec.speculation.history.device.ring import EMPTY, END
 
 class RingCheckpoint:
     """DeviceHistory's state_dict and load_state_dict (a base class: the store's own attributes)."""
 
     def state_dict(self) -> dict:
         """The ring's whole sequences, oldest first, on the host, in the host store's layout
-        (history_state.py: per sequence its prompt's salt, its response's length and its stored
+        (history/state.py: per sequence its prompt's salt, its response's length and its stored
         length, [prompt tail | response | END]; the sequences concatenated: arena), and the ring as
         held (exact)."""
         seqs = list(self._ring.seqs.items())
@@ -64,7 +64,7 @@ class RingCheckpoint:
     def load_state_dict(self, state: dict) -> None:
         """A saved ring (state_dict): as it was held where this store has its settings (the same
         drafts after a resume); else (other settings, several engines' states merged by
-        history_state.merge_states) its sequences inserted afresh: past capacity, the newest stay."""
+        history.state.merge_states) its sequences inserted afresh: past capacity, the newest stay."""
         tokens = np.asarray(state["arena"], np.int32)
         sizes = np.asarray(state["stored"], np.int64)
         salts = np.asarray(state["salt"], np.uint64).view(np.int64)

@@ -2,7 +2,7 @@
 draft for every running row is a fixed sequence of tensor operations with fixed shapes (no host
 sync, no Python loop over rows: CUDA-graph safe), reading the rows' tokens from the runner's buffer.
 
-The numba store (rlspec/speculation/store.py) drafts by this rule over hash chains
+The numba store (rlspec/speculation/history/host/store.py) drafts by this rule over hash chains
 (tests/speculation/test_backends.py: the same tokens on random traces). How the structures part:
 - candidates come from fixed-width hashed buckets (the newest `width` positions per key of each
   length in `prompt_keys`, salted by the prompt), not from chain walks (the store reads `width`
@@ -12,10 +12,10 @@ The numba store (rlspec/speculation/store.py) drafts by this rule over hash chai
   store: the engine's drafter keeps the finished rows and passes them after the running ones
   (propose's `done` rows, which draft nothing; the replay inserts an answer when it finishes).
 - the global source is a count table over the stored answers (see DeviceHistory), the same table
-  store.py drafts from by default (its global_index=chains walks chains of any prompt's positions
+  host/store.py drafts from by default (its global_index=chains walks chains of any prompt's positions
   instead).
 - every candidate's match is checked token by token (a hash collision never drafts); then, as in
-  store.py, the candidates of the longest match decide by their counts (at most max_voters of
+  host/store.py, the candidates of the longest match decide by their counts (at most max_voters of
   them, highest rank first): at each position the most frequent next token among those agreeing
   with the draft so far (ties: the highest rank), while its share is at least min_prob. The prompt's
   own sources (its store, the row, its siblings) and the global source each vote so; the global
@@ -41,14 +41,14 @@ import numpy as np
 import torch
 
 from rlspec.speculation import GLOBAL, HISTORY, MAX_SIBLINGS, MAX_VOTERS, PROMPT, SIBLINGS
-from rlspec.speculation.device_counts import MIN_PROB, WIDTH, CountTable
-from rlspec.speculation.device_memory import count_buckets as default_count_buckets
-from rlspec.speculation.device_memory import ring_buckets
-from rlspec.speculation.device_ops import (first_of, fold, last_true, leading_run, prompt_hash,
+from rlspec.speculation.history.device.counts import MIN_PROB, WIDTH, CountTable
+from rlspec.speculation.history.device.memory import count_buckets as default_count_buckets
+from rlspec.speculation.history.device.memory import ring_buckets
+from rlspec.speculation.history.device.ops import (first_of, fold, last_true, leading_run, prompt_hash,
                                          prompt_siblings, salted, window_keys, window_prints)
-from rlspec.speculation.device_ring import EMPTY, END, RingSequences
-from rlspec.speculation.device_state import RingCheckpoint
-from rlspec.speculation.history_stats import replay_in_shadow, shadow_groups
+from rlspec.speculation.history.device.ring import EMPTY, END, RingSequences
+from rlspec.speculation.history.device.state import RingCheckpoint
+from rlspec.speculation.history.stats import replay_in_shadow, shadow_groups
 
 UNKNOWN = -2  # past a running row's last token: not yet written
 _LIVE = 1 << 42   # ranks: a running row's position outranks any stored one; the row itself the others
@@ -79,7 +79,7 @@ class DeviceHistory(RingCheckpoint):
     keeps, the newest (None: as many as the ring holds).
 
     global_source: whether there is a global draft: a count table over the stored answers
-    (rlspec/speculation/device_counts.py: contexts of count_keys tokens, default 1..max_match, in
+    (rlspec/speculation/history/device/counts.py: contexts of count_keys tokens, default 1..max_match, in
     count_buckets buckets of count_width entries, default four entries per ring token; a draft
     while the product of the shares is at least count_min_prob, from the context length of highest
     score), which follows the ring: an overwritten answer is counted out."""
@@ -135,7 +135,7 @@ class DeviceHistory(RingCheckpoint):
 
     def shadow(self, stats, prompt_ids, response_ids, max_rows: int, k: int) -> None:
         """What drafting k tokens would have accepted in a call that drafted nothing, on up to
-        about max_rows of its responses, into stats (history_stats.replay_in_shadow): the rows
+        about max_rows of its responses, into stats (history.stats.replay_in_shadow): the rows
         in one batch, at step t each holding its first t + 1 response tokens."""
         idx = [i for g in shadow_groups(prompt_ids, max_rows) for i in g]
         if not idx:

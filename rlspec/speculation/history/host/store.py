@@ -9,14 +9,14 @@ Two arenas of int32 tokens:
   global_index=chains, for each global key length g, a link to the previous position of any prompt
   whose g tokens before it hash alike (the global source); and 32 bits of its prompt's identity (a
   chain's hash collisions are told apart). 8 + 4 x (key lengths) bytes per stored token, plus the
-  chains' heads. By default the global source is instead a count table (store_counts.py, the
+  chains' heads. By default the global source is instead a count table (counts.py, the
   device drafter's) over the newest stored answers.
-- live (store_live.py): this call's running answers, and each prompt's tokens once (the row's own
+- live (live.py): this call's running answers, and each prompt's tokens once (the row's own
   prompt), linked token to token because requests grow interleaved; an answer's first token links
   back to its prompt's copy, so a match runs on into the prompt as it does in the row.
 A chain head is the most recent position, so walks go newest first.
 
-Drafting, per request: the device drafter's rule (rlspec/speculation/device_history.py; the test
+Drafting, per request: the device drafter's rule (rlspec/speculation/history/device/store.py; the test
 tests/speculation/test_backends.py drafts both on the same traces), read over chains instead of
 buckets:
 1. the prompt's own candidates, per key length m of prompt_keys, longest first: the newest
@@ -30,7 +30,7 @@ buckets:
 2. token by token, up to k: the voters' most common next token x (ties: the highest ranked); stop
    when x is END or less than min_prob of the voters follow it; the voters that follow x move one
    token on (a running answer's voter whose text ends drops out).
-3. the global source: with the count table, its draft (store_counts.count_draft) where its match
+3. the global source: with the count table, its draft (counts.count_draft) where its match
    is longer than the own candidates' L and it drafts a token. With chains, for each key length g
    of global_keys, longest first: positions whose g tokens before them equal the context's last g
    (the running answers of this call's other prompts, newest first, then any prompt's history; up
@@ -55,8 +55,8 @@ from __future__ import annotations
 import numpy as np
 
 from rlspec.speculation import GLOBAL, HISTORY, MAX_SIBLINGS, MAX_VOTERS, PROMPT, SIBLINGS
-from rlspec.speculation.store_counts import count_draft
-from rlspec.speculation.store_ops import _P, _mix, nb
+from rlspec.speculation.history.host.counts import count_draft
+from rlspec.speculation.history.host.ops import _P, _mix, nb
 
 END = -1   # a sequence's last token: the responses stopped here
 DEAD = -2  # an evicted sequence's tokens until compaction

@@ -1,8 +1,8 @@
-"""The history store's global source (rlspec/speculation/history.py, global_index=counts): the device
-drafter's count table (rlspec/speculation/device_counts.py's CountTable) held on the host's CPU,
+"""The history store's global source (rlspec/speculation/history/host/index.py, global_index=counts): the device
+drafter's count table (rlspec/speculation/history/device/counts.py's CountTable) held on the host's CPU,
 filled and walked by numba functions over its numpy views that count and draft as the table's
 torch code does, so that both backends hold the same table and draft the same global tokens from
-the same answers (tests/speculation/test_store_counts.py: entry for entry, token for token).
+the same answers (tests/speculation/test_counts.py: entry for entry, token for token).
 
 It counts the newest stored sequences up to max_tokens tokens, whole sequences in and out, as the
 device ring holds them: a sequence leaves when the store evicts it or when newer ones push it past
@@ -14,9 +14,9 @@ from collections import deque
 
 import numpy as np
 
-from rlspec.speculation.device_counts import MIN_PROB, WIDTH, CountTable
-from rlspec.speculation.device_memory import count_buckets
-from rlspec.speculation.store_ops import _P, _mix, nb
+from rlspec.speculation.history.device.counts import MIN_PROB, WIDTH, CountTable
+from rlspec.speculation.history.device.memory import count_buckets
+from rlspec.speculation.history.host.ops import _P, _mix, nb
 
 
 @nb.njit(inline="always", cache=True)

@@ -1,5 +1,5 @@
-"""What the history store's numba functions share (rlspec/speculation/store.py and
-store_counts.py): numba itself, a cache folder it can write, and the 64-bit mix of their hashes."""
+"""What the history store's numba functions share (rlspec/speculation/history/host/store.py and
+counts.py): numba itself, a cache folder it can write, and the 64-bit mix of their hashes."""
 from __future__ import annotations
 
 import atexit

@@ -1,4 +1,4 @@
-"""The history store's bookkeeping on the Python side (rlspec/speculation/history.py): a stored
+"""The history store's bookkeeping on the Python side (rlspec/speculation/history/host/index.py): a stored
 response's record, a prompt's, and what a record changes, put back where its insert fails."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from rlspec.speculation.history import HistoryIndex
+    from rlspec.speculation.history.host.index import HistoryIndex
 
 MAX_ID = (1 << 31) - 1  # token ids are stored as int32; negative ones would read as END or DEAD
 
@@ -21,7 +21,7 @@ class Seq:
 
     def __init__(self, stored: int, tokens: int):
         self.start, self.stored, self.tokens, self.alive = -1, stored, tokens, True
-        self.counted = False   # in the global count table (store_counts.HostCounts)
+        self.counted = False   # in the global count table (counts.HostCounts)
 
 
 @dataclass
