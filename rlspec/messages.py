@@ -120,6 +120,13 @@ class Group:
         return (self.seed + j + a.resumes * 0x9E3779B1) % (2**31 - 1)
 
 
+def fresh_groups(prompt_ids: list[list[int]], sampling: Sampling, first_tag: int = 0) -> list[Group]:
+    """A call's new groups: prompt i's sampling.n answers, none started, seeded as the call seeds
+    its i-th prompt (Sampling.request_seed), tagged first_tag + i."""
+    return [Group(list(p), [Answer() for _ in range(sampling.n)], sampling.request_seed(i), first_tag + i)
+            for i, p in enumerate(prompt_ids)]
+
+
 @dataclass
 class RolloutBatch:
     """Generator output for one request of P prompts x n samples (N = P * n, prompt-major)."""
@@ -134,9 +141,10 @@ class RolloutBatch:
     # step_moments() of the call's decode steps (prefill steps left out): engine step cost vs batch
     decode_moments: list[float] | None = None
     history: dict | None = None      # speculation=history: the drafter's counters (HistoryStats)
-    # partial rollouts (rlspec/loops/partial.py): per token, the policy version that sampled it (None:
-    # every token policy_version's; policy_version is then the oldest), the rows' groups' tags (one a
-    # group) and the groups the call left unfinished, for the next call to resume
+    # the call's groups (VLLMEngine.generate_groups; partial rollouts, rlspec/loops/partial.py, carry
+    # some): per token, the policy version that sampled it (None: every token policy_version's;
+    # policy_version is then the oldest), the rows' groups' tags (one a group) and the groups the
+    # call left unfinished, for the next call to resume (a whole call leaves none)
     token_versions: list[list[int]] | None = None
     tags: list[int] | None = None
     carry: list[Group] | None = None

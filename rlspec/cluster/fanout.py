@@ -23,20 +23,6 @@ def by_prompt(prompt_ids: list[list[int]], parts: int) -> list[list[int]]:
     return out
 
 
-def merge_routed(parts: list[RolloutBatch], routes: list[list[int]], n: int) -> RolloutBatch:
-    """merge_rollouts of engines that got the prompt indices `routes` (n samples each), rows put
-    back in prompt order."""
-    out = merge_rollouts(parts)
-    where = {}  # prompt index -> first row in the merged batch
-    row = 0
-    for idx in routes:
-        for i in idx:
-            where[i] = row
-            row += n
-    order = [where[i] + j for i in sorted(where) for j in range(n)]
-    return out.select(order)
-
-
 def shares(needed: int | None, sizes: list[int]) -> list[int | None]:
     """`needed` complete groups spread over engines holding `sizes` groups, in proportion (largest
     remainders first, none above its size); None: all of each."""
@@ -50,14 +36,25 @@ def shares(needed: int | None, sizes: list[int]) -> list[int | None]:
     return [min(k, s) for k, s in zip(out, sizes)]
 
 
-def merge_groups(parts: list[RolloutBatch]) -> RolloutBatch:
-    """Partial-rollout calls' outputs (VLLMEngine.generate_groups) in engine order: rows, tags and
-    carried groups joined, counts added."""
+def merge_groups(parts: list[RolloutBatch], order: list[int] | None = None) -> RolloutBatch:
+    """Engines' outputs of one call (VLLMEngine.generate_groups) in engine order: rows, tags and
+    carried groups joined, counts added; with `order` (every group's tag), its groups' rows put in
+    that order."""
     out = merge_rollouts(parts, mixed_versions=True)
     out.tags = [t for p in parts for t in p.tags]
     out.carry = [g for p in parts for g in p.carry]
     out.partial = {k: sum(p.partial[k] for p in parts) for k in parts[0].partial}
-    return out
+    if order is None:
+        return out
+    first, row = {}, 0   # a group's answers are consecutive rows
+    for p in parts:
+        for i, t in enumerate(p.tags):
+            n = len(p.response_ids) // len(p.tags)
+            first[t] = (row + i * n, n)
+        row += len(p.response_ids)
+    picked = out.select([r for t in order for r in range(first[t][0], first[t][0] + first[t][1])])
+    picked.tags, picked.carry, picked.partial = list(order), out.carry, out.partial
+    return picked
 
 
 def merge_rollouts(parts: list[RolloutBatch], mixed_versions: bool = False) -> RolloutBatch:

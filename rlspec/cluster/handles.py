@@ -56,27 +56,19 @@ class Generators(Group):
         self.sticky = sticky  # speculation=history: a prompt always goes to the same engine
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Call:
-        """Rollouts of every prompt, the prompts spread over the engines and joined in order."""
-        if len(self.handles) == 1:
-            return self.one(0, Generator.generate, prompt_ids, sampling)
-        from rlspec.cluster import fanout  # torch: not imported before the driver starts Ray
+        """Rollouts of every prompt, rows in prompt order: a call of new groups that needs them all
+        (generate_groups)."""
+        from rlspec.messages import fresh_groups
 
-        if self.sticky:
-            routes = fanout.by_prompt(prompt_ids, len(self.handles))
-            used = [(e, r) for e, r in enumerate(routes) if r]
-            parts = [self.one(e, Generator.generate, [prompt_ids[i] for i in r], sampling) for e, r in used]
-            return fan_out(self.role, Generator.generate.__name__, parts,
-                           lambda ros: fanout.merge_routed(ros, [r for _, r in used], sampling.n))
-        parts = [self.one(e, Generator.generate, prompt_ids[lo:hi], sampling)
-                 for e, (lo, hi) in enumerate(fanout.split(len(prompt_ids), len(self.handles))) if hi > lo]
-        return fan_out(self.role, Generator.generate.__name__, parts, fanout.merge_rollouts)
+        return self.generate_groups(fresh_groups(prompt_ids, sampling), sampling, None, None)
 
     def generate_groups(self, groups: list, sampling: Sampling, needed: int | None,
                         max_carry_versions: int | None, start: int | None = None,
                         max_carries: int | None = None) -> Call:
-        """Partial rollouts (Generator.generate_groups): the groups spread over the engines (by
+        """Every generate call (Generator.generate_groups): the groups spread over the engines (by
         prompt under history), each engine needing its share of `needed` and starting its share of
-        `start` at once; results in engine order."""
+        `start` at once; results in engine order, or with `needed` None (every group returned) in
+        the order of `groups`."""
         method = Generator.generate_groups
         if len(self.handles) == 1:
             return self.one(0, method, groups, sampling, needed, max_carry_versions, start, max_carries)
@@ -90,7 +82,8 @@ class Generators(Group):
         starts = fanout.shares(start, sizes)
         parts = [self.one(e, method, [groups[i] for i in r], sampling, k, max_carry_versions, s, max_carries)
                  for (e, r), k, s in zip(used, fanout.shares(needed, sizes), starts)]
-        return fan_out(self.role, method.__name__, parts, fanout.merge_groups)
+        order = [g.tag for g in groups] if needed is None else None
+        return fan_out(self.role, method.__name__, parts, lambda ros: fanout.merge_groups(ros, order))
 
     def ping(self) -> list[Call]:
         return self.all(Generator.ping)

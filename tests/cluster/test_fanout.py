@@ -29,14 +29,15 @@ def test_history_routing_keeps_each_prompt_on_one_engine_and_rows_in_prompt_orde
     again = fanout.by_prompt(prompts[::-1][:10], 3)
     engine_of = {tuple(prompts[i]): e for e, r in enumerate(routes) for i in r}
     assert all(engine_of[tuple(prompts[::-1][i])] == e for e, r in enumerate(again) for i in r)
-    # engines answer in their own order (2 samples per prompt); the merge puts rows back in order
+    # engines answer their groups (2 answers each, tagged by prompt) in their own order; a call that
+    # returns every group puts them back in the call's order
     parts = [RolloutBatch([prompts[i] for i in r for _ in range(2)], [[i, j] for i in r for j in range(2)],
-                          [[0.0, 0.0]] * 2 * len(r), [False] * 2 * len(r), 1, 1.0 + e,
-                          history={"rows": len(r)}) for e, r in enumerate(routes)]
-    m = fanout.merge_routed(parts, routes, 2)
+                          [[0.0, 0.0]] * 2 * len(r), [False] * 2 * len(r), 1, 1.0 + e, history={"rows": len(r)},
+                          tags=list(r), carry=[], partial={"new_tokens": 4 * len(r)}) for e, r in enumerate(routes)]
+    m = fanout.merge_groups(parts, list(range(40)))
     assert m.response_ids == [[i, j] for i in range(40) for j in range(2)]
-    assert m.prompt_ids == [p for p in prompts for _ in range(2)]
-    assert m.seconds == 3.0 and m.history == {"rows": 40}
+    assert m.prompt_ids == [p for p in prompts for _ in range(2)] and m.tags == list(range(40))
+    assert m.seconds == 3.0 and m.history == {"rows": 40} and m.partial == {"new_tokens": 160}
 
 
 def test_needed_groups_are_shared_in_proportion_and_partial_calls_merge():

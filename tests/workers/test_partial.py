@@ -1,6 +1,7 @@
-"""Partial rollouts in the Generator (VLLMEngine.generate_groups) through the real vLLM engine: a call
-stops once the groups it needs are complete, aborts the rest and hands their tokens back; the next
-call resumes them. Each engine runs in its own Ray actor, as in training."""
+"""Generate calls in the Generator (VLLMEngine.generate_groups) through the real vLLM engine: a whole
+call samples as vLLM's parallel sampling; a partial call stops once the groups it needs are
+complete, aborts the rest and hands their tokens back; the next call resumes them. Each engine runs
+in its own Ray actor, as in training."""
 import pytest
 
 from conftest import heldout_prompts, sampling, start_generator
@@ -27,7 +28,8 @@ def prompts(tokenizer):
 def engines(ray_session):
     import ray
 
-    actors = {"ngram": start_generator(["speculation=ngram"]), "history": start_generator(["speculation=history"])}
+    actors = {"none": start_generator(["speculation=none"]), "ngram": start_generator(["speculation=ngram"]),
+              "history": start_generator(["speculation=history"])}
     yield actors
     for a in actors.values():
         ray.kill(a)
@@ -59,18 +61,43 @@ def async_engine(ray_session):
     ray.kill(actor)
 
 
-def test_a_call_that_needs_every_group_samples_what_generate_samples(engines, prompts):
-    """Seeded sampling at T=1 with nothing aborted: the same tokens and behaviour log-probs as the
-    whole-call path. Where requests carry seeds (GPUs) answer j of a group is seeded as vLLM seeds
-    the j-th of n samples; on CPU both calls reseed the engine and add the rows in the same order
-    (an n-gram engine: the whole-call path reseeds under speculation there, and its drafts depend
-    on the rows' own tokens only)."""
-    actor = engines["ngram"]
-    whole = call(actor.generate, prompts, sampling(3, 1.0, 40, seed=11))
-    got = call(actor.generate_groups, groups_of(prompts, 3, seed=11), sampling(3, 1.0, 40, seed=11), None)
-    assert got.response_ids == whole.response_ids
-    assert got.logprobs == whole.logprobs
+def _vllm_generate(gen, prompt_ids, s):
+    """vLLM's own LLM.generate of prompt_ids with s.n samples a prompt, seeded as the engine seeds a
+    call (per request: prompt i's seed, vLLM's j-th sample seed + j; or the reseeded engine)."""
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+
+    engine = gen.engine
+    if engine.engine_seeded:
+        torch.manual_seed(s.seed)
+    params = [SamplingParams(n=s.n, temperature=s.temperature, max_tokens=s.max_tokens, logprobs=0, detokenize=False,
+                             seed=None if engine.engine_seeded else s.request_seed(i)) for i in range(len(prompt_ids))]
+    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+    rows = [c for o in outs for c in o.outputs]
+    return [list(c.token_ids) for c in rows], [[float(st[t].logprob) for t, st in zip(c.token_ids, c.logprobs)]
+                                                for c in rows]
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_a_whole_call_samples_what_vllms_parallel_sampling_samples(engines, prompts, method):
+    """Seeded sampling at T=1: a whole call (new groups, all needed, an engine request an answer)
+    gives the tokens and behaviour log-probs that vLLM's LLM.generate gives for n samples a prompt.
+    Where requests carry seeds (no speculation on this CPU; GPUs) answer j is seeded as vLLM seeds
+    the j-th of n; under speculation on this CPU both reseed the engine and add the rows in the
+    same order (an n-gram engine: its drafts depend on the rows' own tokens only)."""
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    actor, s = engines[method], sampling(3, 1.0, 40, seed=11)
+    got = call(actor.generate, prompts, s)
+    want_ids, want_logprobs = ray.get(actor.__ray_call__.remote(_vllm_generate, prompts, s), timeout=600)
+    assert got.response_ids == want_ids
+    assert got.logprobs == want_logprobs
     assert got.tags == list(range(len(prompts))) and got.carry == []
+    assert got.partial["new_tokens"] == got.num_tokens and got.partial["resumed_answers"] == 0
     assert got.token_versions == [[0] * len(r) for r in got.response_ids]
 
 
