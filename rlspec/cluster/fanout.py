@@ -48,8 +48,8 @@ def merge_groups(parts: list[RolloutBatch], order: list[int] | None = None) -> R
         return out
     first, row = {}, 0   # a group's answers are consecutive rows
     for p in parts:
+        n = len(p.response_ids) // len(p.tags)
         for i, t in enumerate(p.tags):
-            n = len(p.response_ids) // len(p.tags)
             first[t] = (row + i * n, n)
         row += len(p.response_ids)
     picked = out.select([r for t in order for r in range(first[t][0], first[t][0] + first[t][1])])

@@ -181,15 +181,14 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
     # and the host's chain keys under counts
     if sp.method == "history":
         other = "device" if h.drafter == "host" else "host"
-        unread = [(f"{other}.{key}", f"speculation.history.drafter={h.drafter} does not read it")
+        unread = [(other, key, f"speculation.history.drafter={h.drafter} does not read it")
                   for key in vars(getattr(h, other))]
         if hs.global_index == "counts":
-            unread.append(("host.global_keys", f"{H}.global_index=counts does not read it"))
+            unread.append(("host", "global_keys", f"{H}.global_index=counts does not read it"))
         defaults = HistoryConfig()
-        for key, why in unread:
-            section, name = key.split(".")
-            got, want = getattr(getattr(h, section), name), getattr(getattr(defaults, section), name)
-            require(got == want, f"speculation.history.{key}", f"{why}: leave it at {want}, got {got}")
+        for section, key, why in unread:
+            got, want = getattr(getattr(h, section), key), getattr(getattr(defaults, section), key)
+            require(got == want, f"speculation.history.{section}.{key}", f"{why}: leave it at {want}, got {got}")
     o = sp.online
     if o.enabled:
         require(sp.method == "eagle3", "speculation.online.enabled",

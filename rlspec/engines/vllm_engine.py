@@ -300,13 +300,14 @@ class VLLMEngine:
                         start: int | None = None, max_carries: int | None = None) -> RolloutBatch:
         """Every generate call (a whole call: new groups, all needed; partial rollouts,
         rlspec/loops/partial.py: carried groups too, some needed): every unfinished answer of
-        `groups` is continued (prompt plus its tokens so far, with what is left of sampling.max_tokens) until
-        `needed` groups (None: all) are complete; the rest are aborted (vLLM's abort) and come back
-        in the batch's `carry` with the tokens they had, each with its behaviour log-prob and this
-        call's policy_version. The batch's rows are the first `needed` groups to complete, in the
-        order given; groups already complete count at once. start: the first `start` groups run
-        from the call's start, the others (spares) one each time a group completes, so the batch
-        stays full (None: all at once); spares never started come back in `carry` as they were.
+        `groups` is continued (prompt plus its tokens so far, with what is left of
+        sampling.max_tokens) until `needed` groups (None: all) are complete; the rest are aborted
+        (vLLM's abort) and come back in the batch's `carry` with the tokens they had, each with its
+        behaviour log-prob and this call's policy_version. The batch's rows are the first `needed`
+        groups to complete, in the order given; groups already complete count at once. start: the
+        first `start` groups run from the call's start, the others (spares) one each time a group
+        completes, so the batch stays full (None: all at once); spares never started come back in
+        `carry` as they were.
         An answer holding a token sampled more than max_carry_versions versions before
         policy_version is started again first. A group carried out of max_carries calls (None: no
         bound) is due: it starts at once, the call runs until it is complete too, and it comes

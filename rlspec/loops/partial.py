@@ -23,10 +23,10 @@ run continues them exactly.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from rlspec.data.loading import Prompt, PromptSampler
-from rlspec.messages import Answer, Group, RolloutBatch, Sampling
+from rlspec.messages import Answer, Group, RolloutBatch, Sampling, fresh_groups
 
 
 def groups_in_flight(groups_per_step: int, over_provision: float) -> int:
@@ -57,11 +57,10 @@ class PartialRollouts:
     def groups(self, fresh: list[Prompt], sampling: Sampling) -> list[Group]:
         """The call's groups: every carried one, then one for each prompt of `fresh` (seeded by
         its position in the call, as a whole call seeds prompt i)."""
-        new = []
-        for i, p in enumerate(fresh):
-            tag, self.next_tag = self.next_tag, self.next_tag + 1
-            self.owner[tag] = self.index[id(p)]
-            new.append(Group(p.token_ids, [Answer() for _ in range(self.G)], sampling.request_seed(i), tag))
+        new = fresh_groups([p.token_ids for p in fresh], replace(sampling, n=self.G), first_tag=self.next_tag)
+        for g, p in zip(new, fresh):
+            self.owner[g.tag] = self.index[id(p)]
+        self.next_tag += len(new)
         return self.carry + new
 
     def draw(self) -> list[Prompt]:

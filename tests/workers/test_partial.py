@@ -13,10 +13,9 @@ def call(method, *args):
 
 
 def groups_of(prompts, n, seed=None, first_tag=0):
-    from rlspec.messages import Answer, Group, Sampling
+    from rlspec.messages import Sampling, fresh_groups
 
-    s = Sampling(n, 1.0, 1, seed)
-    return [Group(p, [Answer() for _ in range(n)], s.request_seed(i), first_tag + i) for i, p in enumerate(prompts)]
+    return fresh_groups(prompts, Sampling(n, 1.0, 1, seed), first_tag)
 
 
 @pytest.fixture(scope="module")
