@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlspec.speculation import MAX_SIBLINGS, MAX_VOTERS
-from rlspec.speculation.history.device.memory import COUNT_WIDTH, finished_bytes, store_bytes, working_bytes
+from rlspec.speculation.history.device.memory import COUNT_WIDTH, live_bytes, store_bytes, working_bytes
 
 GIB = 1 << 30
 ENGINE_ASLEEP_GIB = 1.0      # allocator reserve an engine keeps while asleep
@@ -152,7 +152,7 @@ def cuda_graph_pool_gib(cfg, m) -> float:
 
 def device_drafter_gib(cfg) -> tuple[float, float]:
     """The device history drafter's memory per engine rank (speculation.history.drafter=device),
-    resident and working: its store and the call's finished answers, allocated with the runner
+    resident and working: its store and the call's rows (running and finished), allocated with the runner
     (plain torch tensors: they stay while the engine sleeps, vLLM's sleep frees its own pool), and
     a step's working tensors at the engine's largest batch (rlspec/speculation/history/device/memory.py).
     Both inside the engine's share, taken from its KV cache (vLLM profiles a step:
@@ -164,7 +164,7 @@ def device_drafter_gib(cfg) -> tuple[float, float]:
     rows = ENGINE_MAX_SEQS_LARGE if (cfg.cluster.gpu_memory_gib or 0) >= 70 else GRAPH_MAX_SEQS
     levels = len(h.prompt_keys)
     resident = store_bytes(h.device.max_tokens, levels, h.max_candidates, h.global_source, COUNT_WIDTH) + \
-        finished_bytes(rows, L)
+        live_bytes(rows, L, levels, h.device.lookup == "table")
     return resident / GIB, working_bytes(rows, L, s.k_max, levels, h.max_candidates, h.max_match, MAX_SIBLINGS,
                                          MAX_VOTERS, h.global_source, COUNT_WIDTH) / GIB
 

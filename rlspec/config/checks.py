@@ -177,6 +177,8 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
     require(1 << 10 <= h.device.max_tokens <= 1 << 28, "speculation.history.device.max_tokens",
             f"must be in [2^10, 2^28] (about 110 bytes each on the engine's device: 28 GiB at 2^28), "
             f"got {h.device.max_tokens}")
+    require(h.device.lookup in ("scan", "table"), "speculation.history.device.lookup",
+            f"must be scan or table, got {h.device.lookup!r}")
     # a key the chosen drafter does not read is refused, not ignored: the other drafter's section,
     # and the host's chain keys under counts
     if sp.method == "history":

@@ -67,6 +67,12 @@ class DeviceHistoryConfig:
     count table; its ring drops the oldest tokens, so no prompt keeps a floor of answers."""
     # The ring's tokens (about 110 bytes each: the ring, its buckets and the count table).
     max_tokens: int = 1 << 22
+    # How a row finds its latest match in itself and its running siblings (the same drafts
+    # either way): `scan` compares every window of the rows each step (reads 2 x max_num_seqs x
+    # max_model_len tokens a step); `table` keeps a hash table per row and prompt key length,
+    # advanced by each step's new tokens (Triton kernels on a GPU), at 30 to 56 x max_model_len
+    # bytes per row and key length on the engine's device (2 x max_num_seqs rows).
+    lookup: str = "scan"
 
 
 @dataclass

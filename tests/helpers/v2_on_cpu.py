@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import types
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -76,15 +77,19 @@ def main() -> None:
     from vllm.v1.worker.gpu.spec_decode.ngram import speculator
     from vllm.v1.worker.gpu.states import RequestState
 
+    from rlspec.config.speculation import DeviceHistoryConfig, HistoryConfig
     from rlspec.speculation.history.device.proposer import MARK, _speculator_class, begin_call
+    from rlspec.speculation.vllm_hooks import CONFIG_KEY
 
     K, SLOTS, WIDTH = 4, 4, 64
     dev = torch.device("cpu")
     states = RequestState(SLOTS, WIDTH, 256, K, 100, dev, use_dense_all_token_ids=True)
+    # the defaults, the running rows' lookup as the command line names it (scan or table)
+    history = asdict(HistoryConfig(device=DeviceHistoryConfig(lookup=sys.argv[1] if len(sys.argv) > 1 else "scan")))
     cfg = types.SimpleNamespace(speculative_config=types.SimpleNamespace(model=MARK, num_speculative_tokens=K),
                                 scheduler_config=types.SimpleNamespace(max_num_seqs=SLOTS),
                                 model_config=types.SimpleNamespace(max_model_len=WIDTH, get_vocab_size=lambda: 100),
-                                additional_config={})
+                                additional_config={CONFIG_KEY: history})
     spec = _speculator_class(speculator.NgramGPUSpeculator)(cfg, dev, states)
     buffers = InputBuffers(SLOTS, 256, dev)
     p, q = [5, 6, 7, 8], [9, 9, 9, 9]
@@ -135,6 +140,7 @@ def main() -> None:
     step(["e"], [[20]])
     step(["e"], [[21, 22, 30]])                               # d's answer was the last call's: not e's sibling
     out["next_call"] = spec.stats.finish(0, 0).as_dict()
+    out["table"] = spec.live.table is not None
     print(json.dumps(out))
 
 

@@ -107,7 +107,8 @@ def test_the_v2_speculator_drafts_from_the_runners_request_states():
         states.all_token_ids.gpu[slot, : len(r)] = torch.tensor(r)
         states.total_len.gpu[slot] = len(r)
         states.prompt_len.np[slot] = 4
-    batch = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([6, 3]), req_ids=["r6", "r3"])
+    batch = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([6, 3]), idx_mapping_np=np.array([6, 3]),
+                            req_ids=["r6", "r3"])
     last = torch.zeros(8, 1, dtype=torch.int64)
     last[3, 0], last[6, 0] = 12, 40
     out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None)
@@ -126,7 +127,8 @@ def test_the_v2_speculator_drafts_from_the_runners_request_states():
     assert (st["accepted_history"], sum(st[f"accepted_{s}"] for s in SOURCES)) == (2, 2)
     # the batch's rows swapped: credits follow the request states; slot 3 sampled 5 tokens, but its
     # last draft was 2 long
-    swapped = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([3, 6]), req_ids=["r3", "r6"])
+    swapped = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([3, 6]), idx_mapping_np=np.array([3, 6]),
+                              req_ids=["r3", "r6"])
     out = spec.propose(swapped, None, None, None, None, torch.tensor([5, 1]), torch.zeros(2), last, None, None, None,
                        num_speculative_tokens=0)
     st = spec.stats.finish(0, 0).as_dict()
@@ -168,6 +170,7 @@ def test_the_v2_speculator_drafts_a_resumed_answer_under_its_own_prompt():
     out = spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None)
     assert seen[-1] == [4, 4] and out.tolist() == [[13, 14, 15, 16]] * 2
     spec.prompt_len_of = {}   # without it: vLLM's prompt lengths, as a call with nothing resumed reads them
+    spec.live.clear()         # (a new call: its rows join again, their prompt lengths read then)
     spec.propose(batch, None, None, None, None, torch.tensor([1, 1]), torch.zeros(2), last, None, None, None)
     assert seen[-1] == [4, 6]
 
@@ -219,10 +222,12 @@ def _gen(actor, prompts, n, temperature, max_tokens=48):
     return ray.get(actor.generate.remote(prompts, sampling(n, temperature, max_tokens)), timeout=600)
 
 
-def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, prompts):
+@pytest.mark.parametrize("lookup", ["scan", "table"])
+def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, prompts, lookup):
     """Greedy: every call equals no speculation token for token; the engine runs vLLM's ngram_gpu
     path; the second call drafts from the first's responses and accepts more than the first; a new
-    engine loaded with the saved store drafts as the first did on its second call."""
+    engine loaded with the saved store drafts as the first did on its second call. With either
+    lookup of the running rows' matches (the whole-row scan, the live table)."""
     import ray
 
     from conftest import start_generator
@@ -232,17 +237,17 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     ray.kill(plain)
     # settings other than the defaults, which reach the engine's workers in vLLM's additional_config
     over = ["speculation=history", "speculation.history.drafter=device", "speculation.history.device.max_tokens=65536",
-            "speculation.history.shadow_rows=7"]
+            "speculation.history.shadow_rows=7", f"speculation.history.device.lookup={lookup}"]
     dev = start_generator(over)
     assert ray.get(dev.runner_info.remote(), timeout=600)["speculation"] == "ngram_gpu"   # waits for the engine
 
     def store_settings(gen):
         def read(worker):
             p = worker.model_runner.drafter
-            return p.history.capacity, p.shadow_rows
+            return p.history.capacity, p.shadow_rows, p.live.table is not None
         return gen.engine.llm.collective_rpc(read)
 
-    assert ray.get(dev.__ray_call__.remote(store_settings), timeout=60) == [(65536, 7)]
+    assert ray.get(dev.__ray_call__.remote(store_settings), timeout=60) == [(65536, 7, lookup == "table")]
     first = _gen(dev, prompts, 1, 0.0)
     second = _gen(dev, prompts, 1, 0.0)
     assert first.response_ids == base.response_ids and second.response_ids == base.response_ids
@@ -434,7 +439,8 @@ def test_the_cpu_row_copy_keeps_the_rows_as_vllms_incremental_update_does(seed, 
         assert ours[0][i, :n].tolist() == truth[r][:n]
 
 
-def test_the_v2_speculator_on_vllms_own_request_states_on_this_cpu():
+@pytest.mark.parametrize("lookup", ["scan", "table"])
+def test_the_v2_speculator_on_vllms_own_request_states_on_this_cpu(lookup):
     """Model Runner V2's RequestState, InputBatch and post_update kernel (vLLM's Triton kernels in
     Triton's interpreter: tests/helpers/v2_on_cpu.py) drive the device speculator as V2's runner
     does: requests added, sampled tokens posted, propose; the batch reordered; a request freed and
@@ -450,11 +456,12 @@ def test_the_v2_speculator_on_vllms_own_request_states_on_this_cpu():
 
     pytest.importorskip("vllm")
     env = {**child_env(), "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "v2_on_cpu.py")], env=env, cwd=ROOT,
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "v2_on_cpu.py"), lookup], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["has_triton"] and out["slot_reused"]   # vLLM's kernels ran (no placeholders); V2 reused b's slot
+    assert out["table"] == (lookup == "table")
     assert out["steps"] == [
         [[21, 22, 23, 24], [21, 22, 23, 24], [40] * 4],   # a, b: the history; c: nothing (its last token)
         [[41] * 4, [30] * 4, [24, 25, 26, 23]],            # c, b (left the history), a (the history ends)

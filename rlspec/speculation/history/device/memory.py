@@ -5,12 +5,12 @@ anything starts).
 Resident, allocated with the model runner before vLLM profiles memory (so vLLM's profile counts
 it as it counts the weights): the ring (DeviceHistory: an int32 token and an int64 prompt salt per
 arena token; `width` int64 positions and a fill count per bucket), the count table (an int64
-key, an int32 token and an int32 count per entry) and the call's finished answers (a
-max_model_len-wide int32 row per batch row, rlspec/speculation/history/device/call.py).
+key, an int32 token and an int32 count per entry) and the call's rows (live.LiveRows: a
+max_model_len-wide int32 row per running request and per finished answer kept, 2 x rows, and under
+lookup=table their live tables).
 
 Working, a step's transient tensors: the running rows and the finished ones (2 x rows) are
-drafted together, the finished rows' tokens concatenated after a copy of the running ones (V2
-gathers them from its request states) in int32. Per row, its phases are: the stored candidates
+drafted together, the scan reading a copy of their slots' rows in int32. Per row, its phases are: the stored candidates
 (prompt_keys x width of them, each comparing max_match tokens and reading k), the batch's windows
 (LIVE_PER_COLUMN bytes per column of max_model_len + 1 and one per sibling read: its [B, G-1, L+1]
 match mask), the batch's candidates (G x levels), the vote (voters squared) and the count table's
@@ -26,7 +26,7 @@ import math
 
 STORED_PER_MATCH, STORED_PER_DRAFT, STORED_FIXED = 33, 8, 24
 CANDIDATE_HELD = 25    # per candidate, beside its drafted positions: held through the live phase
-LIVE_PER_COLUMN = 70
+LIVE_PER_COLUMN = 46
 # the count table's lookup, per row: per context length and entry of a bucket, and per pair of
 # context lengths (each length's window hashed)
 COUNT_PER_ENTRY, COUNT_PER_PAIR = 21, 43
@@ -53,9 +53,20 @@ def store_bytes(max_tokens: int, levels: int, width: int, global_source: bool, c
     return ring + (COUNT_ENTRY * count_buckets(max_tokens, count_width) * count_width if global_source else 0)
 
 
-def finished_bytes(rows: int, max_model_len: int) -> int:
-    """The call's finished answers: a token row, a length and a prompt length per batch row."""
-    return rows * (4 * max_model_len + 16)
+def table_width(max_model_len: int) -> int:
+    """A live table's entries per row and key length (live.LiveTable: a power of two, at least
+    twice the positions a row holds)."""
+    return 1 << max(4, (2 * (max_model_len + 1) - 1).bit_length())
+
+
+def live_bytes(rows: int, max_model_len: int, levels: int, table: bool) -> int:
+    """The call's rows (live.LiveRows): per slot (2 x rows: running and finished) a token row, a
+    length, a prompt length and a salt; with the table, per slot and key length an int64
+    fingerprint, a used flag and an int32 head per entry and an int32 link per position."""
+    per_slot = 4 * max_model_len + 24
+    if table:
+        per_slot += levels * (13 * table_width(max_model_len) + 4 * (max_model_len + 1))
+    return 2 * rows * per_slot
 
 
 def working_bytes(rows: int, max_model_len: int, k: int, levels: int, width: int, max_match: int,
@@ -74,4 +85,4 @@ def working_bytes(rows: int, max_model_len: int, k: int, levels: int, width: int
     live_match = G * levels * per_candidate + 2 * (L + 1)
     vote = VOTE_PER_PAIR * min(max_voters, C + G * levels) ** 2
     counts = COUNT_PER_ENTRY * max_match * count_width + COUNT_PER_PAIR * max_match ** 2 if global_source else 0
-    return B * (held + stored + live + live_match + vote + counts) + 4 * B * L + 4 * rows * L
+    return B * (held + stored + live + live_match + vote + counts) + 4 * B * L

@@ -20,9 +20,10 @@ import sys
 
 import torch
 
-from rlspec.speculation.history.device.call import CallStats, Finished, Pending, append_sampled
+from rlspec.speculation.history.device.call import CallStats, Pending, append_sampled
 from rlspec.speculation.history.device.cpu import cpu_stand_ins
-from rlspec.speculation.history.device.store import DeviceHistory, prompt_hash
+from rlspec.speculation.history.device.live import LiveRows
+from rlspec.speculation.history.device.store import DeviceHistory
 from rlspec.speculation.history.host.proposer import own_prompt_lens
 from rlspec.speculation.vllm_hooks import V1_RUNNER, history_settings, slots_changed
 
@@ -53,15 +54,14 @@ def _proposer_class(base):
             rows = int(vllm_config.scheduler_config.max_num_seqs)
             self.pending = Pending(rows, self.k, device)
             self.pending_ids: list[str] = []
-            # the call's finished answers, read by their running siblings: a request leaving the
-            # batch (vLLM's hook for request-scoped state) leaves its row here
-            self.finished = Finished(rows, self.max_model_len, device)
-            self.row_len = torch.zeros(rows, dtype=torch.int64, device=device)
-            self.token_rows: torch.Tensor | None = None
+            # the call's rows by slot, the finished answers its running siblings read among them: a
+            # request leaving the batch (vLLM's hook for request-scoped state) keeps its slot
+            self.live = live_rows(vllm_config, self.history, device)
+            self.batch_rows = torch.arange(rows, device=device)
             if runner is not None:
                 removed = runner._on_request_state_removed
                 runner._on_request_state_removed = \
-                    lambda req_id, state: (self._keep_finished(req_id), removed(req_id, state))[1]
+                    lambda req_id, state: (self.live.finish(req_id), removed(req_id, state))[1]
                 # V1's profile run does not call an ngram_gpu drafter (V2's calls its speculator)
                 profile = runner.profile_run
                 runner.profile_run = lambda *a, **kw: (profile(*a, **kw), profile_step(self, rows))[0]
@@ -78,8 +78,6 @@ def _proposer_class(base):
             lengths = append_sampled(token_ids_gpu, num_tokens_no_spec, valid_sampled_token_ids_gpu,
                                      valid_sampled_tokens_count)
             batch = lengths.shape[0]
-            self.token_rows = token_ids_gpu
-            self.row_len[:batch] = lengths
             k = max(0, min(int(num_speculative_tokens), self.k))  # 'auto': the scheduler's k for this batch size
             # The drafts' width is what the scheduler places next step. Without async scheduling it
             # places every column it is given (the runner then trims each row to its valid count):
@@ -89,16 +87,15 @@ def _proposer_class(base):
             ids = self.runner.input_batch.req_ids[:batch]
             self.stats.accept(*self.pending.rows(self._last_rows(ids)), valid_sampled_tokens_count)
             self.pending_ids = list(ids)
+            if self.drafting:   # the rows' new tokens, in every step of a drafting call
+                at = self.live.step(ids, token_ids_gpu, self.batch_rows[:batch], lengths,
+                                    lambda pos: self._prompt_lens(ids, pos), self.k + 1)
             if k == 0 or not self.drafting:  # no lookup at all (a call 'auto' or validation runs without)
                 self.pending.n[:batch] = 0
                 return (torch.full((batch, width), -1, dtype=torch.int32, device=self.device),
                         torch.zeros(batch, dtype=torch.int32, device=self.device))
-            plens = self.runner.input_batch.num_prompt_tokens[:batch]
-            if self.prompt_len_of:  # partial rollouts: resumed answers drafted under their own prompt
-                plens = own_prompt_lens(plens, ids, self.prompt_len_of)
-            prompt_lens = torch.as_tensor(plens, dtype=torch.int64).to(self.device, non_blocking=True)
             active = valid_sampled_tokens_count > 0
-            drafts, counts, src = draft_rows(self, token_ids_gpu, lengths, prompt_lens, active, k)
+            drafts, counts, src = draft_rows(self, at, active, k)
             if self.full:  # 'auto' times steps: the lookup as always, every draft filled to k
                 last = token_ids_gpu.gather(1, (lengths.long() - 1).clamp(min=0)[:, None])
                 drafts = torch.where(active[:, None] & (drafts < 0), last.to(drafts.dtype), drafts)
@@ -116,15 +113,12 @@ def _proposer_class(base):
                 drafts = torch.nn.functional.pad(drafts, (0, width - k), value=-1)
             return drafts, counts
 
-        def _keep_finished(self, req_id: str) -> None:
-            """A finished request's row (as the last step left it) joins the call's finished answers."""
-            row = self.runner.input_batch.req_id_to_index.get(req_id)
-            if row is None or row >= len(self.pending_ids) or self.pending_ids[row] != req_id or not self.drafting:
-                return   # not drafted for at its row (drafting off, or finished before a step)
-            plen = self.runner.input_batch.num_prompt_tokens[row: row + 1]
-            if self.prompt_len_of:
-                plen = own_prompt_lens(plen, [req_id], self.prompt_len_of)
-            self.finished.add(self.token_rows[row], self.row_len[row], int(plen[0]))
+        def _prompt_lens(self, ids: list[str], pos: list[int]) -> list[int]:
+            """The own prompt lengths of batch rows `pos` (partial rollouts: a resumed answer's own
+            prompt, not vLLM's, which holds its answer so far)."""
+            plens = self.runner.input_batch.num_prompt_tokens[pos]
+            return list(own_prompt_lens(plens, [ids[i] for i in pos], self.prompt_len_of) if self.prompt_len_of
+                        else plens)
 
         def _last_rows(self, ids: list[str]) -> torch.Tensor:
             """Each row's batch row at the last step (-1: a request new since)."""
@@ -165,23 +159,13 @@ def _speculator_class(base):
             # each request state's last draft, by source (a state's first verified step follows its
             # prefill, which samples one token: a state's earlier owner credits nothing to it)
             self.pending = Pending(self.max_num_reqs, self.k, device)
-            # the call's finished answers, read by their running siblings: a request state's row
-            # joins them as vLLM frees the state (a preempted request's too: V2 frees it alike)
-            self.finished = Finished(self.max_num_reqs, self.max_model_len, device)
-            self.call_ids: set[str] = set()   # the requests drafted for in this call
+            # the call's rows by slot, the finished answers its running siblings read among them: a
+            # request keeps its slot as vLLM frees its state (a preempted request's too: V2 frees it
+            # alike; V2 frees a call's last requests at the next call's first step, when the call's
+            # slots are already cleared)
+            self.live = live_rows(vllm_config, self.history, device)
             freed = req_states.remove_request
-            req_states.remove_request = lambda req_id: (self._keep_finished(req_id), freed(req_id))[1]
-
-        def _keep_finished(self, req_id: str) -> None:
-            rs = self.req_states
-            idx = rs.req_id_to_index.get(req_id)
-            # V2 frees a call's last requests at the next call's first step: not this call's answers
-            if idx is None or not self.drafting or req_id not in self.call_ids:
-                return
-            plen = rs.prompt_len.np[idx: idx + 1]
-            if self.prompt_len_of:
-                plen = own_prompt_lens(plen, [req_id], self.prompt_len_of)
-            self.finished.add(rs.all_token_ids.gpu[idx], rs.total_len.gpu[idx], int(plen[0]))
+            req_states.remove_request = lambda req_id: (self.live.finish(req_id), freed(req_id))[1]
 
         def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                     num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
@@ -195,27 +179,26 @@ def _speculator_class(base):
                 if kwargs.get("is_profile"):
                     profile_step(self, self.max_num_reqs)
                 return self.drafts[:n]
-            self.call_ids.update(input_batch.req_ids[:n])
             rs, idx = self.req_states, input_batch.idx_mapping[:n].long()
             fill = last_sampled.view(-1)[idx].long()
             self.stats.accept(*self.pending.rows(idx), num_sampled[:n])
             # 'auto': the scheduler's k for this step (V2 keeps that many of each row's drafts)
             step_k = kwargs.get("num_speculative_tokens")
             k = self.k if step_k is None else min(self.k, int(step_k))
+            if self.drafting:   # the rows' new tokens, in every step of a drafting call
+                ids = input_batch.req_ids[:n]
+
+                def prompt_lens(pos: list[int]) -> list[int]:   # partial rollouts: a resumed answer's own
+                    plens = rs.prompt_len.np[input_batch.idx_mapping_np[pos]]
+                    return list(own_prompt_lens(plens, [ids[i] for i in pos], self.prompt_len_of)
+                                if self.prompt_len_of else plens)
+                at = self.live.step(ids, rs.all_token_ids.gpu, idx, rs.total_len.gpu[idx], prompt_lens, self.k + 1)
             if k <= 0 or not self.drafting:
                 self.pending.n[idx] = 0
                 self.drafts[:n] = fill[:, None]
                 return self.drafts[:n]
-            token_ids = rs.all_token_ids.gpu[idx]                       # [B, max_model_len]
-            lengths = rs.total_len.gpu[idx]
-            if self.prompt_len_of:  # partial rollouts: resumed answers drafted under their own prompt
-                plens = own_prompt_lens(rs.prompt_len.np[input_batch.idx_mapping_np[:n]], input_batch.req_ids[:n],
-                                        self.prompt_len_of)
-                prompt_lens = torch.as_tensor(plens, dtype=torch.int64).to(self.device, non_blocking=True)
-            else:
-                prompt_lens = rs.prompt_len.gpu[idx].long()
             active = num_sampled[:n] > 0
-            drafts, counts, src = draft_rows(self, token_ids, lengths, prompt_lens, active, k)
+            drafts, counts, src = draft_rows(self, at, active, k)
             self.pending.put(idx, src, torch.zeros_like(counts) if self.full else counts)
             if not self.full:
                 self.stats.add(active, counts, src)
@@ -229,33 +212,40 @@ def _speculator_class(base):
     return DeviceHistorySpeculator
 
 
-def draft_rows(p, token_ids, lengths, prompt_lens, active, k: int):
-    """A step's drafts for the batch's rows (token_ids [B, max_model_len], lengths, prompt_lens,
-    active [B]), the call's finished answers read after them: drafts [B, k], counts [B], sources [B, k]."""
-    B = token_ids.shape[0]
-    rows, lens, plens, act = p.finished.after(token_ids, lengths, prompt_lens, active)
-    drafts, counts, src = p.history.propose(rows, lens, prompt_hash(rows, plens), plens, k, act, sources=True,
-                                            done=p.finished.used)
+def draft_rows(p, at, active, k: int):
+    """A step's drafts for the batch's rows (their slots `at` [B] in p.live, active [B]), the
+    call's finished answers read after them: drafts [B, k], counts [B], sources [B, k]."""
+    live, B = p.live, at.shape[0]
+    rows = live.rows(at)
+    act = torch.cat([active, active.new_zeros(rows.shape[0] - B)])
+    drafts, counts, src = p.history.propose(live.tok, live.n[rows], live.salt[rows], live.plen[rows], k, act,
+                                            sources=True, done=len(live.done), at=rows, table=live.table)
     return drafts[:B], counts[:B], src[:B]
 
 
 def profile_step(p, rows: int) -> None:
-    """One step at the engine's largest shape: `rows` running rows (a fresh [rows, max_model_len]
-    token buffer, as V2's gather of the batch's rows makes) and a full ring of finished answers,
-    every row drafting k. vLLM sizes the KV cache from the peak memory of its profile run: run in
-    it, the step's working tensors, which grow with rows x max_model_len
+    """One step at the engine's largest shape: `rows` running rows max_model_len - 1 long and as
+    many finished answers, every row drafting k. vLLM sizes the KV cache from the peak memory of
+    its profile run: run in it, the step's working tensors, which grow with rows x max_model_len
     (rlspec/speculation/history/device/memory.py), are kept out of the KV cache as the model's
-    activations are."""
-    L, dev = p.max_model_len, p.device
-    used = p.finished.used
-    p.finished.used = p.finished.tok.shape[0]
-    try:
-        with torch.inference_mode():   # V1 calls it after its profile run's own inference mode ends
-            ones = torch.ones(rows, dtype=torch.int64, device=dev)
-            draft_rows(p, torch.zeros((rows, L), dtype=torch.int32, device=dev), (L - 1) * ones.int(), ones,
-                       ones.bool(), p.k)
-    finally:
-        p.finished.used = used
+    activations are. The call's rows are left as they were (nothing is written to them)."""
+    live, dev = p.live, p.device
+    S = min(2 * rows, live.tok.shape[0])
+    with torch.inference_mode():   # V1 calls it after its profile run's own inference mode ends
+        at = torch.arange(S, device=dev)
+        ones = torch.ones(S, dtype=torch.int64, device=dev)
+        act = at < rows
+        p.history.propose(live.tok, (p.max_model_len - 1) * ones, ones, ones, p.k, act, sources=True,
+                          done=S - rows, at=at, table=live.table)
+
+
+def live_rows(vllm_config, history: DeviceHistory, device) -> LiveRows:
+    """The call's rows (live.LiveRows): max_num_seqs running and as many finished answers, with
+    the live table under speculation.history.device.lookup=table."""
+    rows = int(vllm_config.scheduler_config.max_num_seqs)
+    cfg = history_settings(vllm_config)
+    table = bool(cfg) and cfg["device"].get("lookup", "scan") == "table"
+    return LiveRows(rows, rows, int(vllm_config.model_config.max_model_len), history.prompt_keys, device, table)
 
 
 def shadow_rows(vllm_config) -> int:
@@ -320,9 +310,7 @@ def begin_call(worker, draft: bool = True, prompt_len_of: dict[str, int] | None 
     p.prompt_len_of = prompt_len_of or {}
     p.stats = CallStats(p.k, p.device)
     p.pending.n.zero_()
-    p.finished.clear()
-    if hasattr(p, "call_ids"):
-        p.call_ids = set()
+    p.live.clear()
     if hasattr(p, "pending_ids"):
         p.pending_ids = []
 

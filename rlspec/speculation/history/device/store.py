@@ -44,7 +44,7 @@ from rlspec.speculation import GLOBAL, HISTORY, MAX_SIBLINGS, MAX_VOTERS, PROMPT
 from rlspec.speculation.history.device.counts import MIN_PROB, WIDTH, CountTable
 from rlspec.speculation.history.device.memory import count_buckets as default_count_buckets
 from rlspec.speculation.history.device.memory import ring_buckets
-from rlspec.speculation.history.device.ops import (first_of, fold, last_true, leading_run, prompt_hash,
+from rlspec.speculation.history.device.ops import (_P, first_of, fold, last_true, leading_run, prompt_hash,
                                          prompt_siblings, salted, window_keys, window_prints)
 from rlspec.speculation.history.device.ring import EMPTY, END, RingSequences
 from rlspec.speculation.history.device.state import RingCheckpoint
@@ -54,6 +54,19 @@ UNKNOWN = -2  # past a running row's last token: not yet written
 _LIVE = 1 << 42   # ranks: a running row's position outranks any stored one; the row itself the others
 _SELF = 1 << 41
 _COUNT = 1 << 48  # a vote's score: count first, rank second
+
+
+class _Rows:
+    """The rows a step drafts for: token_ids' rows, or with at, its rows at[i]."""
+
+    def __init__(self, tok: torch.Tensor, at: torch.Tensor | None):
+        self.tok, self.at = tok, at
+
+    def read(self, row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        return self.tok[row if self.at is None else self.at[row], col]
+
+    def whole(self) -> torch.Tensor:
+        return self.tok if self.at is None else self.tok[self.at]
 
 
 @dataclass
@@ -250,18 +263,23 @@ class DeviceHistory(RingCheckpoint):
     # -- propose (every engine step) ------------------------------------------------------------------
     def propose(self, token_ids: torch.Tensor, lengths: torch.Tensor, prompt_ids: torch.Tensor,
                 prompt_lens: torch.Tensor, k: int, active: torch.Tensor | None = None, sources: bool = False,
-                done: int = 0) -> tuple[torch.Tensor, ...]:
+                done: int = 0, at: torch.Tensor | None = None, table=None) -> tuple[torch.Tensor, ...]:
         """Drafts for every row: token_ids [B, L] (row i's first lengths[i] tokens, prompt_lens[i]
         of them its prompt, prompt_ids[i] its prompt_hash), active [B] (rows to draft for; default
         all) -> drafts [B, k] int32 (-1: none), and their leading valid counts [B] int32; with
         sources, each drafted token's source [B, k] too (speculation.SOURCES'
         index, -1 past the draft). The last `done` rows are answers of the call that finished: their
-        running siblings read them (prompt_siblings), nothing drafts for them."""
+        running siblings read them (prompt_siblings), nothing drafts for them.
+
+        With at [B], row i is token_ids[at[i]] (the drafter's slots, live.LiveRows), and with
+        table (their live.LiveTable) the rows' own and siblings' matches are looked up in it
+        instead of scanned: the same drafts, reading no row whole."""
         n = lengths.long()
         if done:
             keep = torch.arange(n.shape[0], device=n.device) < n.shape[0] - done
             active = keep if active is None else active & keep
-        got = self.source_drafts(token_ids, lengths, prompt_ids, prompt_lens, k, active, sources=sources, done=done)
+        got = self.source_drafts(token_ids, lengths, prompt_ids, prompt_lens, k, active, sources=sources, done=done,
+                                 at=at, table=table)
         own, own_best, far, far_best = got[:4]
         use_far = (far_best > own_best) & (far[:, 0] >= 0)
         drafts = torch.where(use_far[:, None], far, own)
@@ -270,15 +288,22 @@ class DeviceHistory(RingCheckpoint):
         src = torch.where(drafts < 0, -1, torch.where(use_far[:, None], GLOBAL, got[4]))
         return drafts, (drafts >= 0).sum(1).int(), src
 
-    def source_drafts(self, token_ids, lengths, prompt_ids, prompt_lens, k: int, active=None, sources=False, done=0):
+    def source_drafts(self, token_ids, lengths, prompt_ids, prompt_lens, k: int, active=None, sources=False, done=0,
+                      at=None, table=None):
         """Each source's draft and match length: the prompt's own sources (its store, the row, its
         siblings; their longest match votes) and the global one (the count table's walk; none
         without a global source) -> own [B, k], own_best [B], far [B, k], far_best [B] (drafts
         int32, -1: none); with sources, also each own token's source [B, k] (its highest-ranked
-        voter's: HISTORY, SIBLINGS or PROMPT, the row itself)."""
+        voter's: HISTORY, SIBLINGS or PROMPT, the row itself). at, table: as propose's."""
         n = lengths.long()
-        ctx = self._context(token_ids, n)                                        # [B, M]
-        valid, length, rank, nxt = self._candidates(token_ids, n, ctx, prompt_ids, prompt_lens, k, active, done)
+        rows = _Rows(token_ids, at)
+        ctx = self._context(rows, n)                                             # [B, M]
+        hist = self._stored_candidates(n, prompt_ids.long(), ctx, k)
+        live = self._live_candidates(rows, n, prompt_ids.long(), prompt_lens.long(), ctx, k, done, table)
+        valid, length, rank, nxt = (torch.cat([a, b], 1) for a, b in (
+            (hist.valid, live.valid), (hist.length, live.length), (hist.rank, live.rank), (hist.nxt, live.nxt)))
+        if active is not None:
+            valid = valid & active[:, None]
         own_best = torch.where(valid, length, 0).amax(1, keepdim=True)
         voted = self._vote(*self._voters(valid & (length == own_best), rank, nxt, k), k, ranks=sources)
         drafts, won = voted if sources else (voted, None)
@@ -294,29 +319,19 @@ class DeviceHistory(RingCheckpoint):
         live = won >= _LIVE
         return *out, torch.where(live, torch.where(won - _LIVE >= _SELF, PROMPT, SIBLINGS), HISTORY)
 
-    def _candidates(self, token_ids, n, ctx, prompt_ids, prompt_lens, k, active, done=0):
-        """Every candidate of the buckets and the batch (ctx: the rows' last tokens, _context):
-        valid, length, rank [B, C], nxt [B, C, k]."""
-        hist = self._stored_candidates(token_ids, n, prompt_ids.long(), ctx, k)
-        live = self._live_candidates(token_ids, n, prompt_ids.long(), prompt_lens.long(), ctx, k, done)
-        valid, length, rank, nxt = (torch.cat([a, b], 1) for a, b in (
-            (hist.valid, live.valid), (hist.length, live.length), (hist.rank, live.rank), (hist.nxt, live.nxt)))
-        if active is not None:
-            valid = valid & active[:, None]
-        return valid, length, rank, nxt
     def _voters(self, alive, rank, nxt, k):
         """The max_voters of highest rank among the alive candidates [B, C]: alive, rank [B, V],
         nxt [B, V, k]."""
         top = torch.where(alive, rank, -1).topk(min(self.max_voters, alive.shape[1]), 1)
         return top.values >= 0, top.values, nxt.gather(1, top.indices[:, :, None].expand(-1, -1, k))
 
-    def _context(self, token_ids: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    def _context(self, rows: "_Rows", n: torch.Tensor) -> torch.Tensor:
         """The rows' last max_match tokens, newest first: [B, M] (-5 before a row's start)."""
         back = n[:, None] - 1 - torch.arange(self.max_match, device=n.device)
-        got = token_ids.gather(1, back.clamp(min=0)).long()
+        got = rows.read(torch.arange(n.shape[0], device=n.device)[:, None], back.clamp(min=0)).long()
         return torch.where(back >= 0, got, -5)
 
-    def _stored_candidates(self, token_ids, n, salt, ctx, k) -> Candidates:
+    def _stored_candidates(self, n, salt, ctx, k) -> Candidates:
         """The bucket entries of the rows' keys, per prompt key length (salted): [B, levels * width]
         candidates."""
         dev, W = n.device, self.width
@@ -339,47 +354,69 @@ class DeviceHistory(RingCheckpoint):
         nxt = torch.where(fwd < self.written, nxt, UNKNOWN)
         return Candidates(first_of(valid, pos), length, pos, nxt)
 
-    def _live_candidates(self, token_ids, n, salt, plen, ctx, k, done=0) -> Candidates:
+    def _live_candidates(self, rows: "_Rows", n, salt, plen, ctx, k, done=0, table=None) -> Candidates:
         """Per prompt key length m, the latest position p whose m tokens before it have the row's
         last m tokens' fingerprint: in the row itself (any position), and in each of its
         max_siblings - 1 siblings (an answer position), the rows of its prompt that follow it in the
         group's order, cyclically (prompt_siblings: every row of a group larger than max_siblings
         reads as many siblings as the host store's walk takes; the call's finished answers, the last
-        `done` rows, spread among the running ones). Each row's windows are compared once with the
-        queries of the rows that read it: [B, G-1, L+1], no gather of rows."""
-        B, L = token_ids.shape
+        `done` rows, spread among the running ones). Found by _scan_matches, or with table by its
+        lookups (_table_matches)."""
+        B, L = n.shape[0], rows.tok.shape[1]
         dev, G = n.device, min(self.max_siblings, B)
         sib, reader, listed = prompt_siblings(salt, G, done)                         # [B, G-1] each
-        rows = torch.arange(B, device=dev)
-        cols = torch.arange(L + 1, device=dev)
-        before_end = cols < n[:, None]
+        idx = torch.arange(B, device=dev)
+        find = self._scan_matches if table is None else self._table_matches
         cands, levels = [], self.prompt_keys
-        for m in levels:
-            win = window_prints(token_ids, m) << 1                               # [B, L+1], low bit: may match
-            query = win.gather(1, n[:, None].clamp(max=L)) | 1                   # [B, 1]
-            as_sibling = win | (before_end & (cols >= plen[:, None].clamp(min=m)))
-            as_self = win | (before_end & (cols >= m))
-            # in row j, the latest match of the query of reader[j, g], whose g-th sibling j is
-            hit = as_sibling[:, None, :] == query[:, 0][reader][:, :, None]      # [B, G-1, L+1]
-            found = last_true(hit)                                               # [B, G-1]
-            p_sib = found[sib, torch.arange(G - 1, device=dev)[None]]           # [B, G-1]: row i's in sib[i, g]
-            p_self = last_true(as_self == query)[:, None]                        # [B, 1]
+        for li, m in enumerate(levels):
+            p_sib, p_self = find(rows, n, plen, ctx, sib, reader, li, m, table)
             ok = torch.cat([listed, listed.new_ones(B, 1)], 1) & (n >= m)[:, None]
-            cands.append(torch.where(ok, torch.cat([p_sib, p_self], 1), -1))
+            cands.append(torch.where(ok, torch.cat([p_sib, p_self[:, None]], 1), -1))
         p = torch.cat(cands, 1)                                                  # [B, G * levels]
-        row = torch.cat([sib, rows[:, None]], 1).repeat(1, len(levels))
+        row = torch.cat([sib, idx[:, None]], 1).repeat(1, len(levels))
         need = torch.cat([torch.full((G,), m, device=dev) for m in levels])[None]   # no host copy
-        is_self = row == rows[:, None]
+        is_self = row == idx[:, None]
         back = p[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
-        src = token_ids[row[:, :, None], back.clamp(min=0)].long()
+        src = rows.read(row[:, :, None], back.clamp(min=0)).long()
         length = leading_run(torch.where(back >= 0, src, -6) == ctx[:, None, :])
         valid = (p >= 0) & (length >= need)
         fwd = p[:, :, None] + torch.arange(k, device=dev)
-        nxt = token_ids[row[:, :, None], fwd.clamp(min=0, max=L - 1)].long()
+        nxt = rows.read(row[:, :, None], fwd.clamp(min=0, max=L - 1)).long()
         nxt = torch.where(fwd < n[row][:, :, None], nxt, UNKNOWN)
         rank = _LIVE + is_self * _SELF + p.clamp(min=0) * B + row
         valid = first_of(valid, row * (L + 1) + p)
         return Candidates(valid, length, rank, nxt)
+
+    @staticmethod
+    def _scan_matches(rows, n, plen, ctx, sib, reader, li, m, table):
+        """Each row's window fingerprints compared with the queries of the rows that read it:
+        [B, G-1, L+1], no gather of rows (but every row read whole). p_sib [B, G-1] (row i's match
+        in sib[i, g]) and p_self [B]."""
+        tokens = rows.whole()
+        B, L = tokens.shape
+        cols = torch.arange(L + 1, device=n.device)
+        before_end = cols < n[:, None]
+        win = window_prints(tokens, m) << 1                                      # [B, L+1], low bit: may match
+        query = win.gather(1, n[:, None].clamp(max=L)) | 1                       # [B, 1]
+        as_sibling = win | (before_end & (cols >= plen[:, None].clamp(min=m)))
+        as_self = win | (before_end & (cols >= m))
+        # in row j, the latest match of the query of reader[j, g], whose g-th sibling j is
+        hit = as_sibling[:, None, :] == query[:, 0][reader][:, :, None]          # [B, G-1, L+1]
+        found = last_true(hit)                                                   # [B, G-1]
+        p_sib = found[sib, torch.arange(sib.shape[1], device=n.device)[None]]    # [B, G-1]: row i's in sib[i, g]
+        return p_sib, last_true(as_self == query)
+
+    @staticmethod
+    def _table_matches(rows, n, plen, ctx, sib, reader, li, m, table):
+        """_scan_matches' answer from the rows' live table: a lookup per row and sibling."""
+        q = torch.zeros_like(n)
+        for j in range(m):   # the row's last m tokens, oldest first, as window_prints folds them
+            q = q * _P + (ctx[:, m - 1 - j] + 3)
+        q = q << 1
+        B, S = sib.shape
+        p_sib = table.latest(rows.at[sib].reshape(-1), li, q[:, None].expand(B, S).reshape(-1),
+                             n[sib].reshape(-1), plen[sib].clamp(min=m).reshape(-1)).view(B, S)
+        return p_sib, table.latest(rows.at, li, q, n, torch.full_like(n, m))
 
     def _vote(self, alive, rank, nxt, k, ranks: bool = False):
         """Token by token: the most frequent next token among the candidates still agreeing (ties:
