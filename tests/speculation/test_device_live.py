@@ -171,6 +171,12 @@ def test_rows_kept_by_slot_draft_what_the_plain_batch_drafts(seed, table):
     rejoining); the batch reordered. Each step, LiveRows.step and propose over its slots (the table's
     lookups, or the scan of the slot rows) against propose over the same rows as one plain batch
     (running rows then the finished ring): the same drafts and sources token for token."""
+    slot_trace(seed, table)
+
+
+def slot_trace(seed: int, table: bool, kernels: bool = False) -> tuple[int, int]:
+    """The call of test_rows_kept_by_slot_draft_what_the_plain_batch_drafts (kernels: the table's
+    Triton kernels, in Triton's interpreter on CPU): rows checked and tokens drafted."""
     rng = random.Random(seed)
     vocab, k, R, F, L = rng.choice([4, 6, 12]), 4, 6, rng.choice([0, 3, 8]), 96
     store = DeviceHistory(max_tokens=rng.choice([150, 2000]), width=4, max_match=6, prompt_keys=(4, 2, 1),
@@ -178,7 +184,7 @@ def test_rows_kept_by_slot_draft_what_the_plain_batch_drafts(seed, table):
     warm = _call(rng, vocab, 3, 3)
     store.insert(*zip(*warm))
     reqs = _call(rng, vocab, 3, 4) + [(p, r[::-1]) for p, r in warm[:3]]
-    live = LiveRows(R, F, L, store.prompt_keys, "cpu", table=table)
+    live = LiveRows(R, F, L, store.prompt_keys, "cpu", table=table, kernels=kernels)
     src = torch.randint(0, vocab, (len(reqs), L), dtype=torch.int32)   # the runner's buffer, by request
     length = [len(p) for p, _ in reqs]      # tokens the runner holds
     waiting, running, ring, finished = list(range(len(reqs))), [], [], 0
@@ -227,3 +233,21 @@ def test_rows_kept_by_slot_draft_what_the_plain_batch_drafts(seed, table):
                 waiting.insert(rng.randrange(len(waiting) + 1), i)
         rng.shuffle(running) if rng.random() < 0.2 else None
     assert checked > 100 and drafted > 50, (checked, drafted)
+    return checked, drafted
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_rows_kept_by_slot_draft_what_the_plain_batch_drafts_with_the_kernels(seed):
+    """slot_trace with the live table's Triton kernels (Triton's interpreter, in a child process):
+    the call's joins and steps through live_kernels.append, its lookups through live_kernels.latest,
+    drafts token for token those of the plain batch."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    code = f"from tests.speculation.test_device_live import slot_trace; print('ok', *slot_trace({seed}, True, True))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True, timeout=900,
+                         env={**child_env(), "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("ok"), run.stdout

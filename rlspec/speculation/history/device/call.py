@@ -1,47 +1,13 @@
-"""The device drafter's state within one generate call (rlspec/speculation/history/device/proposer.py): the
-call's finished answers its running siblings still read, each row's pending draft until its
-verification, the call's counters, and the write of newly sampled tokens into the token rows. All
-on the engine's device; nothing here syncs with the host before finish_call reads the counters."""
+"""The device drafter's state within one generate call (rlspec/speculation/history/device/proposer.py),
+beside its rows (live.py): each row's pending draft until its verification, the call's counters,
+and the write of newly sampled tokens into the runner's token rows. All on the engine's device;
+nothing here syncs with the host before finish_call reads the counters."""
 from __future__ import annotations
 
 import torch
 
 from rlspec.speculation import SOURCES
 from rlspec.speculation.history.stats import HistoryStats
-
-
-class Finished:
-    """The call's finished answers on the device, the newest `rows` (a ring): each as its request's
-    token row (prompt and answer, max_model_len wide), its length and its own prompt's length.
-    Allocated with the drafter, before vLLM sizes its KV cache."""
-
-    def __init__(self, rows: int, width: int, device):
-        self.tok = torch.zeros((rows, width), dtype=torch.int32, device=device)
-        self.n = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.plen = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.used = self.next = 0
-
-    def clear(self) -> None:
-        self.used = self.next = 0
-
-    def add(self, tokens: torch.Tensor, length: torch.Tensor, prompt_len: int) -> None:
-        """A row (tokens [>= its length], length: a 0-d device tensor; no host sync)."""
-        s, width = self.next, min(self.tok.shape[1], tokens.shape[0])
-        self.tok[s, :width] = tokens[:width]
-        self.n[s: s + 1] = length.view(1).clamp(max=width)
-        self.plen[s] = prompt_len
-        self.next = (s + 1) % self.tok.shape[0]
-        self.used = min(self.used + 1, self.tok.shape[0])
-
-    def after(self, token_ids, lengths, prompt_lens, active):
-        """The running rows followed by the finished ones (which draft nothing): token rows, lengths,
-        prompt lengths and active, each [B + used]."""
-        if not self.used:
-            return token_ids, lengths, prompt_lens, active
-        u, width = self.used, token_ids.shape[1]   # both runners' rows are max_model_len wide, as these
-        rows = self.tok[:u, :width]
-        return (torch.cat([token_ids, rows.to(token_ids.dtype)]), torch.cat([lengths, self.n[:u].to(lengths.dtype)]),
-                torch.cat([prompt_lens.long(), self.plen[:u]]), torch.cat([active, active.new_zeros(u)]))
 
 
 class Pending:

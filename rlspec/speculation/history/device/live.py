@@ -38,9 +38,10 @@ class LiveTable:
     """Per slot and key length: fingerprint -> newest position (open addressing, `buckets` a
     power of two at least twice the positions a row holds), and prev links per position."""
 
-    def __init__(self, slots: int, max_len: int, keys: tuple[int, ...], device="cpu"):
+    def __init__(self, slots: int, max_len: int, keys: tuple[int, ...], device="cpu", kernels: bool | None = None):
         self.keys, self.max_len = tuple(keys), max_len
-        self.kernels = torch.device(device).type == "cuda"
+        # live_kernels.py's Triton kernels (default: on a CUDA device; elsewhere Triton's interpreter runs them)
+        self.kernels = torch.device(device).type == "cuda" if kernels is None else kernels
         K = len(self.keys)
         self.H = 1 << max(4, (2 * (max_len + 1) - 1).bit_length())
         self.fp = torch.zeros(slots, K, self.H, dtype=torch.int64, device=device)
@@ -134,13 +135,14 @@ class LiveRows:
     construction, before vLLM sizes its KV cache. The slots' bookkeeping is on the host (request
     ids); nothing here syncs with the device."""
 
-    def __init__(self, running: int, finished: int, max_len: int, keys: tuple[int, ...], device, table: bool):
+    def __init__(self, running: int, finished: int, max_len: int, keys: tuple[int, ...], device, table: bool,
+                 kernels: bool | None = None):
         S = running + finished
         self.tok = torch.zeros((S, max_len), dtype=torch.int32, device=device)
         self.n = torch.zeros(S, dtype=torch.int64, device=device)
         self.plen = torch.zeros(S, dtype=torch.int64, device=device)
         self.salt = torch.zeros(S, dtype=torch.int64, device=device)
-        self.table = LiveTable(S, max_len, keys, device) if table else None
+        self.table = LiveTable(S, max_len, keys, device, kernels) if table else None
         self.device, self.finished = torch.device(device), finished
         self.clear()
 
