@@ -58,26 +58,36 @@ def rows_of(args, g, prompts, latents, batch):
     return rows, plens, [PROMPT + int(g.integers(256, max(257, args.response - 16))) for _ in range(batch)]
 
 
-def time_device(args, stored, rows, plens, cuts) -> float:
-    from rlspec.speculation.history.device.store import DeviceHistory, prompt_hash
+def time_device(args, stored, rows, plens, cuts, lookup: str) -> tuple[float, float]:
+    """The device drafter's step on this CPU, as the engine runs it: the rows joined (untimed),
+    then each step every row gains a token (LiveRows.step) and is drafted for (propose over the
+    rows' slots, lookup scan or table: its torch methods)."""
+    from rlspec.speculation.history.device.live import LiveRows
+    from rlspec.speculation.history.device.store import DeviceHistory
 
     h = DeviceHistory(max_tokens=args.arena, max_siblings=GROUP)
     t0 = time.perf_counter()
     h.insert([p for p, _ in stored], [r for _, r in stored])
     insert_s = time.perf_counter() - t0
-    ids = torch.zeros(len(rows), args.width, dtype=torch.int32)
+    B = len(rows)
+    src = torch.zeros(B, args.width, dtype=torch.int32)
     n = torch.tensor([min(len(r) - 1 - args.steps, c) for r, c in zip(rows, cuts)])
     for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.from_numpy(r.astype(np.int32))
-    pl = torch.tensor(plens)
-    pid = prompt_hash(ids, pl)
-    h.propose(ids, n, pid, pl, args.k, sources=True)   # warm up (sources: as the engine asks)
+        src[i, : len(r)] = torch.from_numpy(r.astype(np.int32))
+    live = LiveRows(B, 0, args.width, h.prompt_keys, "cpu", table=lookup == "table")
+    ids, idx = [str(i) for i in range(B)], torch.arange(B)
+
+    def step(s: int):
+        at = live.step(ids, src, idx, n + s, lambda pos: [plens[i] for i in pos], args.k + 1)
+        return h.propose(live.tok, live.n[at], live.salt[at], live.plen[at], args.k, sources=True, at=at,
+                         table=live.table)
+    step(0)   # the rows join, and a warm-up
     t = []
-    for s in range(args.steps):
+    for s in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        h.propose(ids, n + s, pid, pl, args.k, sources=True)
+        step(s)
         t.append(time.perf_counter() - t0)
-    return 1e6 * float(np.median(t)) / len(rows), 1e6 * insert_s / sum(len(r) for _, r in stored)
+    return 1e6 * float(np.median(t)) / B, 1e6 * insert_s / sum(len(r) for _, r in stored)
 
 
 def time_host(args, stored, rows, plens, cuts) -> float:
@@ -108,13 +118,47 @@ def time_host(args, stored, rows, plens, cuts) -> float:
 VIEWS = {"view", "_unsafe_view", "expand", "slice", "select", "unsqueeze", "squeeze", "permute", "transpose", "t",
          "alias", "as_strided", "detach", "lift_fresh", "_reshape_alias", "unbind", "split", "split_with_sizes"}
 GATHERS = {"index", "gather", "index_select", "take", "take_along_dim"}
+SCATTERS = {"index_put"}
 
 
-def traffic(batch: int, width: int, k: int, arena: int) -> dict:
-    """The device drafter's propose on the meta device at `batch` rows of `width` columns: the ops
-    it dispatches and the bytes they move (reads and writes)."""
+class CountedTable:
+    """live.LiveTable's kernels (live_kernels.py) on the meta device, counted from their grids and
+    block sizes: a launch per call; bytes per query or position from the loads and stores the
+    kernel makes (its probes assumed `probes` entries a lookup: linear probing at the table's load,
+    at most one half)."""
+
+    def __init__(self, keys, probes: float):
+        self.keys, self.probes = tuple(keys), probes
+        self.launches, self.bytes = 0, 0.0
+
+    def latest(self, slot, li, q, n, lo):
+        N = q.shape[0]
+        self.launches += 1
+        # per query: slot, q, n, lo read and the answer written (8 B each); its probes (a used flag
+        # and a fingerprint: 9 B), its head (4 B) and perhaps a link (4 B)
+        self.bytes += N * (5 * 8 + self.probes * 9 + 4 + 4)
+        return torch.empty(N, dtype=torch.int64, device=q.device)
+
+    def append(self, slot, tokens, lo, hi, new: int):
+        """A step's append: `new` positions a row, each linked at every key length."""
+        B = slot.shape[0]
+        self.launches += 1
+        # per row: slot, lo, hi; per position and key length: its m tokens, the probes, head read and
+        # written, the link written
+        self.bytes += B * 24 + B * new * sum(4 * m + self.probes * 9 + 12 for m in self.keys)
+
+
+def traffic(batch: int, width: int, k: int, arena: int, lookup: str, probes: float) -> dict:
+    """One engine step of the device drafter on the meta device at the engine's largest shape:
+    `batch` running rows `width` // 2 long (a buffer `width` columns wide: the engine's
+    max_model_len) and as many finished answers kept, each running row gaining k + 1 tokens (the
+    rows' advance, live.LiveRows) and drafting (propose over the rows' slots). Every torch op it
+    dispatches is counted with the bytes it reads and writes (an indexing op the elements it
+    gathers, a view none); under lookup=table the table's kernels are counted from their grids
+    (CountedTable)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from rlspec.speculation.history.device.live import LiveRows
     from rlspec.speculation.history.device.store import DeviceHistory
 
     def nbytes(x) -> int:
@@ -136,6 +180,9 @@ def traffic(batch: int, width: int, k: int, arena: int) -> dict:
                 [t for a in args if isinstance(a, (tuple, list)) for t in a if isinstance(t, torch.Tensor)]
             if name in GATHERS:   # the source tensor is read at the gathered elements only
                 read = written + sum(nbytes(t) for t in flat[1:])
+            elif name in SCATTERS:   # index_put: the destination is written at the indexed elements only
+                written = nbytes(args[2])
+                read = written + sum(nbytes(i) for i in args[1] if i is not None)
             else:
                 read = sum(map(nbytes, flat))
             self.ops += 1
@@ -143,13 +190,30 @@ def traffic(batch: int, width: int, k: int, arena: int) -> dict:
             return out
 
     h = DeviceHistory(device="meta", max_tokens=arena, max_siblings=GROUP)
-    ids = torch.zeros(batch, width, dtype=torch.int32, device="meta")
-    n = torch.full((batch,), width // 2, dtype=torch.int64, device="meta")
-    pl = torch.full((batch,), PROMPT, dtype=torch.int64, device="meta")
-    pid = torch.ones(batch, dtype=torch.int64, device="meta")
+    live = LiveRows(batch, batch, width, h.prompt_keys, "meta", table=False)
+    table = CountedTable(h.prompt_keys, probes) if lookup == "table" else None
+    live.table = table
+    meta = dict(dtype=torch.int64, device="meta")
+    at, done = torch.arange(batch, device="meta"), torch.arange(batch, 2 * batch, device="meta")
+    src = torch.zeros(batch, width, dtype=torch.int32, device="meta")   # the runner's token rows
+    half = torch.full((batch,), width // 2, **meta)
     with Count() as c:
-        h.propose(ids, n, pid, pl, k, sources=True)
-    return {"ops": c.ops, "bytes": c.bytes}
+        # the step's new tokens into the rows (LiveRows._advance: a gather of k + 1 a row, written)
+        cols = half[:, None] + torch.arange(k + 1, device="meta")
+        live.tok[at[:, None], cols] = src[at[:, None], cols]
+        if table is not None:
+            table.append(at, live.tok, half, half + k + 1, k + 1)
+        live.n[at] = half + k + 1
+        rows = torch.cat([at, done])
+        n = torch.full((2 * batch,), width // 2, **meta)
+        act = torch.cat([torch.ones(batch, dtype=torch.bool, device="meta"),
+                         torch.zeros(batch, dtype=torch.bool, device="meta")])
+        h.propose(live.tok, n, torch.ones(2 * batch, **meta), torch.full((2 * batch,), PROMPT, **meta), k, act,
+                  sources=True, done=batch, at=rows, table=table)
+    launches = c.ops + (table.launches if table else 0)
+    return {"lookup": lookup, "launches": launches, "torch_ops": c.ops,
+            "bytes": c.bytes + (table.bytes if table else 0), "table_launches": table.launches if table else 0,
+            "table_bytes": table.bytes if table else 0}
 
 
 def main() -> None:
@@ -168,6 +232,9 @@ def main() -> None:
                     help="buffer widths at which to count the device drafter's ops and bytes (meta device)")
     ap.add_argument("--hbm", type=float, default=3.35e12, help="memory bandwidth, bytes/s (H100 SXM)")
     ap.add_argument("--hbm-efficiency", type=float, default=0.8, help="its fraction reached (the simulator's eff.hbm)")
+    ap.add_argument("--launch-s", type=float, default=2e-6, help="seconds a kernel launch costs, eager")
+    ap.add_argument("--probes", type=float, default=2.0,
+                    help="table entries a lookup or insert probes (linear probing at a load of at most one half)")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -177,21 +244,25 @@ def main() -> None:
            "stored_tokens": int(sum(len(r) for _, r in stored)), "us_per_row": {}}
     for b in args.batches:
         rows, plens, cuts = rows_of(args, g, prompts, latents, b)
-        (dev, dev_ins), (host, host_ins) = (time_device(args, stored, rows, plens, cuts),
-                                            time_host(args, stored, rows, plens, cuts))
-        out["us_per_row"][b] = {"device_torch_cpu": dev, "host_numba": host}
+        (dev, dev_ins), (table, _), (host, host_ins) = (time_device(args, stored, rows, plens, cuts, "scan"),
+                                                       time_device(args, stored, rows, plens, cuts, "table"),
+                                                       time_host(args, stored, rows, plens, cuts))
+        out["us_per_row"][b] = {"device_torch_cpu": dev, "device_table_torch_cpu": table, "host_numba": host}
         out["insert_us_per_token"] = {"device_torch_cpu": dev_ins, "host_numba": host_ins}
         print(b, json.dumps(out["us_per_row"][b]), flush=True)
     if args.gpu_widths:
-        out["gpu_estimate"] = {"hbm_bytes_per_s": args.hbm, "hbm_efficiency": args.hbm_efficiency, "per_step": {}}
+        out["gpu_estimate"] = {"hbm_bytes_per_s": args.hbm, "hbm_efficiency": args.hbm_efficiency,
+                               "launch_seconds": args.launch_s, "probes": args.probes, "per_step": {}}
         for w in args.gpu_widths:
             for b in args.batches:
-                t = traffic(b, w, args.k, args.arena)
-                t["memory_seconds"] = t["bytes"] / (args.hbm * args.hbm_efficiency)
-                out["gpu_estimate"]["per_step"][f"{b}x{w}"] = t
-                print(f"batch {b} width {w}: {t['ops']} ops, {t['bytes'] / 1e9:.3f} GB, "
-                      f"{1e3 * t['memory_seconds']:.3f} ms at {args.hbm_efficiency:.0%} of {args.hbm / 1e12:.2f} TB/s",
-                      flush=True)
+                for lookup in ("scan", "table"):
+                    t = traffic(b, w, args.k, args.arena, lookup, args.probes)
+                    t["memory_seconds"] = t["bytes"] / (args.hbm * args.hbm_efficiency)
+                    t["seconds"] = t["memory_seconds"] + t["launches"] * args.launch_s
+                    out["gpu_estimate"]["per_step"][f"{b}x{w} {lookup}"] = t
+                    print(f"batch {b} width {w} lookup {lookup}: {t['launches']} launches, {t['bytes'] / 1e9:.3f} GB, "
+                          f"{1e3 * t['memory_seconds']:.3f} ms at {args.hbm_efficiency:.0%} of {args.hbm / 1e12:.2f} "
+                          f"TB/s, {1e3 * t['seconds']:.3f} ms with {1e6 * args.launch_s:.0f} us a launch", flush=True)
     if args.out:
         harness.write(out, args.out)
 

@@ -179,21 +179,26 @@ def scale(r: dict, path: Path) -> list[str]:
 
 def device_cost(r: dict, path: Path) -> list[str]:
     out = [f"k={r['k']}, a token buffer {r['width']:,} columns wide, {r['stored_tokens']:,} tokens stored, torch on "
-           f"{r['torch_threads']} CPU thread(s).", "",
-           "| batch | device drafter, torch on CPU (us/row) | host store, numba (us/row) | device / host |",
-           "|---|---|---|---|"]
+           f"{r['torch_threads']} CPU thread(s); the device drafter's step as the engine runs it (the rows' new "
+           f"tokens, then the drafts), its running rows' matches scanned or looked up in the live table.", "",
+           "| batch | device, scan (us/row) | device, table (us/row) | host store, numba (us/row) | scan / host |",
+           "|---|---|---|---|---|"]
     for b, v in r["us_per_row"].items():
-        out.append(f"| {b} | {v['device_torch_cpu']:.1f} | {v['host_numba']:.1f} | "
+        out.append(f"| {b} | {v['device_torch_cpu']:.1f} | {v['device_table_torch_cpu']:.1f} | {v['host_numba']:.1f} | "
                    f"{v['device_torch_cpu'] / v['host_numba']:.0f}x |")
     ins = r["insert_us_per_token"]
     out += ["", f"Insert per stored token: device {ins['device_torch_cpu']:.2f} us, host {ins['host_numba']:.2f} us."]
     if est := r.get("gpu_estimate"):
-        out += ["", f"Counted on the `meta` device (no GPU ran): the ops one step dispatches and the bytes they move, "
-                f"and those bytes' seconds at {est['hbm_efficiency']:.0%} of {est['hbm_bytes_per_s'] / 1e12:.2f} TB/s.",
-                "", "| batch x buffer width | ops (kernels, eager) | GB moved | ms at that bandwidth |",
-                "|---|---|---|---|"]
+        out += ["", "Counted on the `meta` device (no GPU ran), at the engine's largest shape (the batch's running rows "
+                "and as many finished answers): the launches one step makes (each torch op eager, each of the live "
+                f"table's Triton kernels one, their bytes from their grids at {est['probes']:g} probes a lookup) and "
+                f"the bytes they move; seconds at {est['hbm_efficiency']:.0%} of {est['hbm_bytes_per_s'] / 1e12:.2f} "
+                f"TB/s, and with {1e6 * est['launch_seconds']:.0f} us a launch.", "",
+                "| batch x buffer width, lookup | launches | GB moved | ms at that bandwidth | ms with the launches |",
+                "|---|---|---|---|---|"]
         for key, t in est["per_step"].items():
-            out.append(f"| {key} | {t['ops']} | {t['bytes'] / 1e9:.3f} | {1e3 * t['memory_seconds']:.3f} |")
+            out.append(f"| {key} | {t['launches']} | {t['bytes'] / 1e9:.3f} | {1e3 * t['memory_seconds']:.3f} | "
+                       f"{1e3 * t['seconds']:.3f} |")
     return out
 
 
