@@ -147,8 +147,11 @@ def test_sleep_mode_is_on_for_colocated_gpus_only():
     # bounds against memory: 2^31 ring tokens are about 236 GB
     ("speculation=history speculation.history.drafter=device speculation.history.device.max_tokens=2147483648",
      "speculation.history.device.max_tokens"),
+    ("speculation=history speculation.history.drafter=device speculation.history.device.lookup=hash",
+     "speculation.history.device.lookup"),
     # a key the chosen drafter does not read (the other drafter's section) is refused, naming it
     ("speculation=history speculation.history.device.max_tokens=65536", "speculation.history.device.max_tokens"),
+    ("speculation=history speculation.history.device.lookup=table", "speculation.history.device.lookup"),
     ("speculation=history speculation.history.drafter=device speculation.history.host.count_tokens=4096",
      "speculation.history.host.count_tokens"),
     ("speculation=history speculation.history.drafter=device speculation.history.host.max_tokens=4096",
