@@ -122,7 +122,7 @@ SCATTERS = {"index_put"}
 
 
 class CountedTable:
-    """live.LiveTable's kernels (live_kernels.py) on the meta device, counted from their grids and
+    """live.LiveTable's kernels (kernels.py) on the meta device, counted from their grids and
     block sizes: a launch per call; bytes per query or position from the loads and stores the
     kernel makes (its probes assumed `probes` entries a lookup: linear probing at the table's load,
     at most one half)."""
@@ -139,6 +139,17 @@ class CountedTable:
         self.bytes += N * (5 * 8 + self.probes * 9 + 4 + 4)
         return torch.empty(N, dtype=torch.int64, device=q.device)
 
+    def count_walk(self, counts, ctx, n, k, active):
+        """kernels.count_walk: a program a row; an active row reads its context and at most, from
+        every count length, k buckets (W entries of an int64 key, an int32 token and an int32
+        count), a row not drafting none."""
+        B, M = ctx.shape
+        self.launches += 1
+        rows = self.active   # the running rows (the finished answers draft nothing)
+        self.bytes += B * (M * 8 + 8 + 1 + 4 * k + 8) + rows * len(counts.keys) * k * counts.width * 16
+        return (torch.empty((B, k), dtype=torch.int32, device=ctx.device),
+                torch.empty(B, dtype=torch.int64, device=ctx.device))
+
     def append(self, slot, tokens, lo, hi, new: int):
         """A step's append: `new` positions a row, each linked at every key length."""
         B = slot.shape[0]
@@ -154,8 +165,8 @@ def traffic(batch: int, width: int, k: int, arena: int, lookup: str, probes: flo
     max_model_len) and as many finished answers kept, each running row gaining k + 1 tokens (the
     rows' advance, live.LiveRows) and drafting (propose over the rows' slots). Every torch op it
     dispatches is counted with the bytes it reads and writes (an indexing op the elements it
-    gathers, a view none); under lookup=table the table's kernels are counted from their grids
-    (CountedTable)."""
+    gathers, a view none); under lookup=table the table's kernels and the count table's walk
+    (kernels.py, what a CUDA device runs) are counted from their grids (CountedTable)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rlspec.speculation.history.device.live import LiveRows
@@ -189,10 +200,15 @@ def traffic(batch: int, width: int, k: int, arena: int, lookup: str, probes: flo
             self.bytes += read + written
             return out
 
+    from rlspec.speculation.history.device import kernels
+
     h = DeviceHistory(device="meta", max_tokens=arena, max_siblings=GROUP)
     live = LiveRows(batch, batch, width, h.prompt_keys, "meta", table=False)
     table = CountedTable(h.prompt_keys, probes) if lookup == "table" else None
     live.table = table
+    walk = kernels.count_walk
+    if table is not None:   # the count table's walk as its kernel too
+        h.kernels, table.active, kernels.count_walk = True, batch, table.count_walk
     meta = dict(dtype=torch.int64, device="meta")
     at, done = torch.arange(batch, device="meta"), torch.arange(batch, 2 * batch, device="meta")
     src = torch.zeros(batch, width, dtype=torch.int32, device="meta")   # the runner's token rows
@@ -208,8 +224,11 @@ def traffic(batch: int, width: int, k: int, arena: int, lookup: str, probes: flo
         n = torch.full((2 * batch,), width // 2, **meta)
         act = torch.cat([torch.ones(batch, dtype=torch.bool, device="meta"),
                          torch.zeros(batch, dtype=torch.bool, device="meta")])
-        h.propose(live.tok, n, torch.ones(2 * batch, **meta), torch.full((2 * batch,), PROMPT, **meta), k, act,
-                  sources=True, done=batch, at=rows, table=table)
+        try:
+            h.propose(live.tok, n, torch.ones(2 * batch, **meta), torch.full((2 * batch,), PROMPT, **meta), k, act,
+                      sources=True, done=batch, at=rows, table=table)
+        finally:
+            kernels.count_walk = walk
     launches = c.ops + (table.launches if table else 0)
     return {"lookup": lookup, "launches": launches, "torch_ops": c.ops,
             "bytes": c.bytes + (table.bytes if table else 0), "table_launches": table.launches if table else 0,

@@ -189,9 +189,9 @@ def device_cost(r: dict, path: Path) -> list[str]:
     ins = r["insert_us_per_token"]
     out += ["", f"Insert per stored token: device {ins['device_torch_cpu']:.2f} us, host {ins['host_numba']:.2f} us."]
     if est := r.get("gpu_estimate"):
-        out += ["", "Counted on the `meta` device (no GPU ran), at the engine's largest shape (the batch's running rows "
-                "and as many finished answers): the launches one step makes (each torch op eager, each of the live "
-                f"table's Triton kernels one, their bytes from their grids at {est['probes']:g} probes a lookup) and "
+        out += ["", "Counted on the `meta` device (no GPU ran), at the engine's largest shape (the batch's running "
+                "rows and as many finished answers): the launches one step makes (each torch op eager, each of the "
+                f"Triton kernels one, their bytes from their grids at {est['probes']:g} probes a lookup) and "
                 f"the bytes they move; seconds at {est['hbm_efficiency']:.0%} of {est['hbm_bytes_per_s'] / 1e12:.2f} "
                 f"TB/s, and with {1e6 * est['launch_seconds']:.0f} us a launch.", "",
                 "| batch x buffer width, lookup | launches | GB moved | ms at that bandwidth | ms with the launches |",

@@ -71,7 +71,7 @@ def test_the_incremental_table_finds_what_the_whole_row_scan_finds(seed):
 CHILD = r'''
 import random, torch
 from rlspec.speculation.history.device.live import LiveTable, prints_at
-from rlspec.speculation.history.device import live_kernels
+from rlspec.speculation.history.device import kernels
 rng = random.Random(SEED)
 keys, L, B = (4, 2, 1), 200, 12
 t = LiveTable(slots=16, max_len=L, keys=keys)
@@ -91,7 +91,7 @@ for li, m in enumerate(keys):
     j = torch.cat([j, torch.randint(0, B, (50,))])
     lo = torch.tensor([rng.randrange(0, 30) for _ in range(len(q))])
     want = t.latest(slots[j], li, q, n[j], lo)
-    got = live_kernels.latest(t, slots[j], li, q, n[j], lo)
+    got = kernels.latest(t, slots[j], li, q, n[j], lo)
     assert torch.equal(got, want), (m, (got != want).nonzero()[:5])
     checked += len(q); found += int((want >= 0).sum())
 assert checked > 400 and found > 200, (checked, found)
@@ -101,7 +101,7 @@ print("ok", checked, found)
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_triton_lookup_finds_what_the_torch_table_finds(seed):
-    """live_kernels.latest in Triton's interpreter (a child process: TRITON_INTERPRET=1 before
+    """kernels.latest in Triton's interpreter (a child process: TRITON_INTERPRET=1 before
     Triton is imported) against LiveTable.latest, on rows of a 4-token vocabulary."""
     import subprocess
     import sys
@@ -117,7 +117,7 @@ def test_the_triton_lookup_finds_what_the_torch_table_finds(seed):
 CHILD_APPEND = r'''
 import random, torch
 from rlspec.speculation.history.device.live import LiveTable
-from rlspec.speculation.history.device import live_kernels
+from rlspec.speculation.history.device import kernels
 rng = random.Random(SEED)
 keys, L, B = (4, 2, 1), 120, 8
 ref, got = LiveTable(slots=10, max_len=L, keys=keys), LiveTable(slots=10, max_len=L, keys=keys)
@@ -126,11 +126,11 @@ tok = torch.zeros(10, L, dtype=torch.int64)   # by slot
 tok[slots] = torch.tensor([[rng.randrange(5) for _ in range(L)] for _ in range(B)])
 n = torch.tensor([rng.randrange(1, 12) for _ in range(B)])
 ref.join(slots, tok, n)
-live_kernels.append(got, slots, tok, torch.zeros_like(n), n)   # a join: the slots start empty
+kernels.append(got, slots, tok, torch.zeros_like(n), n)   # a join: the slots start empty
 for step in range(25):
     new = torch.minimum(n + torch.tensor([rng.randrange(0, 5) for _ in range(B)]), torch.tensor(L - 1))
     ref.append(slots, tok, n, new)
-    live_kernels.append(got, slots, tok, n, new)
+    kernels.append(got, slots, tok, n, new)
     n = new
 for name in ("used", "head", "prev"):
     assert torch.equal(getattr(ref, name), getattr(got, name)), name
@@ -141,7 +141,7 @@ print("ok", int(ref.used.sum()), int((ref.prev >= 0).sum()))
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_triton_append_links_what_the_torch_table_links(seed):
-    """live_kernels.append in Triton's interpreter against LiveTable.append: the same tables, heads
+    """kernels.append in Triton's interpreter against LiveTable.append: the same tables, heads
     and links, entry for entry, after a join and 25 steps of 0 to 4 new tokens a row."""
     import subprocess
     import sys
@@ -180,7 +180,7 @@ def slot_trace(seed: int, table: bool, kernels: bool = False) -> tuple[int, int]
     rng = random.Random(seed)
     vocab, k, R, F, L = rng.choice([4, 6, 12]), 4, 6, rng.choice([0, 3, 8]), 96
     store = DeviceHistory(max_tokens=rng.choice([150, 2000]), width=4, max_match=6, prompt_keys=(4, 2, 1),
-                          max_siblings=3, vocab_size=vocab, global_source=bool(seed % 2))
+                          max_siblings=3, vocab_size=vocab, global_source=bool(seed % 2), kernels=False)
     warm = _call(rng, vocab, 3, 3)
     store.insert(*zip(*warm))
     reqs = _call(rng, vocab, 3, 4) + [(p, r[::-1]) for p, r in warm[:3]]
@@ -210,8 +210,10 @@ def slot_trace(seed: int, table: bool, kernels: bool = False) -> tuple[int, int]
         n = torch.tensor([length[i] for i in plain])
         pl = torch.tensor([len(reqs[i][0]) for i in plain])
         want = store.propose(tok, n, prompt_hash(tok, pl), pl, k, sources=True, done=len(ring))
+        store.kernels = kernels   # the count table's walk too
         got = store.propose(live.tok, live.n[rows], live.salt[rows], live.plen[rows], k, sources=True,
                             done=len(ring), at=rows, table=live.table)
+        store.kernels = False
         assert torch.equal(live.n[rows], n) and torch.equal(live.salt[rows], prompt_hash(tok, pl))
         for w, g in zip(want, got):
             assert torch.equal(w, g), (seed, table)
@@ -236,11 +238,12 @@ def slot_trace(seed: int, table: bool, kernels: bool = False) -> tuple[int, int]
     return checked, drafted
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", range(4))
 def test_rows_kept_by_slot_draft_what_the_plain_batch_drafts_with_the_kernels(seed):
-    """slot_trace with the live table's Triton kernels (Triton's interpreter, in a child process):
-    the call's joins and steps through live_kernels.append, its lookups through live_kernels.latest,
-    drafts token for token those of the plain batch."""
+    """slot_trace with the Triton kernels (Triton's interpreter, in a child process): the call's
+    joins and steps through kernels.append, its lookups through kernels.latest and the count
+    table's walk through kernels.count_walk draft token for token what the plain batch drafts
+    with the torch code."""
     import subprocess
     import sys
 

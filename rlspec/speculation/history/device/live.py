@@ -14,7 +14,7 @@ one pass (`join`). `latest` answers what store.py's whole-row scan finds (`windo
 compared, positions in [lo, n)), reading O(probes) entries a query.
 
 The torch methods loop until every probe resolves (host syncs): the reference, run on CPU. On a
-CUDA device the table runs live_kernels.py's Triton kernels, which loop in the kernel."""
+CUDA device the table runs kernels.py's Triton kernels, which loop in the kernel."""
 from __future__ import annotations
 
 import torch
@@ -40,7 +40,7 @@ class LiveTable:
 
     def __init__(self, slots: int, max_len: int, keys: tuple[int, ...], device="cpu", kernels: bool | None = None):
         self.keys, self.max_len = tuple(keys), max_len
-        # live_kernels.py's Triton kernels (default: on a CUDA device; elsewhere Triton's interpreter runs them)
+        # kernels.py's Triton kernels (default: on a CUDA device; elsewhere Triton's interpreter runs them)
         self.kernels = torch.device(device).type == "cuda" if kernels is None else kernels
         K = len(self.keys)
         self.H = 1 << max(4, (2 * (max_len + 1) - 1).bit_length())
@@ -89,8 +89,8 @@ class LiveTable:
         """Link positions c in (lo, hi] of each slot's row (tokens [slots, L], slot [B]) in order:
         c's m tokens before it are tokens[slot, c-m:c]; c < m are never linked."""
         if self.kernels:
-            from rlspec.speculation.history.device import live_kernels
-            return live_kernels.append(self, slot, tokens, lo, hi)
+            from rlspec.speculation.history.device import kernels
+            return kernels.append(self, slot, tokens, lo, hi)
         steps = int((hi - lo).max().clamp(min=0)) if len(slot) else 0
         for t in range(1, steps + 1):
             c = lo + t
@@ -119,8 +119,8 @@ class LiveTable:
         """The newest position c of slot's row with print q, c < n (the row's length), or -1 where
         it is below lo or absent."""
         if self.kernels:
-            from rlspec.speculation.history.device import live_kernels
-            return live_kernels.latest(self, slot, li, q, n, lo)
+            from rlspec.speculation.history.device import kernels
+            return kernels.latest(self, slot, li, q, n, lo)
         at = self._find(slot, li, q, insert=False)
         c = torch.where(at >= 0, self.head[slot, li, at.clamp(min=0)].long(), -1)
         c = torch.where(c >= n, self.prev[slot, li, c.clamp(min=0)].long(), c)   # the row's own end

@@ -102,10 +102,13 @@ class DeviceHistory(RingCheckpoint):
                  max_siblings: int = MAX_SIBLINGS, max_voters: int = MAX_VOTERS, vocab_size: int | None = None,
                  global_source: bool = True, count_keys=None, count_width: int = WIDTH,
                  count_buckets: int | None = None, count_min_prob: float = MIN_PROB,
-                 max_per_prompt: int | None = None):
+                 max_per_prompt: int | None = None, kernels: bool | None = None):
         if not isinstance(global_source, bool):
             raise ValueError(f"device history: global_source must be true or false, got {global_source!r}")
         self.device = torch.device(device)
+        # kernels.py's Triton kernels where it has them (default: on a CUDA device; elsewhere
+        # Triton's interpreter runs them); the torch code otherwise, their reference
+        self.kernels = self.device.type == "cuda" if kernels is None else bool(kernels)
         self.capacity, self.width = int(max_tokens), int(width)
         self.max_match = int(max_match)
         self.prompt_keys = tuple(int(m) for m in prompt_keys)
@@ -307,7 +310,10 @@ class DeviceHistory(RingCheckpoint):
         own_best = torch.where(valid, length, 0).amax(1, keepdim=True)
         voted = self._vote(*self._voters(valid & (length == own_best), rank, nxt, k), k, ranks=sources)
         drafts, won = voted if sources else (voted, None)
-        if self.counts is not None:
+        if self.counts is not None and self.kernels:   # (an inactive row's match length is 0: it drafts nothing)
+            from rlspec.speculation.history.device.kernels import count_walk
+            far_draft, far_len = count_walk(self.counts, ctx, n, k, active)
+        elif self.counts is not None:
             far_draft, far_len = self.counts.draft(ctx, n, k)
             if active is not None:
                 far_draft = torch.where(active[:, None], far_draft, -1)

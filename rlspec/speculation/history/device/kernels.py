@@ -1,0 +1,202 @@
+"""The device drafter's Triton kernels, no host sync, each tested in Triton's interpreter against
+the torch code it stands for (tests/speculation/test_device_live.py, test_device_kernels.py):
+live.py's LiveTable lookup (a program per block of queries, each probing its slot's table in a
+loop) and append (a program a row), and the count table's walk (counts.CountTable.draft: a
+program a row). Hashes in uint64 arithmetic, which wraps by definition in Triton and numpy alike,
+as the torch code's int64 arithmetic wraps."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 64
+
+
+@triton.jit
+def _mix(h):
+    """ops.mix (murmur3's finaliser) on uint64."""
+    h = h ^ (h >> 33)
+    h = h * 0xFF51AFD7ED558CCD
+    h = h ^ (h >> 33)
+    h = h * 0xC4CEB9FE1A85EC53
+    return h ^ (h >> 33)
+
+
+@triton.jit
+def _latest(fp_ptr, used_ptr, head_ptr, prev_ptr, slot_ptr, q_ptr, n_ptr, lo_ptr, out_ptr, N, li, K: tl.constexpr,
+            H: tl.constexpr, LP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    s = tl.load(slot_ptr + offs, mask=mask, other=0).to(tl.int64)
+    q = tl.load(q_ptr + offs, mask=mask, other=0)
+    n = tl.load(n_ptr + offs, mask=mask, other=0)
+    lo = tl.load(lo_ptr + offs, mask=mask, other=0)
+    h = (_mix(q.to(tl.uint64, bitcast=True)) & (H - 1)).to(tl.int64)
+    base = (s * K + li) * H
+    at = tl.full([BLOCK], -1, tl.int64)
+    active = mask
+    while tl.max(active.to(tl.int32), 0) > 0:
+        used = tl.load(used_ptr + base + h, mask=active, other=0) != 0
+        fp = tl.load(fp_ptr + base + h, mask=active, other=0)
+        hit = active & used & (fp == q)
+        at = tl.where(hit, h, at)
+        active = active & used & (fp != q)
+        h = (h + 1) & (H - 1)
+    c = tl.load(head_ptr + base + tl.maximum(at, 0), mask=mask & (at >= 0), other=-1).to(tl.int64)
+    pbase = (s * K + li) * LP
+    back = tl.load(prev_ptr + pbase + tl.maximum(c, 0), mask=mask & (c >= n), other=-1).to(tl.int64)
+    c = tl.where(c >= n, back, c)
+    tl.store(out_ptr + offs, tl.where((c >= lo) & (c >= 0), c, -1), mask=mask)
+
+
+def latest(table, slot: torch.Tensor, li: int, q: torch.Tensor, n: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """LiveTable.latest in one launch: ceil(N / BLOCK) programs."""
+    N = q.shape[0]
+    out = torch.empty(N, dtype=torch.int64, device=q.device)
+    K, H, LP = table.fp.shape[1], table.H, table.prev.shape[2]
+    _latest[(triton.cdiv(N, BLOCK),)](table.fp, table.used, table.head, table.prev, slot.long(), q, n.long(),
+                                      lo.long(), out, N, li, K=K, H=H, LP=LP, BLOCK=BLOCK)
+    return out
+
+
+@triton.jit
+def _append(fp_ptr, used_ptr, head_ptr, prev_ptr, tok_ptr, tok_stride, slot_ptr, lo_ptr, hi_ptr, keys_ptr,
+            K: tl.constexpr, H: tl.constexpr, LP: tl.constexpr):
+    """One program a row: its positions lo+1..hi linked in order, every key length, into its slot
+    (its tokens: the slot's row of tok)."""
+    r = tl.program_id(0)
+    s = tl.load(slot_ptr + r).to(tl.int64)
+    lo = tl.load(lo_ptr + r).to(tl.int64)
+    hi = tl.load(hi_ptr + r).to(tl.int64)
+    row = tok_ptr + s * tok_stride
+    for li in range(K):
+        m = tl.load(keys_ptr + li).to(tl.int64)
+        base = (s * K + li) * H
+        pbase = (s * K + li) * LP
+        c = tl.maximum(lo + 1, m)
+        while c <= hi:
+            q = tl.zeros((), dtype=tl.uint64)
+            j = c - m
+            while j < c:
+                q = q * 0x100000001B3 + (tl.load(row + j).to(tl.uint64) + 3)
+                j += 1
+            q = (q << 1).to(tl.int64, bitcast=True)
+            h = (_mix(q.to(tl.uint64, bitcast=True)) & (H - 1)).to(tl.int64)
+            used = tl.load(used_ptr + base + h) != 0
+            while used and tl.load(fp_ptr + base + h) != q:
+                h = (h + 1) & (H - 1)
+                used = tl.load(used_ptr + base + h) != 0
+            if not used:
+                tl.store(used_ptr + base + h, 1)
+                tl.store(fp_ptr + base + h, q)
+            tl.store(prev_ptr + pbase + c, tl.load(head_ptr + base + h, mask=used, other=-1))
+            tl.store(head_ptr + base + h, c.to(tl.int32))
+            c += 1
+
+
+def append(table, slot: torch.Tensor, tokens: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """LiveTable.append in one launch: a program a row (tokens [slots, L], read at each row's slot)."""
+    B = slot.shape[0]
+    if B == 0:
+        return
+    keys = torch.tensor(table.keys, dtype=torch.int64, device=tokens.device)
+    _append[(B,)](table.fp, table.used, table.head, table.prev, tokens, tokens.stride(0), slot.long(), lo.long(),
+                  hi.long(), keys, K=len(table.keys), H=table.H, LP=table.prev.shape[2])
+
+
+@triton.jit
+def _count_walk(ctx_ptr, n_ptr, act_ptr, levels_ptr, key_ptr, tok_ptr, cnt_ptr, out_ptr, m_ptr, min_prob_ptr, vocab,
+                NB, M: tl.constexpr, LV: tl.constexpr, K: tl.constexpr, W: tl.constexpr, MB: tl.constexpr,
+                KB: tl.constexpr, WB: tl.constexpr):
+    """One program a row: CountTable.draft's walk from every count length the row's context has
+    counts for, the walk of highest score kept (ties: the longer)."""
+    r = tl.program_id(0)
+    min_prob = tl.load(min_prob_ptr)   # float64 (a Python float would reach the kernel as float32)
+    n = tl.load(n_ptr + r)
+    act = tl.load(act_ptr + r) != 0
+    j = tl.arange(0, MB)
+    ctx = tl.load(ctx_ptr + r * M + j, mask=j < M, other=0).to(tl.uint64, bitcast=True)
+    # powers of _P: pw[j] = P^j (wrapping)
+    pw = tl.full([MB], 1, tl.uint64)
+    for e in tl.static_range(MB - 1):
+        pw = tl.where(j > e, pw * 0x100000001B3, pw)
+    pre = tl.cumsum((ctx + 3) * pw, 0)          # pre[c - 1]: the hash of the context's newest c tokens
+    i = tl.arange(0, KB)
+    w = tl.arange(0, WB)
+    best_score = tl.full([], -2.0, tl.float64)
+    best = tl.full([KB], -1, tl.int64)
+    best_m = tl.full([], 0, tl.int64)
+    for li in range(LV):
+        m = tl.load(levels_ptr + li)
+        prob = tl.full([], 1.0, tl.float64)
+        score = tl.full([], 0.0, tl.float64)
+        go = act & (n >= m)
+        xs = tl.full([KB], 0, tl.uint64)       # the walk's tokens so far, xs[t] its t-th
+        drafts = tl.full([KB], -1, tl.int64)
+        has = go
+        for t in tl.static_range(K):
+            # the longest count length at most m + t
+            at = li
+            for l2 in range(LV):
+                at = tl.where(tl.load(levels_ptr + l2) <= m + t, l2, at)
+            c = tl.load(levels_ptr + at)
+            # the hash of the c newest tokens of [xs[t-1], ..., xs[0], ctx...]: the walk's newest
+            # min(c, t) tokens, then P^t times the context's newest c - t
+            back = tl.sum(tl.where(j[None, :] == (t - 1 - i)[:, None], pw[None, :], 0), 1)   # P^(t-1-i)
+            d = tl.sum(tl.where((i < t) & (t - 1 - i < c), (xs + 3) * back, 0), 0)
+            rest = tl.sum(tl.where(j == c - t - 1, pre, 0), 0)
+            pt = tl.sum(tl.where(j == t, pw, 0), 0)
+            h = d + tl.where(c > t, pt * rest, 0)
+            h = h ^ (c.to(tl.uint64) * 0x9E3779B97F4A7C15)
+            h = h ^ (h >> 33)
+            h = h * 0xFF51AFD7ED558CCD
+            h = h ^ (h >> 33)
+            h = h * 0xC4CEB9FE1A85EC53
+            h = h ^ (h >> 33)
+            key = h.to(tl.int64, bitcast=True)
+            b = key & (NB - 1)
+            # a walk that stopped (or a row not drafting) reads nothing more: its later tokens are -1
+            # whatever the token it carries on with
+            live = (w < W) & (go.to(tl.int32) + tl.zeros([WB], tl.int32) != 0)
+            ek = tl.load(key_ptr + b * W + w, mask=live, other=0)
+            et = tl.load(tok_ptr + b * W + w, mask=live, other=0).to(tl.int64)
+            ec = tl.where(live & (ek == key), tl.load(cnt_ptr + b * W + w, mask=live, other=0).to(tl.int64), 0)
+            top = tl.max(ec, 0)
+            tie = (ec == top) & (ec > 0)
+            x = tl.min(tl.where(tie, et, 1 << 62), 0)
+            votes = tl.where(tl.max(tie.to(tl.int32), 0) > 0, top, 0)
+            x = tl.where(votes > 0, x, tl.sum(tl.where(w == 0, et, 0), 0))
+            share = votes.to(tl.float64) / tl.maximum(tl.sum(ec, 0), 1).to(tl.float64)
+            prob = prob * share
+            if t == 0:
+                has = has & (votes > 0)
+            go = go & (votes > 0) & (x >= 0) & (x < vocab) & (prob >= min_prob)
+            score = score + tl.where(go, prob, tl.full([], 0.0, tl.float64))
+            drafts = tl.where(i == t, tl.where(go, x, -1), drafts)
+            xs = tl.where(i == t, x.to(tl.uint64, bitcast=True), xs)
+        score = tl.where(has, score, tl.full([], -1.0, tl.float64))
+        take = score >= best_score
+        best_score = tl.where(take, score, best_score)
+        best = tl.where(take, drafts, best)
+        best_m = tl.where(take & has, m, tl.where(take, 0, best_m))
+    tl.store(out_ptr + r * K + i, best.to(tl.int32), mask=i < K)
+    tl.store(m_ptr + r, best_m)
+
+
+def count_walk(counts, ctx: torch.Tensor, n: torch.Tensor, k: int, active: torch.Tensor | None = None):
+    """CountTable.draft in one launch (a program a row); rows not active draft nothing."""
+    B, M = ctx.shape
+    out = torch.empty((B, k), dtype=torch.int32, device=ctx.device)
+    m = torch.empty(B, dtype=torch.int64, device=ctx.device)
+    act = torch.ones(B, dtype=torch.bool, device=ctx.device) if active is None else active
+    if B == 0 or k == 0:
+        return out, m.zero_()
+    min_prob = torch.tensor([counts.min_prob], dtype=torch.float64, device=ctx.device)
+    # no fused multiply-adds: the walk's products and sums round as the torch code's do
+    _count_walk[(B,)](ctx.long().contiguous(), n.long().contiguous(), act.to(torch.int8).contiguous(), counts.levels,
+                      counts.key, counts.tok, counts.cnt, out, m, min_prob, counts.vocab, counts.buckets, M=M,
+                      LV=len(counts.keys), K=k, W=counts.width, MB=triton.next_power_of_2(max(M, k + 1)),
+                      KB=triton.next_power_of_2(max(k, 2)), WB=triton.next_power_of_2(max(counts.width, 2)),
+                      enable_fp_fusion=False)
+    return out, m
