@@ -150,6 +150,19 @@ class CountedTable:
         return (torch.empty((B, k), dtype=torch.int32, device=ctx.device),
                 torch.empty(B, dtype=torch.int64, device=ctx.device))
 
+    def own_draft(self, h, rows, ctx, n, salt, p, row, k, active):
+        """kernels.own_draft: a program a row; an active row reads its context, its buckets' entries
+        (an int64 each) and for every candidate, stored or live, the prompt salt or its row's slot
+        and length, max_match tokens before it and k after (int32 each); a row not drafting reads
+        its inputs only. Writes its draft, the voters' ranks and its match length."""
+        B, M = ctx.shape
+        C, GL = len(h.prompt_keys) * h.width, p.shape[1]
+        self.launches += 1
+        per_active = C * (8 + 8 + 4 * (M + k)) + GL * (4 * 8 + 4 * (M + k))
+        self.bytes += B * (M * 8 + 4 * 8 + 1 + k * 12 + 8) + self.active * per_active
+        return (torch.empty((B, k), dtype=torch.int32, device=ctx.device), torch.empty(B, dtype=torch.int64,
+                device=ctx.device), torch.empty((B, k), dtype=torch.int64, device=ctx.device))
+
     def append(self, slot, tokens, lo, hi, new: int):
         """A step's append: `new` positions a row, each linked at every key length."""
         B = slot.shape[0]
@@ -206,9 +219,10 @@ def traffic(batch: int, width: int, k: int, arena: int, lookup: str, probes: flo
     live = LiveRows(batch, batch, width, h.prompt_keys, "meta", table=False)
     table = CountedTable(h.prompt_keys, probes) if lookup == "table" else None
     live.table = table
-    walk = kernels.count_walk
-    if table is not None:   # the count table's walk as its kernel too
-        h.kernels, table.active, kernels.count_walk = True, batch, table.count_walk
+    walk, own = kernels.count_walk, kernels.own_draft
+    if table is not None:   # the count table's walk and the own draft as their kernels too
+        h.kernels, table.active = True, batch
+        kernels.count_walk, kernels.own_draft = table.count_walk, table.own_draft
     meta = dict(dtype=torch.int64, device="meta")
     at, done = torch.arange(batch, device="meta"), torch.arange(batch, 2 * batch, device="meta")
     src = torch.zeros(batch, width, dtype=torch.int32, device="meta")   # the runner's token rows
@@ -228,11 +242,41 @@ def traffic(batch: int, width: int, k: int, arena: int, lookup: str, probes: flo
             h.propose(live.tok, n, torch.ones(2 * batch, **meta), torch.full((2 * batch,), PROMPT, **meta), k, act,
                       sources=True, done=batch, at=rows, table=table)
         finally:
-            kernels.count_walk = walk
+            kernels.count_walk, kernels.own_draft = walk, own
     launches = c.ops + (table.launches if table else 0)
     return {"lookup": lookup, "launches": launches, "torch_ops": c.ops,
             "bytes": c.bytes + (table.bytes if table else 0), "table_launches": table.launches if table else 0,
             "table_bytes": table.bytes if table else 0}
+
+
+def registers(arch: int) -> dict:
+    """Each Triton kernel compiled for sm_`arch` at kernels.SIGNATURES' shapes (no GPU: Triton's
+    compiler and ptxas): registers a thread and the bytes it spills, from `ptxas -v`."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from rlspec.speculation.history.device import kernels
+
+    out = {}
+    for name, (sig, consts, warps) in kernels.SIGNATURES.items():
+        full = {**sig, **{c: "constexpr" for c in consts}}
+        c = triton.compile(ASTSource(fn=getattr(kernels, name), signature=full, constexprs=consts),
+                           target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False, "num_warps": warps})
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(c.asm["ptx"])
+            f.flush()
+            log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", "/dev/null"],
+                                 capture_output=True, text=True, check=True).stderr
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        out[name] = {"warps": warps, "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+                     "spill_store_bytes": int(spill.group(1)), "spill_load_bytes": int(spill.group(2))}
+    return out
 
 
 def main() -> None:
@@ -282,6 +326,11 @@ def main() -> None:
                     print(f"batch {b} width {w} lookup {lookup}: {t['launches']} launches, {t['bytes'] / 1e9:.3f} GB, "
                           f"{1e3 * t['memory_seconds']:.3f} ms at {args.hbm_efficiency:.0%} of {args.hbm / 1e12:.2f} "
                           f"TB/s, {1e3 * t['seconds']:.3f} ms with {1e6 * args.launch_s:.0f} us a launch", flush=True)
+    if args.gpu_widths:
+        out["gpu_estimate"]["kernels_sm90"] = registers(90)
+        for name, r in out["gpu_estimate"]["kernels_sm90"].items():
+            print(f"{name}: {r['registers']} registers a thread at {r['warps']} warps, spills {r['spill_store_bytes']} "
+                  f"bytes stored and {r['spill_load_bytes']} loaded a thread", flush=True)
     if args.out:
         harness.write(out, args.out)
 

@@ -1,8 +1,9 @@
 """The device drafter's Triton kernels (rlspec/speculation/history/device/kernels.py) without a GPU:
-the count table's walk in Triton's interpreter against CountTable.draft on random tables (drafts
-token for token, the walk's match length), and every kernel compiled by Triton for the GPUs rlspec
-targets (sm_90: H100; sm_100: GB200) down to a cubin, which the interpreter does not do (a type
-the compiler refuses, a loop-carried value changing type, fail there)."""
+in Triton's interpreter, the count table's walk against CountTable.draft on random tables (drafts
+token for token, the walk's match length) and the drafter with its kernels against its torch code
+on random traces; and every kernel compiled by Triton for the GPUs rlspec targets (sm_90: H100;
+sm_100: GB200) down to a cubin, which the interpreter does not do (a type the compiler refuses, a
+loop-carried value changing type, fail there)."""
 import subprocess
 import sys
 
@@ -60,27 +61,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from rlspec.speculation.history.device import kernels as K
 
-SIGS = {
-    "_latest": ({"fp_ptr": "*i64", "used_ptr": "*i1", "head_ptr": "*i32", "prev_ptr": "*i32", "slot_ptr": "*i64",
-                 "q_ptr": "*i64", "n_ptr": "*i64", "lo_ptr": "*i64", "out_ptr": "*i64", "N": "i32", "li": "i32"},
-                {"K": 3, "H": 65536, "LP": 18433, "BLOCK": K.BLOCK}),
-    "_append": ({"fp_ptr": "*i64", "used_ptr": "*i1", "head_ptr": "*i32", "prev_ptr": "*i32", "tok_ptr": "*i32",
-                 "tok_stride": "i64", "slot_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i64", "keys_ptr": "*i64"},
-                {"K": 3, "H": 65536, "LP": 18433}),
-    "_count_walk": ({"ctx_ptr": "*i64", "n_ptr": "*i64", "act_ptr": "*i8", "levels_ptr": "*i64", "key_ptr": "*i64",
-                     "tok_ptr": "*i32", "cnt_ptr": "*i32", "out_ptr": "*i32", "m_ptr": "*i64",
-                     "min_prob_ptr": "*fp64", "vocab": "i64", "NB": "i64"},
-                    {"M": 16, "LV": 16, "K": 5, "W": 16, "MB": 16, "KB": 8, "WB": 16}),
-}
 out = {}
-for name, (sig, consts) in SIGS.items():
+for name, (sig, consts, warps) in K.SIGNATURES.items():
     fn = getattr(K, name)
     full = {**sig, **{c: "constexpr" for c in consts}}
     assert list(full) == fn.arg_names, (name, fn.arg_names)
     sizes = {}
     for arch in ARCHS:
         c = triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                           options={"enable_fp_fusion": False})
+                           options={"enable_fp_fusion": False, "num_warps": warps})
         sizes[arch] = len(c.asm["cubin"])
     out[name] = sizes
 print(json.dumps(out))
@@ -100,5 +89,51 @@ def test_every_kernel_compiles_for_the_gpus_rlspec_targets(archs):
                          env=child_env())
     assert run.returncode == 0, run.stderr[-3000:]
     sizes = json.loads(run.stdout.strip().splitlines()[-1])
-    assert sorted(sizes) == ["_append", "_count_walk", "_latest"]
+    assert sorted(sizes) == ["_append", "_count_walk", "_latest", "_own_draft"]
     assert all(sizes[k][str(a)] > 1000 for k in sizes for a in archs), sizes
+
+
+OWN = r'''
+import random, torch
+from rlspec.speculation.history.device.store import DeviceHistory, prompt_hash
+from tests.speculation.test_device_history import batch, trace
+checked = drafted = 0
+for seed in range(SEEDS):
+    g = random.Random(100 + seed)
+    h = DeviceHistory(max_tokens=g.choice([120, 300, 2000]), buckets=g.choice([4, 16, 256]), width=g.choice([2, 4, 8]),
+                      max_match=6, prompt_keys=g.choice([(4, 2), (4, 2, 1), (3,)]), min_prob=g.choice([0.3, 0.5, 0.8]),
+                      max_siblings=g.choice([2, 3, 5]), max_voters=g.choice([1, 2, 5, 64]),
+                      global_source=g.random() < 0.5, kernels=False)
+    for call in trace(seed, vocab=g.choice([4, 6, 10])):
+        rows, plens = [], []
+        for p, r in call:
+            cut = g.randrange(0, len(r) + 1)
+            rows.append(p + r[:cut])
+            plens.append(len(p))
+        tok, n, pid, pl = batch(rows, plens, max(map(len, rows)) + g.randrange(3))
+        done = g.randrange(0, 3)   # the last rows: finished answers, read by their siblings
+        act = torch.tensor([g.random() < 0.9 for _ in rows])
+        for k in (1, 3, 5):
+            h.kernels = False
+            want = h.propose(tok, n, pid, pl, k, act, sources=True, done=done)
+            h.kernels = True
+            got = h.propose(tok, n, pid, pl, k, act, sources=True, done=done)
+            for w, x in zip(want, got):
+                assert torch.equal(w, x), (seed, k, w, x)
+            checked += len(rows)
+            drafted += int(want[1].sum())
+        h.insert(*zip(*call))
+print("ok", checked, drafted)
+'''
+
+
+def test_the_own_draft_kernel_drafts_what_the_torch_drafter_drafts():
+    """DeviceHistory.propose with its kernels (kernels.own_draft and count_walk, Triton's
+    interpreter) against its torch code on the random traces of test_device_history.py: rings
+    small enough to overwrite, buckets of 2 to 8 entries overflowing, a voter bound of 1 to 64,
+    finished rows read by their siblings, inactive rows; drafts, counts and sources token for token."""
+    run = subprocess.run([sys.executable, "-c", OWN.replace("SEEDS", "8")], cwd=ROOT, text=True,
+                         capture_output=True, timeout=900, env={**child_env(), "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    ok, checked, drafted = run.stdout.split()
+    assert ok == "ok" and int(checked) > 1000 and int(drafted) > 300, run.stdout

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 64
+OWN_WARPS = 8   # _own_draft's: at 4, ptxas spills three times the bytes a thread
 
 
 @triton.jit
@@ -200,3 +201,157 @@ def count_walk(counts, ctx: torch.Tensor, n: torch.Tensor, k: int, active: torch
                       KB=triton.next_power_of_2(max(k, 2)), WB=triton.next_power_of_2(max(counts.width, 2)),
                       enable_fp_fusion=False)
     return out, m
+
+
+@triton.jit
+def _mix64(h):
+    h = h ^ (h >> 33)
+    h = h * 0xFF51AFD7ED558CCD
+    h = h ^ (h >> 33)
+    h = h * 0xC4CEB9FE1A85EC53
+    return h ^ (h >> 33)
+
+
+@triton.jit
+def _own_draft(ctx_ptr, n_ptr, salt_ptr, act_ptr, keys_ptr, ring_tok_ptr, ring_pid_ptr, table_ptr, written, oldest,
+               cap, NB, p_ptr, row_ptr, at_ptr, rows_tok_ptr, rows_stride, L, min_prob_ptr, vocab, B,
+               drafts_ptr, won_ptr, best_ptr, M: tl.constexpr, LP: tl.constexpr, W: tl.constexpr, GL: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr, KB: tl.constexpr):
+    """One program a row: store.py's own draft (its stored and live candidates, the longest
+    match's voters and their vote), as DeviceHistory.source_drafts computes it in torch."""
+    r = tl.program_id(0)
+    n = tl.load(n_ptr + r)
+    salt = tl.load(salt_ptr + r)
+    act = tl.load(act_ptr + r) != 0
+    min_prob = tl.load(min_prob_ptr)
+    j = tl.arange(0, MB)
+    ctx = tl.load(ctx_ptr + r * M + j, mask=j < M, other=-7)
+    pw = tl.full([MB], 1, tl.uint64)
+    for e in tl.static_range(MB - 1):
+        pw = tl.where(j > e, pw * 0x100000001B3, pw)
+    pre = tl.cumsum((ctx.to(tl.uint64, bitcast=True) + 3) * pw, 0)   # pre[m - 1]: the newest m tokens' polynomial
+    c = tl.arange(0, CB)
+    act_c = (tl.zeros([CB], tl.int32) + act.to(tl.int32)) != 0   # a block: the interpreter refuses scalar masks
+    SW: tl.constexpr = LP * W
+    G: tl.constexpr = GL // LP
+    stored = c < SW
+    live = (c >= SW) & (c < SW + GL)
+    lvl = tl.where(stored, c // W, (c - SW) // G)
+    m = tl.load(keys_ptr + lvl, mask=stored | live, other=1)
+    # the stored candidates: the bucket entries of the row's key of each length, salted by its prompt
+    h = tl.sum(tl.where(j[None, :] == (m - 1)[:, None], pre[None, :], 0), 1)
+    h = _mix64(h ^ (m.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15))
+    h = _mix64(h ^ salt.to(tl.uint64, bitcast=True))
+    bucket = h.to(tl.int64, bitcast=True) & (NB - 1)
+    # a row that drafts nothing (a finished answer) reads nothing: its candidates are all empty
+    e = tl.load(table_ptr + bucket * W + c % W, mask=stored & (n >= m) & act_c, other=-1)
+    pid = tl.load(ring_pid_ptr + tl.maximum(e, 0) % cap, mask=stored & (e >= 0), other=0)
+    # the live candidates: positions p in rows `row` of the batch (slots at[row])
+    lc = tl.where(live, c - SW, 0)
+    p = tl.load(p_ptr + r * GL + lc, mask=live & act_c, other=-1)
+    row = tl.load(row_ptr + r * GL + lc, mask=live, other=0)
+    slot = tl.load(at_ptr + row, mask=live & (p >= 0), other=0)
+    n_row = tl.load(n_ptr + row, mask=live & (p >= 0), other=0)
+    # each candidate's tokens before it, against the row's context (newest first)
+    back = tl.where(stored, e, p)[:, None] - 1 - j[None, :]
+    jm = (j < M)[None, :]
+    s_tok = tl.load(ring_tok_ptr + tl.maximum(back, 0) % cap, mask=stored[:, None] & jm & (back >= oldest),
+                    other=-6).to(tl.int64)
+    l_tok = tl.load(rows_tok_ptr + slot[:, None] * rows_stride + tl.maximum(back, 0),
+                    mask=live[:, None] & jm & (back >= 0), other=-6).to(tl.int64)
+    src = tl.where(stored[:, None], tl.where(back >= oldest, s_tok, -6), tl.where(back >= 0, l_tok, -6))
+    eq = (src == ctx[None, :]) & jm
+    length = tl.min(tl.where(eq | ~jm, M, j[None, :]), 1)     # the leading run of matches
+    # and the k after it
+    kk = tl.arange(0, KB)
+    fwd = tl.where(stored, e, p)[:, None] + kk[None, :]
+    km = (kk < K)[None, :]
+    s_nxt = tl.load(ring_tok_ptr + tl.maximum(fwd, 0) % cap, mask=(stored & (e >= 0))[:, None] & km,
+                    other=0).to(tl.int64)
+    l_nxt = tl.load(rows_tok_ptr + slot[:, None] * rows_stride + tl.minimum(tl.maximum(fwd, 0), L - 1),
+                    mask=(live & (p >= 0))[:, None] & km, other=0).to(tl.int64)
+    nxt = tl.where(stored[:, None], tl.where(fwd < written, s_nxt, -2), tl.where(fwd < n_row[:, None], l_nxt, -2))
+    valid = tl.where(stored, (e >= 0) & (e - m >= oldest) & (pid == salt), p >= 0) & (length >= m)
+    rank = tl.where(stored, e, (1 << 42) + tl.where(row == r, 1 << 41, 0) + tl.maximum(p, 0) * B + row)
+    # first_of: a candidate whose key an earlier valid one holds is dropped (stored: its position;
+    # live: its row and position)
+    key = tl.where(stored, e, (1 << 62) + row * (L + 1) + p)
+    earlier = (c[None, :] < c[:, None]) & valid[None, :] & (key[None, :] == key[:, None])
+    valid = valid & (tl.max(earlier.to(tl.int32), 1) == 0) & act
+    best = tl.max(tl.where(valid, length, 0), 0)
+    alive = valid & (length == best)
+    # the max_voters of highest rank vote
+    above = tl.sum((alive[None, :] & (rank[None, :] > rank[:, None])).to(tl.int32), 1)
+    alive = alive & (above < V)
+    go = best > 0
+    drafts = tl.full([KB], -1, tl.int64)
+    won = tl.full([KB], -1, tl.int64)
+    for t in tl.static_range(K):
+        x = tl.sum(tl.where(kk[None, :] == t, nxt, 0), 1)
+        voters = alive & (x != -2)
+        count = tl.sum(((x[None, :] == x[:, None]) & voters[None, :]).to(tl.int64), 1)
+        score = tl.where(voters, count * (1 << 48) + rank, -1)
+        top = tl.argmax(score, 0)
+        tok = tl.sum(tl.where(c == top, x, 0), 0)
+        votes = tl.sum(tl.where(c == top, count, 0), 0)
+        share = votes.to(tl.float64) / tl.maximum(tl.sum(voters.to(tl.int64), 0), 1).to(tl.float64)
+        go = go & (votes > 0) & (tok >= 0) & (tok < vocab) & (share >= min_prob)
+        drafts = tl.where(kk == t, tl.where(go, tok, -1), drafts)
+        won = tl.where(kk == t, tl.sum(tl.where(c == top, rank, 0), 0), won)
+        alive = voters & (x == tok)
+    tl.store(drafts_ptr + r * K + kk, drafts.to(tl.int32), mask=kk < K)
+    tl.store(won_ptr + r * K + kk, won, mask=kk < K)
+    tl.store(best_ptr + r, best)
+
+
+def own_draft(h, rows, ctx: torch.Tensor, n: torch.Tensor, salt: torch.Tensor, p: torch.Tensor, row: torch.Tensor,
+              k: int, active: torch.Tensor | None = None):
+    """DeviceHistory's own draft in one launch (a program a row): the stored candidates of its
+    buckets and the live ones at p in rows `row` (_live_positions), checked, deduplicated, the
+    longest match's max_voters of highest rank voting token by token -> drafts [B, k] int32,
+    own_best [B] and each drafted token's top voter's rank [B, k] (its source)."""
+    B, M = ctx.shape
+    dev = ctx.device
+    drafts = torch.empty((B, k), dtype=torch.int32, device=dev)
+    won = torch.empty((B, k), dtype=torch.int64, device=dev)
+    best = torch.empty(B, dtype=torch.int64, device=dev)
+    if B == 0 or k == 0:
+        return drafts, best.zero_(), won
+    act = torch.ones(B, dtype=torch.bool, device=dev) if active is None else active
+    at = torch.arange(B, device=dev) if rows.at is None else rows.at
+    keys = torch.tensor(h.prompt_keys, dtype=torch.int64, device=dev)
+    min_prob = torch.tensor([h.min_prob], dtype=torch.float64, device=dev)
+    written = h._written
+    LP, GL = len(h.prompt_keys), p.shape[1]
+    _own_draft[(B,)](ctx.long().contiguous(), n.long().contiguous(), salt.long().contiguous(),
+                     act.to(torch.int8).contiguous(), keys, h.tok, h.pid, h.table, written,
+                     max(written - h.capacity, 0), h.capacity, h.n_buckets, p.long().contiguous(),
+                     row.long().contiguous(), at.long().contiguous(), rows.tok, rows.tok.stride(0), rows.tok.shape[1],
+                     min_prob, h.vocab, B, drafts, won, best, M=M, LP=LP, W=h.width, GL=GL, K=k, V=h.max_voters,
+                     CB=triton.next_power_of_2(LP * h.width + GL), MB=triton.next_power_of_2(max(M, 2)),
+                     KB=triton.next_power_of_2(max(k, 2)), enable_fp_fusion=False, num_warps=OWN_WARPS)
+    return drafts, best, won
+
+
+# Each kernel's argument types and compile-time constants at the 8B experiment's shapes (three
+# prompt key lengths, rows 18,432 tokens wide, count lengths 1..16, k=5), and its warps: what
+# Triton compiles for a GPU without one (tests/speculation/test_device_kernels.py,
+# scripts/bench_device_history.py's registers and spills).
+SIGNATURES = {
+    "_latest": ({"fp_ptr": "*i64", "used_ptr": "*i1", "head_ptr": "*i32", "prev_ptr": "*i32", "slot_ptr": "*i64",
+                 "q_ptr": "*i64", "n_ptr": "*i64", "lo_ptr": "*i64", "out_ptr": "*i64", "N": "i32", "li": "i32"},
+                {"K": 3, "H": 65536, "LP": 18433, "BLOCK": BLOCK}, 4),
+    "_append": ({"fp_ptr": "*i64", "used_ptr": "*i1", "head_ptr": "*i32", "prev_ptr": "*i32", "tok_ptr": "*i32",
+                 "tok_stride": "i64", "slot_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i64", "keys_ptr": "*i64"},
+                {"K": 3, "H": 65536, "LP": 18433}, 4),
+    "_count_walk": ({"ctx_ptr": "*i64", "n_ptr": "*i64", "act_ptr": "*i8", "levels_ptr": "*i64", "key_ptr": "*i64",
+                     "tok_ptr": "*i32", "cnt_ptr": "*i32", "out_ptr": "*i32", "m_ptr": "*i64",
+                     "min_prob_ptr": "*fp64", "vocab": "i64", "NB": "i64"},
+                    {"M": 16, "LV": 16, "K": 5, "W": 16, "MB": 16, "KB": 8, "WB": 16}, 4),
+    "_own_draft": ({"ctx_ptr": "*i64", "n_ptr": "*i64", "salt_ptr": "*i64", "act_ptr": "*i8", "keys_ptr": "*i64",
+                    "ring_tok_ptr": "*i32", "ring_pid_ptr": "*i64", "table_ptr": "*i64", "written": "i64",
+                    "oldest": "i64", "cap": "i64", "NB": "i64", "p_ptr": "*i64", "row_ptr": "*i64", "at_ptr": "*i64",
+                    "rows_tok_ptr": "*i32", "rows_stride": "i64", "L": "i64", "min_prob_ptr": "*fp64", "vocab": "i64",
+                    "B": "i64", "drafts_ptr": "*i32", "won_ptr": "*i64", "best_ptr": "*i64"},
+                   {"M": 16, "LP": 3, "W": 64, "GL": 48, "K": 5, "V": 64, "CB": 256, "MB": 16, "KB": 8}, OWN_WARPS),
+}

@@ -301,15 +301,20 @@ class DeviceHistory(RingCheckpoint):
         n = lengths.long()
         rows = _Rows(token_ids, at)
         ctx = self._context(rows, n)                                             # [B, M]
-        hist = self._stored_candidates(n, prompt_ids.long(), ctx, k)
-        live = self._live_candidates(rows, n, prompt_ids.long(), prompt_lens.long(), ctx, k, done, table)
-        valid, length, rank, nxt = (torch.cat([a, b], 1) for a, b in (
-            (hist.valid, live.valid), (hist.length, live.length), (hist.rank, live.rank), (hist.nxt, live.nxt)))
-        if active is not None:
-            valid = valid & active[:, None]
-        own_best = torch.where(valid, length, 0).amax(1, keepdim=True)
-        voted = self._vote(*self._voters(valid & (length == own_best), rank, nxt, k), k, ranks=sources)
-        drafts, won = voted if sources else (voted, None)
+        p, row = self._live_positions(rows, n, prompt_ids.long(), prompt_lens.long(), ctx, done, table)
+        if self.kernels:   # the candidates, their longest match and its vote in one kernel
+            from rlspec.speculation.history.device.kernels import own_draft
+            drafts, own_best, won = own_draft(self, rows, ctx, n, prompt_ids.long(), p, row, k, active)
+            own_best = own_best[:, None]
+        else:
+            hist = self._stored_candidates(n, prompt_ids.long(), ctx, k)
+            live = self._live_candidates(rows, n, ctx, p, row, k)
+            valid, length, rank, nxt = (torch.cat([a, b], 1) for a, b in (
+                (hist.valid, live.valid), (hist.length, live.length), (hist.rank, live.rank), (hist.nxt, live.nxt)))
+            if active is not None:
+                valid = valid & active[:, None]
+            own_best = torch.where(valid, length, 0).amax(1, keepdim=True)
+            drafts, won = self._vote(*self._voters(valid & (length == own_best), rank, nxt, k), k, ranks=True)
         if self.counts is not None and self.kernels:   # (an inactive row's match length is 0: it drafts nothing)
             from rlspec.speculation.history.device.kernels import count_walk
             far_draft, far_len = count_walk(self.counts, ctx, n, k, active)
@@ -360,15 +365,16 @@ class DeviceHistory(RingCheckpoint):
         nxt = torch.where(fwd < self.written, nxt, UNKNOWN)
         return Candidates(first_of(valid, pos), length, pos, nxt)
 
-    def _live_candidates(self, rows: "_Rows", n, salt, plen, ctx, k, done=0, table=None) -> Candidates:
+    def _live_positions(self, rows: "_Rows", n, salt, plen, ctx, done=0, table=None):
         """Per prompt key length m, the latest position p whose m tokens before it have the row's
         last m tokens' fingerprint: in the row itself (any position), and in each of its
         max_siblings - 1 siblings (an answer position), the rows of its prompt that follow it in the
         group's order, cyclically (prompt_siblings: every row of a group larger than max_siblings
         reads as many siblings as the host store's walk takes; the call's finished answers, the last
         `done` rows, spread among the running ones). Found by _scan_matches, or with table by its
-        lookups (_table_matches)."""
-        B, L = n.shape[0], rows.tok.shape[1]
+        lookups (_table_matches). -> p [B, G * levels] (-1: none), level-major, each level's G-1
+        siblings then the row itself, and the rows they are in, row [B, G * levels]."""
+        B = n.shape[0]
         dev, G = n.device, min(self.max_siblings, B)
         sib, reader, listed = prompt_siblings(salt, G, done)                         # [B, G-1] each
         idx = torch.arange(B, device=dev)
@@ -378,9 +384,15 @@ class DeviceHistory(RingCheckpoint):
             p_sib, p_self = find(rows, n, plen, ctx, sib, reader, li, m, table)
             ok = torch.cat([listed, listed.new_ones(B, 1)], 1) & (n >= m)[:, None]
             cands.append(torch.where(ok, torch.cat([p_sib, p_self[:, None]], 1), -1))
-        p = torch.cat(cands, 1)                                                  # [B, G * levels]
-        row = torch.cat([sib, idx[:, None]], 1).repeat(1, len(levels))
-        need = torch.cat([torch.full((G,), m, device=dev) for m in levels])[None]   # no host copy
+        return torch.cat(cands, 1), torch.cat([sib, idx[:, None]], 1).repeat(1, len(levels))
+
+    def _live_candidates(self, rows: "_Rows", n, ctx, p, row, k) -> Candidates:
+        """The candidates at the live positions p in rows `row` (_live_positions): the match checked
+        token by token, the next k tokens, ranked the row itself first, then the latest."""
+        B, L = n.shape[0], rows.tok.shape[1]
+        dev, G = n.device, p.shape[1] // len(self.prompt_keys)
+        idx = torch.arange(B, device=dev)
+        need = torch.cat([torch.full((G,), m, device=dev) for m in self.prompt_keys])[None]   # no host copy
         is_self = row == idx[:, None]
         back = p[:, :, None] - 1 - torch.arange(self.max_match, device=dev)
         src = rows.read(row[:, :, None], back.clamp(min=0)).long()
