@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -80,7 +81,7 @@ def time_device(args, stored, rows, plens, cuts, lookup: str) -> tuple[float, fl
     def step(s: int):
         at = live.step(ids, src, idx, n + s, lambda pos: [plens[i] for i in pos], args.k + 1)
         return h.propose(live.tok, live.n[at], live.salt[at], live.plen[at], args.k, sources=True, at=at,
-                         table=live.table)
+                         table=live.table, siblings=live.siblings(at, min(h.max_siblings, B)))
     step(0)   # the rows join, and a warm-up
     t = []
     for s in range(1, args.steps + 1):
@@ -163,6 +164,18 @@ class CountedTable:
         return (torch.empty((B, k), dtype=torch.int32, device=ctx.device), torch.empty(B, dtype=torch.int64,
                 device=ctx.device), torch.empty((B, k), dtype=torch.int64, device=ctx.device))
 
+    def live_lookup(self, table, ctx, n, plen, at, sib, listed):
+        """kernels.live_lookup: a program a row, reading its context and per sibling (and itself)
+        its row's slot, length and prompt length, then per key length its probes, head and perhaps
+        a link; writing the positions and rows."""
+        B, M = ctx.shape
+        G = sib.shape[1] + 1
+        self.launches += 1
+        self.bytes += B * (M * 8 + 8) + B * G * (8 + 1 + 3 * 8) + B * G * len(self.keys) * (
+            self.probes * 9 + 4 + 4 + 2 * 8)
+        return (torch.empty((B, G * len(self.keys)), dtype=torch.int64, device=ctx.device),
+                torch.empty((B, G * len(self.keys)), dtype=torch.int64, device=ctx.device))
+
     def append(self, slot, tokens, lo, hi, new: int):
         """A step's append: `new` positions a row, each linked at every key length."""
         B = slot.shape[0]
@@ -183,6 +196,7 @@ def traffic(batch: int, width: int, k: int, arena: int, lookup: str, probes: flo
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rlspec.speculation.history.device.live import LiveRows
+    from rlspec.speculation.history.device.proposer import draft_rows
     from rlspec.speculation.history.device.store import DeviceHistory
 
     def nbytes(x) -> int:
@@ -219,30 +233,32 @@ def traffic(batch: int, width: int, k: int, arena: int, lookup: str, probes: flo
     live = LiveRows(batch, batch, width, h.prompt_keys, "meta", table=False)
     table = CountedTable(h.prompt_keys, probes) if lookup == "table" else None
     live.table = table
-    walk, own = kernels.count_walk, kernels.own_draft
-    if table is not None:   # the count table's walk and the own draft as their kernels too
+    saved = kernels.count_walk, kernels.own_draft, kernels.live_lookup
+    if table is not None:   # the count table's walk, the live lookups and the own draft as their kernels
         h.kernels, table.active = True, batch
-        kernels.count_walk, kernels.own_draft = table.count_walk, table.own_draft
+        kernels.count_walk, kernels.own_draft, kernels.live_lookup = table.count_walk, table.own_draft, \
+            table.live_lookup
     meta = dict(dtype=torch.int64, device="meta")
-    at, done = torch.arange(batch, device="meta"), torch.arange(batch, 2 * batch, device="meta")
+    at = torch.arange(batch, device="meta")
+    live.done = list(range(batch, 2 * batch))   # a full ring of finished answers
     src = torch.zeros(batch, width, dtype=torch.int32, device="meta")   # the runner's token rows
     half = torch.full((batch,), width // 2, **meta)
-    with Count() as c:
-        # the step's new tokens into the rows (LiveRows._advance: a gather of k + 1 a row, written)
-        cols = half[:, None] + torch.arange(k + 1, device="meta")
-        live.tok[at[:, None], cols] = src[at[:, None], cols]
+    drafter = SimpleNamespace(live=live, history=h)
+    act = torch.ones(batch, dtype=torch.bool, device="meta")
+    try:
+        draft_rows(drafter, at, act, k)   # a step before: the rows' siblings kept, as while the batch is the same
         if table is not None:
-            table.append(at, live.tok, half, half + k + 1, k + 1)
-        live.n[at] = half + k + 1
-        rows = torch.cat([at, done])
-        n = torch.full((2 * batch,), width // 2, **meta)
-        act = torch.cat([torch.ones(batch, dtype=torch.bool, device="meta"),
-                         torch.zeros(batch, dtype=torch.bool, device="meta")])
-        try:
-            h.propose(live.tok, n, torch.ones(2 * batch, **meta), torch.full((2 * batch,), PROMPT, **meta), k, act,
-                      sources=True, done=batch, at=rows, table=table)
-        finally:
-            kernels.count_walk, kernels.own_draft = walk, own
+            table.launches, table.bytes = 0, 0.0
+        with Count() as c:
+            # the step's new tokens into the rows (LiveRows._advance: a gather of k + 1 a row, written)
+            cols = half[:, None] + torch.arange(k + 1, device="meta")
+            live.tok[at[:, None], cols] = src[at[:, None], cols]
+            if table is not None:
+                table.append(at, live.tok, half, half + k + 1, k + 1)
+            live.n[at] = half + k + 1
+            draft_rows(drafter, at, act, k)   # the proposer's step: the drafts over the rows' slots
+    finally:
+        kernels.count_walk, kernels.own_draft, kernels.live_lookup = saved
     launches = c.ops + (table.launches if table else 0)
     return {"lookup": lookup, "launches": launches, "torch_ops": c.ops,
             "bytes": c.bytes + (table.bytes if table else 0), "table_launches": table.launches if table else 0,

@@ -10,9 +10,10 @@ its draft model, EAGLE-3 head or rollout history; on a GPU bfloat16, CUDA graphs
 (the platform's defaults), on CPU float32, eager, no sleep. Checks, most valuable first, so that a
 run cut off by --budget-s still says most:
 1. runner: the model runner and async scheduling vLLM picks for none, eagle3, draft_model, ngram,
-   history and history_device (history drafted on the engine's device, in vLLM's ngram_gpu slot:
-   Model Runner V2 on a GPU), against rlspec's rule (speculation.vllm_config.gpu_model_runner;
-   V1 on CPU), and each engine built reports the same;
+   history and history_device (history drafted on the engine's device, in vLLM's ngram_gpu slot,
+   with its live table: Model Runner V2 and the drafter's Triton kernels on a GPU), against
+   rlspec's rule (speculation.vllm_config.gpu_model_runner; V1 on CPU), and each engine built
+   reports the same;
 2. greedy: with speculation (eagle3, history, history_device, draft_model, ngram under `auto`),
    token for token the rollouts of the engine without; EAGLE-3's again after its engine slept and
    woke (sleep level 1, no draft refit: on a GPU), with the same accepted draft tokens;
@@ -54,7 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 METHODS = ("none", "eagle3", "draft_model", "ngram", "history", "history_device")
 # A method is a speculation group, or one of these: the group and the overrides that make it
-VARIANTS = {"history_device": ("history", ["speculation.history.drafter=device"])}
+# (the device drafter with its live table: on a GPU every Triton kernel of its step runs)
+VARIANTS = {"history_device": ("history", ["speculation.history.drafter=device",
+                                           "speculation.history.device.lookup=table"])}
 SAMPLED_PROMPTS = 3
 SAMPLED_TOKENS = 6
 SHIFT = 0.05  # the power is stated against moving this much probability between a position's two commonest tokens

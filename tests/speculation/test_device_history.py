@@ -62,6 +62,16 @@ def trace(seed, vocab, prompts=3, group=4, calls=6):
     return out
 
 
+def cut_rows(g, call) -> tuple[list, list]:
+    """A call's answers as running rows, each cut at a random length: rows (prompt and answer so
+    far) and their prompt lengths."""
+    rows, plens = [], []
+    for p, r in call:
+        rows.append(p + r[: g.randrange(0, len(r) + 1)])
+        plens.append(len(p))
+    return rows, plens
+
+
 @pytest.mark.parametrize("source", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 def test_drafts_equal_the_reference_on_random_traces(seed, source):
@@ -74,11 +84,7 @@ def test_drafts_equal_the_reference_on_random_traces(seed, source):
                     count_min_prob=g.choice([0.05, 0.2, 0.5]))
     drafted = 0
     for call in trace(seed, vocab=g.choice([4, 6, 10])):
-        rows, plens = [], []
-        for p, r in call:
-            cut = g.randrange(0, len(r) + 1)
-            rows.append(p + r[:cut])
-            plens.append(len(p))
+        rows, plens = cut_rows(g, call)
         rows.append([])   # an empty row (padding) drafts nothing
         plens.append(0)
         for k in range(1, 6):

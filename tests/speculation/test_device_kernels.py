@@ -76,6 +76,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.slow   # (about a minute: five kernels, two targets)
 @pytest.mark.parametrize("archs", [[90, 100]])
 def test_every_kernel_compiles_for_the_gpus_rlspec_targets(archs):
     """Each kernel of kernels.py, at the 8B experiment's shapes (three prompt key lengths, rows
@@ -89,14 +90,14 @@ def test_every_kernel_compiles_for_the_gpus_rlspec_targets(archs):
                          env=child_env())
     assert run.returncode == 0, run.stderr[-3000:]
     sizes = json.loads(run.stdout.strip().splitlines()[-1])
-    assert sorted(sizes) == ["_append", "_count_walk", "_latest", "_own_draft"]
+    assert sorted(sizes) == ["_append", "_count_walk", "_latest", "_live_lookup", "_own_draft"]
     assert all(sizes[k][str(a)] > 1000 for k in sizes for a in archs), sizes
 
 
 OWN = r'''
 import random, torch
 from rlspec.speculation.history.device.store import DeviceHistory, prompt_hash
-from tests.speculation.test_device_history import batch, trace
+from tests.speculation.test_device_history import batch, cut_rows, trace
 checked = drafted = 0
 for seed in range(SEEDS):
     g = random.Random(100 + seed)
@@ -105,11 +106,7 @@ for seed in range(SEEDS):
                       max_siblings=g.choice([2, 3, 5]), max_voters=g.choice([1, 2, 5, 64]),
                       global_source=g.random() < 0.5, kernels=False)
     for call in trace(seed, vocab=g.choice([4, 6, 10])):
-        rows, plens = [], []
-        for p, r in call:
-            cut = g.randrange(0, len(r) + 1)
-            rows.append(p + r[:cut])
-            plens.append(len(p))
+        rows, plens = cut_rows(g, call)
         tok, n, pid, pl = batch(rows, plens, max(map(len, rows)) + g.randrange(3))
         done = g.randrange(0, 3)   # the last rows: finished answers, read by their siblings
         act = torch.tensor([g.random() < 0.9 for _ in rows])
@@ -127,6 +124,7 @@ print("ok", checked, drafted)
 '''
 
 
+@pytest.mark.slow   # (about a minute in the interpreter; the default suite has the slot rows' kernel test)
 def test_the_own_draft_kernel_drafts_what_the_torch_drafter_drafts():
     """DeviceHistory.propose with its kernels (kernels.own_draft and count_walk, Triton's
     interpreter) against its torch code on the random traces of test_device_history.py: rings

@@ -222,7 +222,7 @@ def _gen(actor, prompts, n, temperature, max_tokens=48):
     return ray.get(actor.generate.remote(prompts, sampling(n, temperature, max_tokens)), timeout=600)
 
 
-@pytest.mark.parametrize("lookup", ["scan", "table"])
+@pytest.mark.parametrize("lookup", ["scan", pytest.param("table", marks=pytest.mark.slow)])
 def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, prompts, lookup):
     """Greedy: every call equals no speculation token for token; the engine runs vLLM's ngram_gpu
     path; the second call drafts from the first's responses and accepts more than the first; a new

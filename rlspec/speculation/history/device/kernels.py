@@ -25,6 +25,37 @@ def _mix(h):
 
 
 @triton.jit
+def _prefix(ctx_ptr, r, M: tl.constexpr, MB: tl.constexpr):
+    """Row r's context (ctx [B, M], newest first) and pre [MB]: pre[c - 1] the polynomial of its
+    newest c tokens, the newest at power 0 (ops.window_prints' fingerprint; uint64, wrapping)."""
+    j = tl.arange(0, MB)
+    ctx = tl.load(ctx_ptr + r * M + j, mask=j < M, other=-7)
+    pw = tl.full([MB], 1, tl.uint64)
+    for e in tl.static_range(MB - 1):
+        pw = tl.where(j > e, pw * 0x100000001B3, pw)
+    return ctx, pw, tl.cumsum((ctx.to(tl.uint64, bitcast=True) + 3) * pw, 0)
+
+
+@triton.jit
+def _newest(fp_ptr, used_ptr, head_ptr, prev_ptr, base, pbase, q, n, lo, go, H: tl.constexpr):
+    """LiveTable.latest for a block of queries q (their tables at base, links at pbase; the lanes
+    `go` look): the newest position c < n with print q, or -1 where it is below lo or absent."""
+    h = (_mix(q.to(tl.uint64, bitcast=True)) & (H - 1)).to(tl.int64)
+    at = h * 0 - 1
+    active = go
+    while tl.max(active.to(tl.int32), 0) > 0:
+        used = tl.load(used_ptr + base + h, mask=active, other=0) != 0
+        fp = tl.load(fp_ptr + base + h, mask=active, other=0)
+        at = tl.where(active & used & (fp == q), h, at)
+        active = active & used & (fp != q)
+        h = (h + 1) & (H - 1)
+    c = tl.load(head_ptr + base + tl.maximum(at, 0), mask=go & (at >= 0), other=-1).to(tl.int64)
+    back = tl.load(prev_ptr + pbase + tl.maximum(c, 0), mask=go & (c >= n), other=-1).to(tl.int64)
+    c = tl.where(c >= n, back, c)   # the row's own end: the position before
+    return tl.where(go & (c >= lo) & (c >= 0), c, -1)
+
+
+@triton.jit
 def _latest(fp_ptr, used_ptr, head_ptr, prev_ptr, slot_ptr, q_ptr, n_ptr, lo_ptr, out_ptr, N, li, K: tl.constexpr,
             H: tl.constexpr, LP: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -33,22 +64,8 @@ def _latest(fp_ptr, used_ptr, head_ptr, prev_ptr, slot_ptr, q_ptr, n_ptr, lo_ptr
     q = tl.load(q_ptr + offs, mask=mask, other=0)
     n = tl.load(n_ptr + offs, mask=mask, other=0)
     lo = tl.load(lo_ptr + offs, mask=mask, other=0)
-    h = (_mix(q.to(tl.uint64, bitcast=True)) & (H - 1)).to(tl.int64)
-    base = (s * K + li) * H
-    at = tl.full([BLOCK], -1, tl.int64)
-    active = mask
-    while tl.max(active.to(tl.int32), 0) > 0:
-        used = tl.load(used_ptr + base + h, mask=active, other=0) != 0
-        fp = tl.load(fp_ptr + base + h, mask=active, other=0)
-        hit = active & used & (fp == q)
-        at = tl.where(hit, h, at)
-        active = active & used & (fp != q)
-        h = (h + 1) & (H - 1)
-    c = tl.load(head_ptr + base + tl.maximum(at, 0), mask=mask & (at >= 0), other=-1).to(tl.int64)
-    pbase = (s * K + li) * LP
-    back = tl.load(prev_ptr + pbase + tl.maximum(c, 0), mask=mask & (c >= n), other=-1).to(tl.int64)
-    c = tl.where(c >= n, back, c)
-    tl.store(out_ptr + offs, tl.where((c >= lo) & (c >= 0), c, -1), mask=mask)
+    c = _newest(fp_ptr, used_ptr, head_ptr, prev_ptr, (s * K + li) * H, (s * K + li) * LP, q, n, lo, mask, H)
+    tl.store(out_ptr + offs, c, mask=mask)
 
 
 def latest(table, slot: torch.Tensor, li: int, q: torch.Tensor, n: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -117,12 +134,7 @@ def _count_walk(ctx_ptr, n_ptr, act_ptr, levels_ptr, key_ptr, tok_ptr, cnt_ptr, 
     n = tl.load(n_ptr + r)
     act = tl.load(act_ptr + r) != 0
     j = tl.arange(0, MB)
-    ctx = tl.load(ctx_ptr + r * M + j, mask=j < M, other=0).to(tl.uint64, bitcast=True)
-    # powers of _P: pw[j] = P^j (wrapping)
-    pw = tl.full([MB], 1, tl.uint64)
-    for e in tl.static_range(MB - 1):
-        pw = tl.where(j > e, pw * 0x100000001B3, pw)
-    pre = tl.cumsum((ctx + 3) * pw, 0)          # pre[c - 1]: the hash of the context's newest c tokens
+    _, pw, pre = _prefix(ctx_ptr, r, M, MB)   # pw[j] = P^j; pre[c - 1]: the context's newest c tokens
     i = tl.arange(0, KB)
     w = tl.arange(0, WB)
     best_score = tl.full([], -2.0, tl.float64)
@@ -204,15 +216,6 @@ def count_walk(counts, ctx: torch.Tensor, n: torch.Tensor, k: int, active: torch
 
 
 @triton.jit
-def _mix64(h):
-    h = h ^ (h >> 33)
-    h = h * 0xFF51AFD7ED558CCD
-    h = h ^ (h >> 33)
-    h = h * 0xC4CEB9FE1A85EC53
-    return h ^ (h >> 33)
-
-
-@triton.jit
 def _own_draft(ctx_ptr, n_ptr, salt_ptr, act_ptr, keys_ptr, ring_tok_ptr, ring_pid_ptr, table_ptr, written, oldest,
                cap, NB, p_ptr, row_ptr, at_ptr, rows_tok_ptr, rows_stride, L, min_prob_ptr, vocab, B,
                drafts_ptr, won_ptr, best_ptr, M: tl.constexpr, LP: tl.constexpr, W: tl.constexpr, GL: tl.constexpr,
@@ -225,11 +228,7 @@ def _own_draft(ctx_ptr, n_ptr, salt_ptr, act_ptr, keys_ptr, ring_tok_ptr, ring_p
     act = tl.load(act_ptr + r) != 0
     min_prob = tl.load(min_prob_ptr)
     j = tl.arange(0, MB)
-    ctx = tl.load(ctx_ptr + r * M + j, mask=j < M, other=-7)
-    pw = tl.full([MB], 1, tl.uint64)
-    for e in tl.static_range(MB - 1):
-        pw = tl.where(j > e, pw * 0x100000001B3, pw)
-    pre = tl.cumsum((ctx.to(tl.uint64, bitcast=True) + 3) * pw, 0)   # pre[m - 1]: the newest m tokens' polynomial
+    ctx, _, pre = _prefix(ctx_ptr, r, M, MB)   # pre[m - 1]: the newest m tokens' polynomial
     c = tl.arange(0, CB)
     act_c = (tl.zeros([CB], tl.int32) + act.to(tl.int32)) != 0   # a block: the interpreter refuses scalar masks
     SW: tl.constexpr = LP * W
@@ -240,8 +239,8 @@ def _own_draft(ctx_ptr, n_ptr, salt_ptr, act_ptr, keys_ptr, ring_tok_ptr, ring_p
     m = tl.load(keys_ptr + lvl, mask=stored | live, other=1)
     # the stored candidates: the bucket entries of the row's key of each length, salted by its prompt
     h = tl.sum(tl.where(j[None, :] == (m - 1)[:, None], pre[None, :], 0), 1)
-    h = _mix64(h ^ (m.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15))
-    h = _mix64(h ^ salt.to(tl.uint64, bitcast=True))
+    h = _mix(h ^ (m.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15))
+    h = _mix(h ^ salt.to(tl.uint64, bitcast=True))
     bucket = h.to(tl.int64, bitcast=True) & (NB - 1)
     # a row that drafts nothing (a finished answer) reads nothing: its candidates are all empty
     e = tl.load(table_ptr + bucket * W + c % W, mask=stored & (n >= m) & act_c, other=-1)
@@ -333,6 +332,54 @@ def own_draft(h, rows, ctx: torch.Tensor, n: torch.Tensor, salt: torch.Tensor, p
     return drafts, best, won
 
 
+@triton.jit
+def _live_lookup(ctx_ptr, n_ptr, plen_ptr, at_ptr, sib_ptr, listed_ptr, keys_ptr, fp_ptr, used_ptr, head_ptr, prev_ptr,
+                 p_ptr, row_ptr, M: tl.constexpr, LP: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
+                 LPREV: tl.constexpr, MB: tl.constexpr, GB: tl.constexpr):
+    """One program a row: store.py's _live_positions through the live table (its queries, each
+    level's lookups in the row's siblings and in itself) -> p and row [B, G * LP]."""
+    r = tl.program_id(0)
+    n = tl.load(n_ptr + r)
+    j = tl.arange(0, MB)
+    _, _, pre = _prefix(ctx_ptr, r, M, MB)
+    g = tl.arange(0, GB)
+    is_sib = g < G - 1
+    lane = g < G
+    row = tl.where(is_sib, tl.load(sib_ptr + r * (G - 1) + g, mask=is_sib, other=0), r)
+    listed = tl.where(is_sib, tl.load(listed_ptr + r * (G - 1) + g, mask=is_sib, other=0).to(tl.int32),
+                      lane.to(tl.int32)) != 0
+    slot = tl.load(at_ptr + row, mask=lane, other=0)
+    n_row = tl.load(n_ptr + row, mask=lane, other=0)
+    plen = tl.load(plen_ptr + row, mask=lane, other=0)
+    for li in tl.static_range(LP):
+        m = tl.load(keys_ptr + li)
+        q = (tl.sum(tl.where(j == m - 1, pre, 0), 0) << 1).to(tl.int64, bitcast=True)   # window_prints << 1
+        go = listed & ((tl.zeros([GB], tl.int64) + n) >= m)   # blocks: the interpreter refuses scalar masks
+        lo = tl.where(is_sib, tl.maximum(plen, m), m)
+        c = _newest(fp_ptr, used_ptr, head_ptr, prev_ptr, (slot * LP + li) * H, (slot * LP + li) * LPREV,
+                    tl.zeros([GB], tl.int64) + q, n_row, lo, go, H)
+        tl.store(p_ptr + r * G * LP + li * G + g, c, mask=lane)
+        tl.store(row_ptr + r * G * LP + li * G + g, row, mask=lane)
+
+
+def live_lookup(table, ctx: torch.Tensor, n: torch.Tensor, plen: torch.Tensor, at: torch.Tensor, sib: torch.Tensor,
+                listed: torch.Tensor):
+    """DeviceHistory._live_positions with the live table in one launch (a program a row): p and row
+    [B, G * levels], level-major, each level's G-1 siblings then the row itself."""
+    B, M = ctx.shape
+    G, LP = sib.shape[1] + 1, len(table.keys)
+    p = torch.empty((B, G * LP), dtype=torch.int64, device=ctx.device)
+    row = torch.empty((B, G * LP), dtype=torch.int64, device=ctx.device)
+    if B == 0:
+        return p, row
+    keys = torch.tensor(table.keys, dtype=torch.int64, device=ctx.device)
+    _live_lookup[(B,)](ctx.long().contiguous(), n.long().contiguous(), plen.long().contiguous(), at.long().contiguous(),
+                       sib.long().contiguous(), listed.to(torch.int8).contiguous(), keys, table.fp, table.used,
+                       table.head, table.prev, p, row, M=M, LP=LP, G=G, H=table.H, LPREV=table.prev.shape[2],
+                       MB=triton.next_power_of_2(max(M, 2)), GB=triton.next_power_of_2(max(G, 2)))
+    return p, row
+
+
 # Each kernel's argument types and compile-time constants at the 8B experiment's shapes (three
 # prompt key lengths, rows 18,432 tokens wide, count lengths 1..16, k=5), and its warps: what
 # Triton compiles for a GPU without one (tests/speculation/test_device_kernels.py,
@@ -348,6 +395,10 @@ SIGNATURES = {
                      "tok_ptr": "*i32", "cnt_ptr": "*i32", "out_ptr": "*i32", "m_ptr": "*i64",
                      "min_prob_ptr": "*fp64", "vocab": "i64", "NB": "i64"},
                     {"M": 16, "LV": 16, "K": 5, "W": 16, "MB": 16, "KB": 8, "WB": 16}, 4),
+    "_live_lookup": ({"ctx_ptr": "*i64", "n_ptr": "*i64", "plen_ptr": "*i64", "at_ptr": "*i64", "sib_ptr": "*i64",
+                      "listed_ptr": "*i8", "keys_ptr": "*i64", "fp_ptr": "*i64", "used_ptr": "*i1", "head_ptr": "*i32",
+                      "prev_ptr": "*i32", "p_ptr": "*i64", "row_ptr": "*i64"},
+                     {"M": 16, "LP": 3, "G": 16, "H": 65536, "LPREV": 18433, "MB": 16, "GB": 16}, 4),
     "_own_draft": ({"ctx_ptr": "*i64", "n_ptr": "*i64", "salt_ptr": "*i64", "act_ptr": "*i8", "keys_ptr": "*i64",
                     "ring_tok_ptr": "*i32", "ring_pid_ptr": "*i64", "table_ptr": "*i64", "written": "i64",
                     "oldest": "i64", "cap": "i64", "NB": "i64", "p_ptr": "*i64", "row_ptr": "*i64", "at_ptr": "*i64",

@@ -159,6 +159,7 @@ class LiveRows:
         self.next = 0
         self._ids: list[str] = []
         self._at = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._siblings: tuple | None = None   # (G, prompt_siblings of the rows) until the rows change
 
     def finish(self, req_id: str) -> None:
         """A request of the batch finished: its slot joins the finished answers (the oldest one's
@@ -166,7 +167,7 @@ class LiveRows:
         slot = self.slot_of.pop(req_id, None)
         if slot is None:
             return
-        self._ids = []   # the batch changed: the next step maps its rows anew
+        self._ids, self._siblings = [], None   # the batch changed: the next step maps its rows anew
         if not self.finished:
             self.free.append(slot)
         elif len(self.done) < self.finished:
@@ -181,6 +182,14 @@ class LiveRows:
         if not self.done:
             return at
         return torch.cat([at, torch.as_tensor(self.done, dtype=torch.int64).to(self.device, non_blocking=True)])
+
+    def siblings(self, rows: torch.Tensor, G: int) -> tuple:
+        """ops.prompt_siblings of `rows` (self.rows(at)) for groups of G, computed again only when
+        the batch or the finished answers change."""
+        if self._siblings is None or self._siblings[0] != G:
+            from rlspec.speculation.history.device.ops import prompt_siblings
+            self._siblings = G, prompt_siblings(self.salt[rows], G, len(self.done))
+        return self._siblings[1]
 
     def step(self, ids: list[str], src: torch.Tensor, src_rows: torch.Tensor, lengths: torch.Tensor,
              prompt_lens, width: int) -> torch.Tensor:
@@ -214,7 +223,7 @@ class LiveRows:
         if bool(old.any()):
             o = old.nonzero()[:, 0].to(dev, non_blocking=True)
             self._advance(at[o], src, src_rows[o], lengths[o], None)
-        self._ids, self._at = list(ids), at
+        self._ids, self._at, self._siblings = list(ids), at, None
 
     def _join(self, slot, src, src_rows, lengths, prompt_lens) -> None:
         from rlspec.speculation.history.device.ops import prompt_hash

@@ -219,7 +219,8 @@ def draft_rows(p, at, active, k: int):
     rows = live.rows(at)
     act = torch.cat([active, active.new_zeros(rows.shape[0] - B)])
     drafts, counts, src = p.history.propose(live.tok, live.n[rows], live.salt[rows], live.plen[rows], k, act,
-                                            sources=True, done=len(live.done), at=rows, table=live.table)
+                                            sources=True, done=len(live.done), at=rows, table=live.table,
+                                            siblings=live.siblings(rows, min(p.history.max_siblings, len(rows))))
     return drafts[:B], counts[:B], src[:B]
 
 

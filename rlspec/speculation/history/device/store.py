@@ -266,7 +266,8 @@ class DeviceHistory(RingCheckpoint):
     # -- propose (every engine step) ------------------------------------------------------------------
     def propose(self, token_ids: torch.Tensor, lengths: torch.Tensor, prompt_ids: torch.Tensor,
                 prompt_lens: torch.Tensor, k: int, active: torch.Tensor | None = None, sources: bool = False,
-                done: int = 0, at: torch.Tensor | None = None, table=None) -> tuple[torch.Tensor, ...]:
+                done: int = 0, at: torch.Tensor | None = None, table=None,
+                siblings: tuple | None = None) -> tuple[torch.Tensor, ...]:
         """Drafts for every row: token_ids [B, L] (row i's first lengths[i] tokens, prompt_lens[i]
         of them its prompt, prompt_ids[i] its prompt_hash), active [B] (rows to draft for; default
         all) -> drafts [B, k] int32 (-1: none), and their leading valid counts [B] int32; with
@@ -276,13 +277,14 @@ class DeviceHistory(RingCheckpoint):
 
         With at [B], row i is token_ids[at[i]] (the drafter's slots, live.LiveRows), and with
         table (their live.LiveTable) the rows' own and siblings' matches are looked up in it
-        instead of scanned: the same drafts, reading no row whole."""
+        instead of scanned: the same drafts, reading no row whole. siblings: the rows'
+        ops.prompt_siblings, where the caller keeps them (live.LiveRows.siblings)."""
         n = lengths.long()
         if done:
             keep = torch.arange(n.shape[0], device=n.device) < n.shape[0] - done
             active = keep if active is None else active & keep
         got = self.source_drafts(token_ids, lengths, prompt_ids, prompt_lens, k, active, sources=sources, done=done,
-                                 at=at, table=table)
+                                 at=at, table=table, siblings=siblings)
         own, own_best, far, far_best = got[:4]
         use_far = (far_best > own_best) & (far[:, 0] >= 0)
         drafts = torch.where(use_far[:, None], far, own)
@@ -292,16 +294,16 @@ class DeviceHistory(RingCheckpoint):
         return drafts, (drafts >= 0).sum(1).int(), src
 
     def source_drafts(self, token_ids, lengths, prompt_ids, prompt_lens, k: int, active=None, sources=False, done=0,
-                      at=None, table=None):
+                      at=None, table=None, siblings=None):
         """Each source's draft and match length: the prompt's own sources (its store, the row, its
         siblings; their longest match votes) and the global one (the count table's walk; none
         without a global source) -> own [B, k], own_best [B], far [B, k], far_best [B] (drafts
         int32, -1: none); with sources, also each own token's source [B, k] (its highest-ranked
-        voter's: HISTORY, SIBLINGS or PROMPT, the row itself). at, table: as propose's."""
+        voter's: HISTORY, SIBLINGS or PROMPT, the row itself). at, table, siblings: as propose's."""
         n = lengths.long()
         rows = _Rows(token_ids, at)
         ctx = self._context(rows, n)                                             # [B, M]
-        p, row = self._live_positions(rows, n, prompt_ids.long(), prompt_lens.long(), ctx, done, table)
+        p, row = self._live_positions(rows, n, prompt_ids.long(), prompt_lens.long(), ctx, done, table, siblings)
         if self.kernels:   # the candidates, their longest match and its vote in one kernel
             from rlspec.speculation.history.device.kernels import own_draft
             drafts, own_best, won = own_draft(self, rows, ctx, n, prompt_ids.long(), p, row, k, active)
@@ -365,7 +367,7 @@ class DeviceHistory(RingCheckpoint):
         nxt = torch.where(fwd < self.written, nxt, UNKNOWN)
         return Candidates(first_of(valid, pos), length, pos, nxt)
 
-    def _live_positions(self, rows: "_Rows", n, salt, plen, ctx, done=0, table=None):
+    def _live_positions(self, rows: "_Rows", n, salt, plen, ctx, done=0, table=None, siblings=None):
         """Per prompt key length m, the latest position p whose m tokens before it have the row's
         last m tokens' fingerprint: in the row itself (any position), and in each of its
         max_siblings - 1 siblings (an answer position), the rows of its prompt that follow it in the
@@ -376,7 +378,10 @@ class DeviceHistory(RingCheckpoint):
         siblings then the row itself, and the rows they are in, row [B, G * levels]."""
         B = n.shape[0]
         dev, G = n.device, min(self.max_siblings, B)
-        sib, reader, listed = prompt_siblings(salt, G, done)                         # [B, G-1] each
+        sib, reader, listed = siblings or prompt_siblings(salt, G, done)            # [B, G-1] each
+        if table is not None and self.kernels:
+            from rlspec.speculation.history.device.kernels import live_lookup
+            return live_lookup(table, ctx, n, plen, rows.at, sib, listed)
         idx = torch.arange(B, device=dev)
         find = self._scan_matches if table is None else self._table_matches
         cands, levels = [], self.prompt_keys
