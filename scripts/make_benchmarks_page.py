@@ -199,6 +199,11 @@ def device_cost(r: dict, path: Path) -> list[str]:
         for key, t in est["per_step"].items():
             out.append(f"| {key} | {t['launches']} | {t['bytes'] / 1e9:.3f} | {1e3 * t['memory_seconds']:.3f} | "
                        f"{1e3 * t['seconds']:.3f} |")
+        if regs := est.get("kernels_sm90"):
+            out += ["", "The Triton kernels compiled for sm_90 here (ptxas): " + "; ".join(
+                f"`{k}` {r['registers']} registers a thread at {r['warps']} warps"
+                + (f", spilling {r['spill_store_bytes']} bytes and reloading {r['spill_load_bytes']}"
+                   if r['spill_store_bytes'] else "") for k, r in regs.items()) + "."]
     return out
 
 
