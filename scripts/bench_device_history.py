@@ -132,14 +132,6 @@ class CountedTable:
         self.keys, self.probes = tuple(keys), probes
         self.launches, self.bytes = 0, 0.0
 
-    def latest(self, slot, li, q, n, lo):
-        N = q.shape[0]
-        self.launches += 1
-        # per query: slot, q, n, lo read and the answer written (8 B each); its probes (a used flag
-        # and a fingerprint: 9 B), its head (4 B) and perhaps a link (4 B)
-        self.bytes += N * (5 * 8 + self.probes * 9 + 4 + 4)
-        return torch.empty(N, dtype=torch.int64, device=q.device)
-
     def count_walk(self, counts, ctx, n, k, active):
         """kernels.count_walk: a program a row; an active row reads its context and at most, from
         every count length, k buckets (W entries of an int64 key, an int32 token and an int32

@@ -1,7 +1,7 @@
 """The device drafter's incremental rows (history/device/live.py): the live table finds, for
 every query, the position the whole-row scan finds (window_prints << 1 compared, the newest
-position in [lo, n)), on random rows grown step by step, rows joining mid-way; its Triton kernels
-(in Triton's interpreter) keep and read the table as the torch methods do; and a call's rows kept
+position in [lo, n)), on random rows grown step by step, rows joining mid-way; its Triton append
+(in Triton's interpreter) keeps the table as the torch method does; and a call's rows kept
 by slot (LiveRows: requests joining, growing, finishing, preempted and back) draft, with the table
 and without, what the same rows drafted as one plain batch draft."""
 import random
@@ -38,13 +38,15 @@ def test_the_incremental_table_finds_what_the_whole_row_scan_finds(seed):
         n[r] = p
     plen = n.clone()
     by_slot[slots] = tokens
-    table.join(slots[:3], by_slot, n[:3])
+    table.reset(slots[:3])
+    table.append(slots[:3], by_slot, torch.zeros(3, dtype=torch.int64), n[:3])
     joined = 3
     checked = found = 0
     for step in range(40):
         if step == 5:   # the others join later (a resumed answer: prompt and answer so far at once)
             by_slot[slots] = tokens
-            table.join(slots[3:], by_slot, n[3:])
+            table.reset(slots[3:])
+            table.append(slots[3:], by_slot, torch.zeros(B - 3, dtype=torch.int64), n[3:])
             joined = B
         old = n.clone()
         for r in range(B):
@@ -68,52 +70,6 @@ def test_the_incremental_table_finds_what_the_whole_row_scan_finds(seed):
     assert checked > 1000 and found > 100, (checked, found)
 
 
-CHILD = r'''
-import random, torch
-from rlspec.speculation.history.device.live import LiveTable, prints_at
-from rlspec.speculation.history.device import kernels
-rng = random.Random(SEED)
-keys, L, B = (4, 2, 1), 200, 12
-t = LiveTable(slots=16, max_len=L, keys=keys)
-slots = torch.tensor(rng.sample(range(16), B))
-tok = torch.tensor([[rng.randrange(4) for _ in range(L)] for _ in range(B)])
-n = torch.tensor([rng.randrange(20, L - 1) for _ in range(B)])
-by_slot = torch.zeros(16, L, dtype=torch.int64)
-by_slot[slots] = tok
-t.join(slots, by_slot, n)
-checked = found = 0
-for li, m in enumerate(keys):
-    # every row's query against every row, and prints of random windows (some absent)
-    r = torch.arange(B).repeat_interleave(B)
-    j = torch.arange(B).repeat(B)
-    q = prints_at(tok[r], n[r], m)
-    q = torch.cat([q, torch.tensor([rng.randrange(1 << 62) * 2 for _ in range(50)])])
-    j = torch.cat([j, torch.randint(0, B, (50,))])
-    lo = torch.tensor([rng.randrange(0, 30) for _ in range(len(q))])
-    want = t.latest(slots[j], li, q, n[j], lo)
-    got = kernels.latest(t, slots[j], li, q, n[j], lo)
-    assert torch.equal(got, want), (m, (got != want).nonzero()[:5])
-    checked += len(q); found += int((want >= 0).sum())
-assert checked > 400 and found > 200, (checked, found)
-print("ok", checked, found)
-'''
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_the_triton_lookup_finds_what_the_torch_table_finds(seed):
-    """kernels.latest in Triton's interpreter (a child process: TRITON_INTERPRET=1 before
-    Triton is imported) against LiveTable.latest, on rows of a 4-token vocabulary."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT, child_env
-
-    run = subprocess.run([sys.executable, "-c", CHILD.replace("SEED", str(seed))], cwd=ROOT, text=True,
-                         capture_output=True, timeout=600, env={**child_env(), "TRITON_INTERPRET": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.startswith("ok"), run.stdout
-
-
 CHILD_APPEND = r'''
 import random, torch
 from rlspec.speculation.history.device.live import LiveTable
@@ -125,8 +81,8 @@ slots = torch.tensor(rng.sample(range(10), B))
 tok = torch.zeros(10, L, dtype=torch.int64)   # by slot
 tok[slots] = torch.tensor([[rng.randrange(5) for _ in range(L)] for _ in range(B)])
 n = torch.tensor([rng.randrange(1, 12) for _ in range(B)])
-ref.join(slots, tok, n)
-kernels.append(got, slots, tok, torch.zeros_like(n), n)   # a join: the slots start empty
+ref.append(slots, tok, torch.zeros_like(n), n)   # a join: the slots start empty
+kernels.append(got, slots, tok, torch.zeros_like(n), n)
 for step in range(25):
     new = torch.minimum(n + torch.tensor([rng.randrange(0, 5) for _ in range(B)]), torch.tensor(L - 1))
     ref.append(slots, tok, n, new)
@@ -242,7 +198,7 @@ def slot_trace(seed: int, table: bool, kernels: bool = False) -> tuple[int, int]
 @pytest.mark.parametrize("seed", [0, 1, *(pytest.param(s, marks=pytest.mark.slow) for s in (2, 3))])
 def test_rows_kept_by_slot_draft_what_the_plain_batch_drafts_with_the_kernels(seed):
     """slot_trace with the Triton kernels (Triton's interpreter, in a child process): the call's
-    joins and steps through kernels.append, its lookups through kernels.latest and the count
+    joins and steps through kernels.append, its lookups through kernels.live_lookup and the count
     table's walk through kernels.count_walk draft token for token what the plain batch drafts
     with the torch code."""
     import subprocess

@@ -1,8 +1,8 @@
 """The device drafter's Triton kernels, no host sync, each tested in Triton's interpreter against
 the torch code it stands for (tests/speculation/test_device_live.py, test_device_kernels.py):
-live.py's LiveTable lookup (a program per block of queries, each probing its slot's table in a
-loop) and append (a program a row), and the count table's walk (counts.CountTable.draft: a
-program a row). Hashes in uint64 arithmetic, which wraps by definition in Triton and numpy alike,
+live.py's LiveTable append, a step's live lookups (store.py's _live_positions through the table),
+the own draft (the candidates and their vote) and the count table's walk (counts.CountTable.draft),
+each a program a row. Hashes in uint64 arithmetic, which wraps by definition in Triton and numpy alike,
 as the torch code's int64 arithmetic wraps."""
 from __future__ import annotations
 
@@ -53,29 +53,6 @@ def _newest(fp_ptr, used_ptr, head_ptr, prev_ptr, base, pbase, q, n, lo, go, H: 
     back = tl.load(prev_ptr + pbase + tl.maximum(c, 0), mask=go & (c >= n), other=-1).to(tl.int64)
     c = tl.where(c >= n, back, c)   # the row's own end: the position before
     return tl.where(go & (c >= lo) & (c >= 0), c, -1)
-
-
-@triton.jit
-def _latest(fp_ptr, used_ptr, head_ptr, prev_ptr, slot_ptr, q_ptr, n_ptr, lo_ptr, out_ptr, N, li, K: tl.constexpr,
-            H: tl.constexpr, LP: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    s = tl.load(slot_ptr + offs, mask=mask, other=0).to(tl.int64)
-    q = tl.load(q_ptr + offs, mask=mask, other=0)
-    n = tl.load(n_ptr + offs, mask=mask, other=0)
-    lo = tl.load(lo_ptr + offs, mask=mask, other=0)
-    c = _newest(fp_ptr, used_ptr, head_ptr, prev_ptr, (s * K + li) * H, (s * K + li) * LP, q, n, lo, mask, H)
-    tl.store(out_ptr + offs, c, mask=mask)
-
-
-def latest(table, slot: torch.Tensor, li: int, q: torch.Tensor, n: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """LiveTable.latest in one launch: ceil(N / BLOCK) programs."""
-    N = q.shape[0]
-    out = torch.empty(N, dtype=torch.int64, device=q.device)
-    K, H, LP = table.fp.shape[1], table.H, table.prev.shape[2]
-    _latest[(triton.cdiv(N, BLOCK),)](table.fp, table.used, table.head, table.prev, slot.long(), q, n.long(),
-                                      lo.long(), out, N, li, K=K, H=H, LP=LP, BLOCK=BLOCK)
-    return out
 
 
 @triton.jit
@@ -385,9 +362,6 @@ def live_lookup(table, ctx: torch.Tensor, n: torch.Tensor, plen: torch.Tensor, a
 # Triton compiles for a GPU without one (tests/speculation/test_device_kernels.py,
 # scripts/bench_device_history.py's registers and spills).
 SIGNATURES = {
-    "_latest": ({"fp_ptr": "*i64", "used_ptr": "*i1", "head_ptr": "*i32", "prev_ptr": "*i32", "slot_ptr": "*i64",
-                 "q_ptr": "*i64", "n_ptr": "*i64", "lo_ptr": "*i64", "out_ptr": "*i64", "N": "i32", "li": "i32"},
-                {"K": 3, "H": 65536, "LP": 18433, "BLOCK": BLOCK}, 4),
     "_append": ({"fp_ptr": "*i64", "used_ptr": "*i1", "head_ptr": "*i32", "prev_ptr": "*i32", "tok_ptr": "*i32",
                  "tok_stride": "i64", "slot_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i64", "keys_ptr": "*i64"},
                 {"K": 3, "H": 65536, "LP": 18433}, 4),

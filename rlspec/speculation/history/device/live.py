@@ -9,17 +9,18 @@ salt is hashed then too. The drafter reads rows by slot, never the runner's buff
 LiveTable: per slot and prompt key length m, the latest position c < n of the slot's row whose m
 tokens before it have a given fingerprint, found without reading the row: an open-addressed table
 per (slot, m) from fingerprint to its newest position, and `prev` links between the positions of
-one fingerprint. A row's new tokens are linked in order (`append`); a row that joins is linked in
-one pass (`join`). `latest` answers what store.py's whole-row scan finds (`window_prints << 1`
+one fingerprint. A row's new tokens are linked in order (`append`); a row that joins is linked
+from its start. `latest` answers what store.py's whole-row scan finds (`window_prints << 1`
 compared, positions in [lo, n)), reading O(probes) entries a query.
 
-The torch methods loop until every probe resolves (host syncs): the reference, run on CPU. On a
-CUDA device the table runs kernels.py's Triton kernels, which loop in the kernel."""
+The torch methods loop until every probe resolves (host syncs): the reference, run on CPU. Where
+the drafter runs kernels (a CUDA device), the table is linked by kernels.append and read by
+kernels.live_lookup, which loop in the kernel."""
 from __future__ import annotations
 
 import torch
 
-from rlspec.speculation.history.device.ops import _P, mix
+from rlspec.speculation.history.device.ops import _P, mix, prompt_hash, prompt_siblings
 
 
 def prints_at(tokens: torch.Tensor, c: torch.Tensor, m: int, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,10 +39,8 @@ class LiveTable:
     """Per slot and key length: fingerprint -> newest position (open addressing, `buckets` a
     power of two at least twice the positions a row holds), and prev links per position."""
 
-    def __init__(self, slots: int, max_len: int, keys: tuple[int, ...], device="cpu", kernels: bool | None = None):
+    def __init__(self, slots: int, max_len: int, keys: tuple[int, ...], device="cpu"):
         self.keys, self.max_len = tuple(keys), max_len
-        # kernels.py's Triton kernels (default: on a CUDA device; elsewhere Triton's interpreter runs them)
-        self.kernels = torch.device(device).type == "cuda" if kernels is None else kernels
         K = len(self.keys)
         self.H = 1 << max(4, (2 * (max_len + 1) - 1).bit_length())
         self.fp = torch.zeros(slots, K, self.H, dtype=torch.int64, device=device)
@@ -88,9 +87,6 @@ class LiveTable:
     def append(self, slot: torch.Tensor, tokens: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         """Link positions c in (lo, hi] of each slot's row (tokens [slots, L], slot [B]) in order:
         c's m tokens before it are tokens[slot, c-m:c]; c < m are never linked."""
-        if self.kernels:
-            from rlspec.speculation.history.device import kernels
-            return kernels.append(self, slot, tokens, lo, hi)
         steps = int((hi - lo).max().clamp(min=0)) if len(slot) else 0
         for t in range(1, steps + 1):
             c = lo + t
@@ -106,21 +102,14 @@ class LiveTable:
                 self.head[s, li, at] = c[r].int()
 
     def reset(self, slot: torch.Tensor) -> None:
+        """Slots whose rows join: emptied (their positions are linked by append from 0)."""
         self.used[slot] = False
         self.head[slot] = -1
         self.prev[slot] = -1
 
-    def join(self, slot: torch.Tensor, tokens: torch.Tensor, n: torch.Tensor) -> None:
-        """Rows that join (their slots reset; tokens [slots, L]): positions m..n linked."""
-        self.reset(slot)
-        self.append(slot, tokens, torch.zeros_like(n), n)
-
     def latest(self, slot: torch.Tensor, li: int, q: torch.Tensor, n: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
         """The newest position c of slot's row with print q, c < n (the row's length), or -1 where
         it is below lo or absent."""
-        if self.kernels:
-            from rlspec.speculation.history.device import kernels
-            return kernels.latest(self, slot, li, q, n, lo)
         at = self._find(slot, li, q, insert=False)
         c = torch.where(at >= 0, self.head[slot, li, at.clamp(min=0)].long(), -1)
         c = torch.where(c >= n, self.prev[slot, li, c.clamp(min=0)].long(), c)   # the row's own end
@@ -136,13 +125,15 @@ class LiveRows:
     ids); nothing here syncs with the device."""
 
     def __init__(self, running: int, finished: int, max_len: int, keys: tuple[int, ...], device, table: bool,
-                 kernels: bool | None = None):
+                 kernels: bool = False):
         S = running + finished
         self.tok = torch.zeros((S, max_len), dtype=torch.int32, device=device)
         self.n = torch.zeros(S, dtype=torch.int64, device=device)
         self.plen = torch.zeros(S, dtype=torch.int64, device=device)
         self.salt = torch.zeros(S, dtype=torch.int64, device=device)
-        self.table = LiveTable(S, max_len, keys, device, kernels) if table else None
+        self.table = LiveTable(S, max_len, keys, device) if table else None
+        # the table's append as kernels.py's kernel (the drafter's DeviceHistory.kernels)
+        self.kernels = kernels
         self.device, self.finished = torch.device(device), finished
         self.clear()
 
@@ -167,7 +158,7 @@ class LiveRows:
         slot = self.slot_of.pop(req_id, None)
         if slot is None:
             return
-        self._ids, self._siblings = [], None   # the batch changed: the next step maps its rows anew
+        self._ids = []   # the batch changed: the next step maps its rows anew
         if not self.finished:
             self.free.append(slot)
         elif len(self.done) < self.finished:
@@ -187,7 +178,6 @@ class LiveRows:
         """ops.prompt_siblings of `rows` (self.rows(at)) for groups of G, computed again only when
         the batch or the finished answers change."""
         if self._siblings is None or self._siblings[0] != G:
-            from rlspec.speculation.history.device.ops import prompt_siblings
             self._siblings = G, prompt_siblings(self.salt[rows], G, len(self.done))
         return self._siblings[1]
 
@@ -226,7 +216,6 @@ class LiveRows:
         self._ids, self._at, self._siblings = list(ids), at, None
 
     def _join(self, slot, src, src_rows, lengths, prompt_lens) -> None:
-        from rlspec.speculation.history.device.ops import prompt_hash
         W = min(src.shape[1], self.tok.shape[1])
         self.tok[slot, :W] = src[src_rows, :W].to(self.tok.dtype)
         n = lengths.long().clamp(max=W)
@@ -235,7 +224,8 @@ class LiveRows:
         self.plen[slot] = plen
         self.salt[slot] = prompt_hash(self.tok[slot], plen)
         if self.table is not None:
-            self.table.join(slot, self.tok, n)
+            self.table.reset(slot)
+            self._link(slot, torch.zeros_like(n), n)
 
     def _advance(self, slot, src, src_rows, lengths, width: int | None) -> None:
         """Copy each row's tokens from its last length to `lengths` (at most width of them, None:
@@ -252,5 +242,12 @@ class LiveRows:
             got = src[src_rows[:, None], cols].to(self.tok.dtype)
             self.tok[slot[:, None], cols] = torch.where(write, got, self.tok[slot[:, None], cols])
         if self.table is not None:
-            self.table.append(slot, self.tok, old, new)
+            self._link(slot, old, new)
         self.n[slot] = new
+
+    def _link(self, slot, lo, hi) -> None:
+        if self.kernels:
+            from rlspec.speculation.history.device import kernels
+            kernels.append(self.table, slot, self.tok, lo, hi)
+        else:
+            self.table.append(slot, self.tok, lo, hi)

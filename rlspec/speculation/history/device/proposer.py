@@ -246,7 +246,8 @@ def live_rows(vllm_config, history: DeviceHistory, device) -> LiveRows:
     rows = int(vllm_config.scheduler_config.max_num_seqs)
     cfg = history_settings(vllm_config)
     table = bool(cfg) and cfg["device"].get("lookup", "scan") == "table"
-    return LiveRows(rows, rows, int(vllm_config.model_config.max_model_len), history.prompt_keys, device, table)
+    return LiveRows(rows, rows, int(vllm_config.model_config.max_model_len), history.prompt_keys, device, table,
+                    history.kernels)
 
 
 def shadow_rows(vllm_config) -> int:
