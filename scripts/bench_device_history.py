@@ -11,10 +11,10 @@ Also the insert of the stored responses, per token (the device's on its device, 
 functions warmed up first).
 
 On an accelerator the device drafter's step is its kernels' memory traffic; with no GPU here,
---gpu-widths counts it: propose runs on the `meta` device at each batch and buffer width (the
-engine's max_model_len: the drafter reads every row's whole buffer, whatever its length), every op
-it dispatches counted with the bytes it reads and writes (an indexing op the elements it gathers,
-a view none), and the seconds at --hbm bytes/s (at --hbm-efficiency) beside the launches' count.
+--gpu-widths counts it: the step a CUDA device runs (the rows' advance and kernels.step) runs on
+the `meta` device at each batch and buffer width (the engine's max_model_len), its kernels'
+launches and bytes counted from their grids and every torch op beside them with the bytes it reads
+and writes, and the seconds at --hbm bytes/s (at --hbm-efficiency) beside the launches' count.
 
     python scripts/bench_device_history.py --batches 64 512 --out /tmp/device_history_cost.json
     python scripts/bench_device_history.py --batches 64 512 --gpu-widths 2048 18432 --out /tmp/device_history_cost.json
@@ -122,28 +122,49 @@ GATHERS = {"index", "gather", "index_select", "take", "take_along_dim"}
 SCATTERS = {"index_put"}
 
 
-class CountedTable:
-    """live.LiveTable's kernels (kernels.py) on the meta device, counted from their grids and
-    block sizes: a launch per call; bytes per query or position from the loads and stores the
-    kernel makes (its probes assumed `probes` entries a lookup: linear probing at the table's load,
-    at most one half)."""
+class CountedKernels:
+    """kernels.py's launches on the meta device, counted from their grids and block sizes: a launch
+    per call; bytes per row, query or position from the loads and stores the kernel makes (a table
+    lookup or insert assumed to probe `probes` entries: linear probing at the table's load, at most
+    one half). `active` rows draft (the running ones), `new` tokens a row gains."""
 
-    def __init__(self, keys, probes: float):
-        self.keys, self.probes = tuple(keys), probes
+    def __init__(self, keys, probes: float, active: int, new: int):
+        self.keys, self.probes, self.active, self.new = tuple(keys), probes, active, new
         self.launches, self.bytes = 0, 0.0
 
-    def count_walk(self, counts, ctx, n, k, active):
+    def advance(self, live, slot, src, src_rows, lengths, keys):
+        """kernels.advance: per row its slot, source row, length and the slot's length read and
+        written, its new tokens read and written; with the table, per new position and key length
+        its m tokens, the probes, the head read and written and a link written."""
+        B = slot.shape[0]
+        self.launches += 1
+        self.bytes += B * (5 * 8 + self.new * 8)
+        if live.table is not None:
+            self.bytes += B * self.new * sum(4 * m + self.probes * 9 + 12 for m in self.keys)
+
+    def gather(self, work, live, at, active, R):
+        """kernels.gather: per row its slot (and active flag), its length, salt and prompt length
+        read and written, its context's M tokens read (int32) and written (int64)."""
+        M = work.ctx.shape[0] // work.rows.shape[0]
+        self.launches += 1
+        self.bytes += R * (8 + 1 + 3 * 8 + 4 * M) + R * (4 * 8 + 1 + 8 * M)
+
+    def choose(self, work, B, k, far):
+        """kernels.choose: per running row the own draft, its ranks, the global draft, both match
+        lengths read; the drafts, their count and sources written."""
+        self.launches += 1
+        self.bytes += B * (4 * k + 8 * k + (4 * k + 16 if far else 0) + 4 * k + 4 + 8 * k)
+
+    def count_walk(self, counts, ctx, n, k, active, out=None, min_prob=None):
         """kernels.count_walk: a program a row; an active row reads its context and at most, from
         every count length, k buckets (W entries of an int64 key, an int32 token and an int32
         count), a row not drafting none."""
         B, M = ctx.shape
         self.launches += 1
-        rows = self.active   # the running rows (the finished answers draft nothing)
-        self.bytes += B * (M * 8 + 8 + 1 + 4 * k + 8) + rows * len(counts.keys) * k * counts.width * 16
-        return (torch.empty((B, k), dtype=torch.int32, device=ctx.device),
-                torch.empty(B, dtype=torch.int64, device=ctx.device))
+        self.bytes += B * (M * 8 + 8 + 1 + 4 * k + 8) + self.active * len(counts.keys) * k * counts.width * 16
+        return out
 
-    def own_draft(self, h, rows, ctx, n, salt, p, row, k, active):
+    def own_draft(self, h, rows, ctx, n, salt, p, row, k, active, out=None, consts=None):
         """kernels.own_draft: a program a row; an active row reads its context, its buckets' entries
         (an int64 each) and for every candidate, stored or live, the prompt salt or its row's slot
         and length, max_match tokens before it and k after (int32 each); a row not drafting reads
@@ -153,10 +174,9 @@ class CountedTable:
         self.launches += 1
         per_active = C * (8 + 8 + 4 * (M + k)) + GL * (4 * 8 + 4 * (M + k))
         self.bytes += B * (M * 8 + 4 * 8 + 1 + k * 12 + 8) + self.active * per_active
-        return (torch.empty((B, k), dtype=torch.int32, device=ctx.device), torch.empty(B, dtype=torch.int64,
-                device=ctx.device), torch.empty((B, k), dtype=torch.int64, device=ctx.device))
+        return out
 
-    def live_lookup(self, table, ctx, n, plen, at, sib, listed):
+    def live_lookup(self, table, ctx, n, plen, at, sib, listed, out=None, keys=None):
         """kernels.live_lookup: a program a row, reading its context and per sibling (and itself)
         its row's slot, length and prompt length, then per key length its probes, head and perhaps
         a link; writing the positions and rows."""
@@ -165,28 +185,23 @@ class CountedTable:
         self.launches += 1
         self.bytes += B * (M * 8 + 8) + B * G * (8 + 1 + 3 * 8) + B * G * len(self.keys) * (
             self.probes * 9 + 4 + 4 + 2 * 8)
-        return (torch.empty((B, G * len(self.keys)), dtype=torch.int64, device=ctx.device),
-                torch.empty((B, G * len(self.keys)), dtype=torch.int64, device=ctx.device))
+        return out
 
-    def append(self, slot, tokens, lo, hi, new: int):
-        """A step's append: `new` positions a row, each linked at every key length."""
-        B = slot.shape[0]
-        self.launches += 1
-        # per row: slot, lo, hi; per position and key length: its m tokens, the probes, head read and
-        # written, the link written
-        self.bytes += B * 24 + B * new * sum(4 * m + self.probes * 9 + 12 for m in self.keys)
+
+STAND_INS = ("advance", "gather", "choose", "count_walk", "own_draft", "live_lookup")
 
 
 def traffic(batch: int, width: int, k: int, arena: int, lookup: str, probes: float) -> dict:
-    """One engine step of the device drafter on the meta device at the engine's largest shape:
-    `batch` running rows `width` // 2 long (a buffer `width` columns wide: the engine's
-    max_model_len) and as many finished answers kept, each running row gaining k + 1 tokens (the
-    rows' advance, live.LiveRows) and drafting (propose over the rows' slots). Every torch op it
-    dispatches is counted with the bytes it reads and writes (an indexing op the elements it
-    gathers, a view none); under lookup=table the table's kernels and the count table's walk
-    (kernels.py, what a CUDA device runs) are counted from their grids (CountedTable)."""
+    """One engine step of the device drafter, as a CUDA device runs it, on the meta device at the
+    engine's largest shape: `batch` running rows `width` // 2 long (a buffer `width` columns wide:
+    the engine's max_model_len) and as many finished answers kept, each running row gaining k + 1
+    tokens (LiveRows._advance: kernels.advance) and drafting (the proposer's draft_rows:
+    kernels.step). kernels.py's launches are counted from their grids (CountedKernels); every torch
+    op dispatched beside them (the whole-row scan under lookup=scan) is counted with the bytes it
+    reads and writes (an indexing op the elements it gathers, a view none)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from rlspec.speculation.history.device import kernels
     from rlspec.speculation.history.device.live import LiveRows
     from rlspec.speculation.history.device.proposer import draft_rows
     from rlspec.speculation.history.device.store import DeviceHistory
@@ -219,42 +234,30 @@ def traffic(batch: int, width: int, k: int, arena: int, lookup: str, probes: flo
             self.bytes += read + written
             return out
 
-    from rlspec.speculation.history.device import kernels
-
-    h = DeviceHistory(device="meta", max_tokens=arena, max_siblings=GROUP)
-    live = LiveRows(batch, batch, width, h.prompt_keys, "meta", table=False)
-    table = CountedTable(h.prompt_keys, probes) if lookup == "table" else None
-    live.table = table
-    saved = kernels.count_walk, kernels.own_draft, kernels.live_lookup
-    if table is not None:   # the count table's walk, the live lookups and the own draft as their kernels
-        h.kernels, table.active = True, batch
-        kernels.count_walk, kernels.own_draft, kernels.live_lookup = table.count_walk, table.own_draft, \
-            table.live_lookup
-    meta = dict(dtype=torch.int64, device="meta")
+    h = DeviceHistory(device="meta", max_tokens=arena, max_siblings=GROUP, kernels=True)
+    live = LiveRows(batch, batch, width, h.prompt_keys, "meta", table=lookup == "table", kernels=True)
+    drafter = SimpleNamespace(live=live, history=h, work=kernels.Workspace(h, live, k))
+    counted = CountedKernels(h.prompt_keys, probes, batch, k + 1)
+    saved = {name: getattr(kernels, name) for name in STAND_INS}
+    for name in STAND_INS:
+        setattr(kernels, name, getattr(counted, name))
     at = torch.arange(batch, device="meta")
     live.done = list(range(batch, 2 * batch))   # a full ring of finished answers
     src = torch.zeros(batch, width, dtype=torch.int32, device="meta")   # the runner's token rows
-    half = torch.full((batch,), width // 2, **meta)
-    drafter = SimpleNamespace(live=live, history=h)
+    lengths = torch.full((batch,), width // 2 + k + 1, dtype=torch.int64, device="meta")
     act = torch.ones(batch, dtype=torch.bool, device="meta")
     try:
         draft_rows(drafter, at, act, k)   # a step before: the rows' siblings kept, as while the batch is the same
-        if table is not None:
-            table.launches, table.bytes = 0, 0.0
+        counted.launches, counted.bytes = 0, 0.0
         with Count() as c:
-            # the step's new tokens into the rows (LiveRows._advance: a gather of k + 1 a row, written)
-            cols = half[:, None] + torch.arange(k + 1, device="meta")
-            live.tok[at[:, None], cols] = src[at[:, None], cols]
-            if table is not None:
-                table.append(at, live.tok, half, half + k + 1, k + 1)
-            live.n[at] = half + k + 1
+            live._advance(at, src, at, lengths, k + 1)   # the step's new tokens into the rows
             draft_rows(drafter, at, act, k)   # the proposer's step: the drafts over the rows' slots
     finally:
-        kernels.count_walk, kernels.own_draft, kernels.live_lookup = saved
-    launches = c.ops + (table.launches if table else 0)
-    return {"lookup": lookup, "launches": launches, "torch_ops": c.ops,
-            "bytes": c.bytes + (table.bytes if table else 0), "table_launches": table.launches if table else 0,
-            "table_bytes": table.bytes if table else 0}
+        for name, f in saved.items():
+            setattr(kernels, name, f)
+    return {"lookup": lookup, "launches": c.ops + counted.launches, "torch_ops": c.ops,
+            "bytes": c.bytes + counted.bytes, "kernel_launches": counted.launches, "kernel_bytes": counted.bytes,
+            "working_bytes": drafter.work.nbytes}
 
 
 def registers(arch: int) -> dict:

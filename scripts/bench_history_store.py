@@ -8,8 +8,10 @@ SuffixDecodingCache driven as vLLM's `suffix` method drives it (`suffix`: a suff
 request's prompt and its answer so far, and a global one over earlier responses of any prompt),
 and the device-resident drafter (rlspec/speculation/history/device/store.py, `device`, on CPU tensors;
 --device KEY=VALUE sets its arguments); only where --stores names them, `suffix_finished` (suffix
-whose global tree reads finished answers only) and `device_suffix` (a prototype: the device rule's
-own sources with a suffix tree over finished answers as its global source).
+whose global tree reads finished answers only), `device_suffix` (a prototype: the device rule's
+own sources with a suffix tree over finished answers as its global source) and `device_live` (the
+device drafter through the engine proposer's path: rows kept by slot, the live table, with
+--device kernels=True its Triton kernels).
 
 The replay emulates an engine: a call's requests run in a persistent batch of up to --max-batch
 rows (finished rows filled from the back, as vLLM does); at every step each running row asks the
@@ -48,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -56,7 +59,7 @@ import harness
 ROOT = harness.ROOT
 
 VOCAB, PROMPTS, GROUP = 151_936, 17_000, 16
-STORES = ("rlspec", "rlspec_chains", "dict", "suffix", "suffix_finished", "device", "device_suffix")
+STORES = ("rlspec", "rlspec_chains", "dict", "suffix", "suffix_finished", "device", "device_live", "device_suffix")
 
 
 def rss() -> int:
@@ -205,6 +208,49 @@ class Device:
 
     def nbytes(self) -> int:
         return self.h.nbytes
+
+
+class DeviceLive(Device):
+    """The device drafter as the engine's proposer drives it: the batch's rows kept by slot
+    (live.LiveRows: a row copied when it joins, then each step's new tokens; the table's lookups,
+    lookup=table) and drafted by the proposer's draft_rows (with kernels=True in DeviceHistory's
+    settings, kernels.step: Triton's interpreter on CPU). A finished answer joins the store
+    before the next step, as `device`'s does: the same drafts as `device`, by another path."""
+
+    def __init__(self, k: int, max_tokens: int, **settings):
+        super().__init__(k, max_tokens, **settings)
+        self.p, self.k = None, k
+
+    def begin_call(self, prompts) -> None:
+        if self.p is not None:
+            self.p.live.clear()
+
+    def step(self, ids, nums, new, keys, plens, k) -> list[list[int]]:
+        import torch
+
+        from rlspec.speculation.history.device.live import LiveRows
+        from rlspec.speculation.history.device.proposer import draft_rows
+
+        self._flush()
+        B, W = ids.shape
+        if self.p is None or self.p.live.tok.shape[1] < W or self.p.live.tok.shape[0] < B:
+            rows = max(B, self.p.live.tok.shape[0] if self.p else 0)
+            width = max(W, self.p.live.tok.shape[1] if self.p else 0)
+            live = LiveRows(rows, 0, width, self.h.prompt_keys, "cpu", table=True, kernels=self.h.kernels)
+            work = None
+            if self.h.kernels:
+                from rlspec.speculation.history.device.kernels import Workspace
+                work = Workspace(self.h, live, self.k)
+            self.p = SimpleNamespace(live=live, history=self.h, work=work)
+        at = self.p.live.step([str(x) for x in keys], torch.from_numpy(ids), torch.arange(B),
+                              torch.from_numpy(np.asarray(nums, np.int64)), lambda pos: [plens[i] for i in pos], k + 1)
+        drafts, valid, _ = draft_rows(self.p, at, torch.from_numpy(np.asarray(new) > 0), k)
+        return [d[:c] for d, c in zip(drafts.tolist(), valid.tolist())]
+
+    def finish(self, key, prompt, response) -> None:
+        super().finish(key, prompt, response)
+        if self.p is not None:
+            self.p.live.finish(str(key))
 
 
 def cache_answer(cache, prompt, response) -> str:
@@ -361,7 +407,7 @@ def make_store(name: str, k: int, max_tokens: int, mean_response: int = 700):
         return DeviceSuffix(k, max_tokens, mean_response)
     if name == "rlspec_chains":   # the cheaper rule: global chains, prompt keys of 3 tokens
         return Rlspec(k, max_tokens, global_index="chains", prompt_keys=[3])
-    return {"rlspec": Rlspec, "dict": Dict, "device": Device}[name](k, max_tokens)
+    return {"rlspec": Rlspec, "dict": Dict, "device": Device, "device_live": DeviceLive}[name](k, max_tokens)
 
 
 # -- the engine emulation -------------------------------------------------------------------------------
@@ -805,7 +851,8 @@ def main() -> None:
         # suffix_finished and device_suffix only where asked for: the one explains suffix's figures,
         # the other is a prototype of the device rule's next global source
         x.add_argument("--stores", nargs="+", choices=STORES,
-                       default=[s for s in STORES if s not in ("suffix_finished", "device_suffix", "rlspec_chains")])
+                       default=[s for s in STORES if s not in ("suffix_finished", "device_suffix", "rlspec_chains",
+                                                               "device_live")])
         x.add_argument("--out", type=Path)
     for x in (r, v, c):
         x.add_argument("--max-batch", type=int, default=256)

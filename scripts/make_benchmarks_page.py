@@ -190,15 +190,19 @@ def device_cost(r: dict, path: Path) -> list[str]:
     out += ["", f"Insert per stored token: device {ins['device_torch_cpu']:.2f} us, host {ins['host_numba']:.2f} us."]
     if est := r.get("gpu_estimate"):
         out += ["", "Counted on the `meta` device (no GPU ran), at the engine's largest shape (the batch's running "
-                "rows and as many finished answers): the launches one step makes (each torch op eager, each of the "
-                f"Triton kernels one, their bytes from their grids at {est['probes']:g} probes a lookup) and "
-                f"the bytes they move; seconds at {est['hbm_efficiency']:.0%} of {est['hbm_bytes_per_s'] / 1e12:.2f} "
-                f"TB/s, and with {1e6 * est['launch_seconds']:.0f} us a launch.", "",
-                "| batch x buffer width, lookup | launches | GB moved | ms at that bandwidth | ms with the launches |",
-                "|---|---|---|---|---|"]
+                "rows and as many finished answers): the launches of the step a CUDA device runs (the rows' advance "
+                "and the draft as Triton kernels, each one launch, their bytes from their grids at "
+                f"{est['probes']:g} probes a lookup; every torch op beside them one, under `scan` the whole-row "
+                "scan) and the bytes they move; seconds at "
+                f"{est['hbm_efficiency']:.0%} of {est['hbm_bytes_per_s'] / 1e12:.2f} TB/s, and with "
+                f"{1e6 * est['launch_seconds']:.0f} us a launch; the step's working memory, allocated with the "
+                "drafter (under `scan` the scan allocates beside it).", "",
+                "| batch x buffer width, lookup | launches (kernels) | GB moved | ms at that bandwidth | "
+                "ms with the launches | working memory (MB) |",
+                "|---|---|---|---|---|---|"]
         for key, t in est["per_step"].items():
-            out.append(f"| {key} | {t['launches']} | {t['bytes'] / 1e9:.3f} | {1e3 * t['memory_seconds']:.3f} | "
-                       f"{1e3 * t['seconds']:.3f} |")
+            out.append(f"| {key} | {t['launches']} ({t['kernel_launches']}) | {t['bytes'] / 1e9:.4f} | "
+                       f"{1e3 * t['memory_seconds']:.3f} | {1e3 * t['seconds']:.3f} | {t['working_bytes'] / 1e6:.2f} |")
         if regs := est.get("kernels_sm90"):
             out += ["", "The Triton kernels compiled for sm_90 here (ptxas): " + "; ".join(
                 f"`{k}` {r['registers']} registers a thread at {r['warps']} warps"

@@ -107,14 +107,16 @@ def heldout_prompts(tokenizer, n: int, seed: int = 5) -> list[list[int]]:
     return [p.token_ids for p in ps.prompts]
 
 
-def start_generator(overrides=(), draft_dir=None, seed=0, model_path=None):
-    """A Generator in its own Ray actor, configured as `python -m rlspec.train OVERRIDES` would."""
+def start_generator(overrides=(), draft_dir=None, seed=0, model_path=None, env=None):
+    """A Generator in its own Ray actor, configured as `python -m rlspec.train OVERRIDES` would
+    (env: environment variables of its process and the engine's)."""
     import ray
 
     from rlspec.workers.generator import Generator
 
     cfg = resolved(list(overrides))
-    return ray.remote(Generator).options(num_cpus=0).remote(
+    options = {"runtime_env": {"env_vars": env}} if env else {}
+    return ray.remote(Generator).options(num_cpus=0, **options).remote(
         paths=paths_of(cfg, draft_dir, model_path), model=cfg.model, generation=cfg.generation,
         speculation=cfg.speculation, seed=seed, threads=2)
 

@@ -149,6 +149,8 @@ def test_sleep_mode_is_on_for_colocated_gpus_only():
      "speculation.history.device.max_tokens"),
     ("speculation=history speculation.history.drafter=device speculation.history.device.lookup=hash",
      "speculation.history.device.lookup"),
+    ("speculation=history speculation.history.drafter=device speculation.history.device.kernels=maybe",
+     "speculation.history.device.kernels"),
     # a key the chosen drafter does not read (the other drafter's section) is refused, naming it
     ("speculation=history speculation.history.device.max_tokens=65536", "speculation.history.device.max_tokens"),
     ("speculation=history speculation.history.device.lookup=table", "speculation.history.device.lookup"),

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlspec.speculation import MAX_SIBLINGS, MAX_VOTERS
-from rlspec.speculation.history.device.memory import COUNT_WIDTH, live_bytes, store_bytes, working_bytes
+from rlspec.speculation.history.device.memory import (COUNT_WIDTH, live_bytes, store_bytes, workspace_bytes,
+                                                       working_bytes)
 
 GIB = 1 << 30
 ENGINE_ASLEEP_GIB = 1.0      # allocator reserve an engine keeps while asleep
@@ -162,9 +163,13 @@ def device_drafter_gib(cfg) -> tuple[float, float]:
         return 0.0, 0.0
     h, L = s.history, cfg.model.max_model_len
     rows = ENGINE_MAX_SEQS_LARGE if (cfg.cluster.gpu_memory_gib or 0) >= 70 else GRAPH_MAX_SEQS
-    levels = len(h.prompt_keys)
+    levels, table = len(h.prompt_keys), h.device.lookup == "table"
+    kernels = str(h.device.kernels).lower() != "false"   # (auto: a GPU's)
     resident = store_bytes(h.device.max_tokens, levels, h.max_candidates, h.global_source, COUNT_WIDTH) + \
-        live_bytes(rows, L, levels, h.device.lookup == "table")
+        live_bytes(rows, L, levels, table) + \
+        (workspace_bytes(rows, s.k_max, levels, h.max_match, MAX_SIBLINGS) if kernels else 0)
+    if kernels and table:   # a step in the kernels with the table allocates nothing more
+        return resident / GIB, 0.0
     return resident / GIB, working_bytes(rows, L, s.k_max, levels, h.max_candidates, h.max_match, MAX_SIBLINGS,
                                          MAX_VOTERS, h.global_source, COUNT_WIDTH) / GIB
 

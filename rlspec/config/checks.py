@@ -179,6 +179,8 @@ def _validate_speculation(cfg: RLSpecConfig) -> None:
             f"got {h.device.max_tokens}")
     require(h.device.lookup in ("scan", "table"), "speculation.history.device.lookup",
             f"must be scan or table, got {h.device.lookup!r}")
+    require(str(h.device.kernels).lower() in ("auto", "true", "false"), "speculation.history.device.kernels",
+            f"must be auto, true or false, got {h.device.kernels!r}")
     # a key the chosen drafter does not read is refused, not ignored: the other drafter's section,
     # and the host's chain keys under counts
     if sp.method == "history":

@@ -73,6 +73,11 @@ class DeviceHistoryConfig:
     # advanced by each step's new tokens (Triton kernels on a GPU), at 30 to 56 x max_model_len
     # bytes per row and key length on the engine's device (2 x max_num_seqs rows).
     lookup: str = "scan"
+    # Whether a step runs as kernels.py's Triton kernels (the rows' advance and the draft in six
+    # launches, in memory allocated once): `auto` where the engine's device is a GPU; `true`
+    # elsewhere runs them in Triton's interpreter (TRITON_INTERPRET=1 set before Triton loads:
+    # slow, for checking them on a CPU); `false` runs the torch code they were checked against.
+    kernels: str = "auto"
 
 
 @dataclass

@@ -84,8 +84,10 @@ def main() -> None:
     K, SLOTS, WIDTH = 4, 4, 64
     dev = torch.device("cpu")
     states = RequestState(SLOTS, WIDTH, 256, K, 100, dev, use_dense_all_token_ids=True)
-    # the defaults, the running rows' lookup as the command line names it (scan or table)
-    history = asdict(HistoryConfig(device=DeviceHistoryConfig(lookup=sys.argv[1] if len(sys.argv) > 1 else "scan")))
+    # the defaults, the running rows' lookup and whether kernels run as the command line names them
+    # (scan or table; auto, true or false)
+    lookup, kernels = (sys.argv[1:] + ["scan", "auto"][len(sys.argv) - 1:])[:2]
+    history = asdict(HistoryConfig(device=DeviceHistoryConfig(lookup=lookup, kernels=kernels)))
     cfg = types.SimpleNamespace(speculative_config=types.SimpleNamespace(model=MARK, num_speculative_tokens=K),
                                 scheduler_config=types.SimpleNamespace(max_num_seqs=SLOTS),
                                 model_config=types.SimpleNamespace(max_model_len=WIDTH, get_vocab_size=lambda: 100),
@@ -141,6 +143,7 @@ def main() -> None:
     step(["e"], [[21, 22, 30]])                               # d's answer was the last call's: not e's sibling
     out["next_call"] = spec.stats.finish(0, 0).as_dict()
     out["table"] = spec.live.table is not None
+    out["kernels"] = spec.history.kernels and spec.live.kernels and spec.work is not None
     print(json.dumps(out))
 
 

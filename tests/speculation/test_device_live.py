@@ -141,6 +141,9 @@ def slot_trace(seed: int, table: bool, kernels: bool = False) -> tuple[int, int]
     store.insert(*zip(*warm))
     reqs = _call(rng, vocab, 3, 4) + [(p, r[::-1]) for p, r in warm[:3]]
     live = LiveRows(R, F, L, store.prompt_keys, "cpu", table=table, kernels=kernels)
+    if kernels:
+        from rlspec.speculation.history.device.kernels import Workspace, step
+        work = Workspace(store, live, k)
     src = torch.randint(0, vocab, (len(reqs), L), dtype=torch.int32)   # the runner's buffer, by request
     length = [len(p) for p, _ in reqs]      # tokens the runner holds
     waiting, running, ring, finished = list(range(len(reqs))), [], [], 0
@@ -166,11 +169,13 @@ def slot_trace(seed: int, table: bool, kernels: bool = False) -> tuple[int, int]
         n = torch.tensor([length[i] for i in plain])
         pl = torch.tensor([len(reqs[i][0]) for i in plain])
         want = store.propose(tok, n, prompt_hash(tok, pl), pl, k, sources=True, done=len(ring))
-        store.kernels = kernels   # the count table's walk too
-        got = store.propose(live.tok, live.n[rows], live.salt[rows], live.plen[rows], k, sources=True,
-                            done=len(ring), at=rows, table=live.table,
-                            siblings=live.siblings(rows, min(store.max_siblings, len(rows))))
-        store.kernels = False
+        if kernels:   # the proposer's step: kernels.step over the slots, the running rows' drafts
+            got = step(store, live, work, at, torch.ones(B, dtype=torch.bool), k)
+            want = tuple(w[:B] for w in want)
+        else:
+            got = store.propose(live.tok, live.n[rows], live.salt[rows], live.plen[rows], k, sources=True,
+                                done=len(ring), at=rows, table=live.table,
+                                siblings=live.siblings(rows, min(store.max_siblings, len(rows))))
         assert torch.equal(live.n[rows], n) and torch.equal(live.salt[rows], prompt_hash(tok, pl))
         for w, g in zip(want, got):
             assert torch.equal(w, g), (seed, table)
@@ -195,18 +200,21 @@ def slot_trace(seed: int, table: bool, kernels: bool = False) -> tuple[int, int]
     return checked, drafted
 
 
-@pytest.mark.parametrize("seed", [0, 1, *(pytest.param(s, marks=pytest.mark.slow) for s in (2, 3))])
-def test_rows_kept_by_slot_draft_what_the_plain_batch_drafts_with_the_kernels(seed):
+@pytest.mark.parametrize("seed,table", [(0, True), (1, True), (0, False),
+                                        *(pytest.param(s, True, marks=pytest.mark.slow) for s in (2, 3))])
+def test_rows_kept_by_slot_draft_what_the_plain_batch_drafts_with_the_kernels(seed, table):
     """slot_trace with the Triton kernels (Triton's interpreter, in a child process): the call's
-    joins and steps through kernels.append, its lookups through kernels.live_lookup and the count
-    table's walk through kernels.count_walk draft token for token what the plain batch drafts
-    with the torch code."""
+    joins through kernels.append, its steps through kernels.advance and its drafts through
+    kernels.step (the rows gathered, the table's lookups, the own draft, the count table's walk
+    and the choice between them, in the step's fixed memory) draft token for token what the plain
+    batch drafts with the torch code; and without the table (lookup=scan), the scan in torch
+    between the kernels."""
     import subprocess
     import sys
 
     from conftest import ROOT, child_env
 
-    code = f"from tests.speculation.test_device_live import slot_trace; print('ok', *slot_trace({seed}, True, True))"
+    code = f"from tests.speculation.test_device_live import slot_trace; print('ok', *slot_trace({seed}, {table}, True))"
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True, timeout=900,
                          env={**child_env(), "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stderr[-3000:]

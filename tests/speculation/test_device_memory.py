@@ -15,7 +15,9 @@ from rlspec.cluster.memory import device_drafter_gib, gpu_memory
 from rlspec.speculation import MAX_SIBLINGS, MAX_VOTERS
 from rlspec.speculation.history.device.live import LiveRows
 from rlspec.speculation.history.device.store import DeviceHistory
-from rlspec.speculation.history.device.memory import COUNT_WIDTH, live_bytes, store_bytes, working_bytes
+from rlspec.speculation.history.device.kernels import Workspace
+from rlspec.speculation.history.device.memory import (COUNT_WIDTH, live_bytes, store_bytes, workspace_bytes,
+                                                       working_bytes)
 from rlspec.speculation.history.device.proposer import MARK, _proposer_class, _speculator_class, profile_step
 
 DEFAULTS = dict(width=64, max_match=16, prompt_keys=(8, 3, 1), max_siblings=MAX_SIBLINGS, max_voters=MAX_VOTERS,
@@ -53,7 +55,7 @@ def test_a_steps_peak_bytes_are_within_the_plan(settings, k, rows, L):
     h = DeviceHistory(max_tokens=1 << 12, vocab_size=1000, **{x: s[x] for x in DEFAULTS})
     h.insert([[1, 2, 3]] * 4, [list(range(5, 60))] * 4)
     live = LiveRows(rows, rows, L, h.prompt_keys, "cpu", table=False)
-    p = SimpleNamespace(history=h, live=live, max_model_len=L, device=torch.device("cpu"), k=k)
+    p = SimpleNamespace(history=h, live=live, work=None, max_model_len=L, device=torch.device("cpu"), k=k)
     measured, plan = peak_bytes(lambda: profile_step(p, rows)), planned(rows, L, k, s)
     print(f"{settings} k={k} rows={rows} L={L}: measured {measured} planned {plan} ({plan / measured:.2f}x)")
     assert measured <= plan <= 4 * measured
@@ -68,8 +70,11 @@ def test_the_planned_store_is_the_stores_tensors(settings):
     h = DeviceHistory(max_tokens=3 << 12, **{x: s[x] for x in DEFAULTS})
     assert store_bytes(3 << 12, len(s["prompt_keys"]), s["width"], s["global_source"], COUNT_WIDTH) == h.nbytes
     for table in (False, True):
-        assert live_bytes(5, 300, len(s["prompt_keys"]), table) == \
-            LiveRows(5, 5, 300, s["prompt_keys"], "cpu", table).nbytes
+        live = LiveRows(5, 5, 300, s["prompt_keys"], "cpu", table)
+        assert live_bytes(5, 300, len(s["prompt_keys"]), table) == live.nbytes
+    for k in (1, 5):   # a kernel step's memory, allocated with the drafter
+        assert workspace_bytes(5, k, len(s["prompt_keys"]), s["max_match"], s["max_siblings"]) == \
+            Workspace(h, live, k).nbytes
 
 
 def _vllm_config(rows=3, L=200, k=4):

@@ -222,12 +222,15 @@ def _gen(actor, prompts, n, temperature, max_tokens=48):
     return ray.get(actor.generate.remote(prompts, sampling(n, temperature, max_tokens)), timeout=600)
 
 
-@pytest.mark.parametrize("lookup", ["scan", pytest.param("table", marks=pytest.mark.slow)])
-def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, prompts, lookup):
+@pytest.mark.parametrize("lookup,kernels", [("scan", "auto"), pytest.param("table", "auto", marks=pytest.mark.slow),
+                                            # (about five minutes: every step's kernels in the interpreter)
+                                            pytest.param("table", "true", marks=pytest.mark.slow)])
+def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, prompts, lookup, kernels):
     """Greedy: every call equals no speculation token for token; the engine runs vLLM's ngram_gpu
     path; the second call drafts from the first's responses and accepts more than the first; a new
     engine loaded with the saved store drafts as the first did on its second call. With either
-    lookup of the running rows' matches (the whole-row scan, the live table)."""
+    lookup of the running rows' matches (the whole-row scan, the live table), and with the step a
+    GPU runs (kernels=true: kernels.py's kernels, in Triton's interpreter in the engine's process)."""
     import ray
 
     from conftest import start_generator
@@ -237,17 +240,20 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     ray.kill(plain)
     # settings other than the defaults, which reach the engine's workers in vLLM's additional_config
     over = ["speculation=history", "speculation.history.drafter=device", "speculation.history.device.max_tokens=65536",
-            "speculation.history.shadow_rows=7", f"speculation.history.device.lookup={lookup}"]
-    dev = start_generator(over)
+            "speculation.history.shadow_rows=7", f"speculation.history.device.lookup={lookup}",
+            f"speculation.history.device.kernels={kernels}"]
+    env = {"TRITON_INTERPRET": "1"} if kernels == "true" else None
+    dev = start_generator(over, env=env)
     assert ray.get(dev.runner_info.remote(), timeout=600)["speculation"] == "ngram_gpu"   # waits for the engine
 
     def store_settings(gen):
         def read(worker):
             p = worker.model_runner.drafter
-            return p.history.capacity, p.shadow_rows, p.live.table is not None
+            return p.history.capacity, p.shadow_rows, p.live.table is not None, p.history.kernels
         return gen.engine.llm.collective_rpc(read)
 
-    assert ray.get(dev.__ray_call__.remote(store_settings), timeout=60) == [(65536, 7, lookup == "table")]
+    assert ray.get(dev.__ray_call__.remote(store_settings), timeout=60) == [(65536, 7, lookup == "table",
+                                                                             kernels == "true")]
     first = _gen(dev, prompts, 1, 0.0)
     second = _gen(dev, prompts, 1, 0.0)
     assert first.response_ids == base.response_ids and second.response_ids == base.response_ids
@@ -267,6 +273,9 @@ def test_greedy_device_drafting_is_exact_and_drafts_from_history(ray_session, pr
     accepted = sum(h[f"accepted_{s}"] for s in SOURCES)
     assert h["accepted_history"] > 0 and all(h[f"accepted_{s}"] <= h[f"drafted_{s}"] for s in SOURCES), h
     assert second.spec.accepted_tokens <= accepted <= second.spec.accepted_tokens + 5 * len(prompts), (second.spec, h)
+    if kernels == "true":   # (the saved store's path is the torch drafter's: the case above)
+        ray.kill(dev)
+        return
     state = ray.get(dev.history_state.remote(), timeout=60)
     ray.kill(dev)
     resumed = start_generator(over)
@@ -439,15 +448,16 @@ def test_the_cpu_row_copy_keeps_the_rows_as_vllms_incremental_update_does(seed, 
         assert ours[0][i, :n].tolist() == truth[r][:n]
 
 
-@pytest.mark.parametrize("lookup", ["scan", "table"])
-def test_the_v2_speculator_on_vllms_own_request_states_on_this_cpu(lookup):
+@pytest.mark.parametrize("lookup,kernels", [("scan", "auto"), ("table", "auto"), ("table", "true")])
+def test_the_v2_speculator_on_vllms_own_request_states_on_this_cpu(lookup, kernels):
     """Model Runner V2's RequestState, InputBatch and post_update kernel (vLLM's Triton kernels in
     Triton's interpreter: tests/helpers/v2_on_cpu.py) drive the device speculator as V2's runner
     does: requests added, sampled tokens posted, propose; the batch reordered; a request freed and
     its slot taken by the next; the next call, whose first step frees the last call's requests.
     Drafts come from the history, from a running sibling further on, and from a finished sibling
     whose slot was already reused, never from the last call's requests; a row with nothing to draft
-    is filled with its last sampled token."""
+    is filled with its last sampled token. With kernels=true, the speculator's step is the one a
+    GPU runs (kernels.advance and kernels.step, in the interpreter)."""
     import json
     import subprocess
     import sys
@@ -456,12 +466,13 @@ def test_the_v2_speculator_on_vllms_own_request_states_on_this_cpu(lookup):
 
     pytest.importorskip("vllm")
     env = {**child_env(), "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "v2_on_cpu.py"), lookup], env=env, cwd=ROOT,
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "v2_on_cpu.py"), lookup, kernels],
+                         env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["has_triton"] and out["slot_reused"]   # vLLM's kernels ran (no placeholders); V2 reused b's slot
-    assert out["table"] == (lookup == "table")
+    assert out["table"] == (lookup == "table") and out["kernels"] == (kernels == "true")
     assert out["steps"] == [
         [[21, 22, 23, 24], [21, 22, 23, 24], [40] * 4],   # a, b: the history; c: nothing (its last token)
         [[41] * 4, [30] * 4, [24, 25, 26, 23]],            # c, b (left the history), a (the history ends)

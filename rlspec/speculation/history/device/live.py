@@ -131,15 +131,19 @@ class LiveRows:
         self.n = torch.zeros(S, dtype=torch.int64, device=device)
         self.plen = torch.zeros(S, dtype=torch.int64, device=device)
         self.salt = torch.zeros(S, dtype=torch.int64, device=device)
+        self.done_at = torch.zeros(max(finished, 1), dtype=torch.int64, device=device)   # `done` on the device
         self.table = LiveTable(S, max_len, keys, device) if table else None
-        # the table's append as kernels.py's kernel (the drafter's DeviceHistory.kernels)
+        # the rows' advance and the table's append as kernels.py's kernels (the drafter's
+        # DeviceHistory.kernels)
         self.kernels = kernels
+        self.keys = torch.tensor(keys, dtype=torch.int64, device=device)
         self.device, self.finished = torch.device(device), finished
         self.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tok, self.n, self.plen, self.salt)) + \
+        return sum(t.numel() * t.element_size() for t in (self.tok, self.n, self.plen, self.salt, self.done_at,
+                                                          self.keys)) + \
             (self.table.nbytes if self.table is not None else 0)
 
     def clear(self) -> None:
@@ -162,17 +166,17 @@ class LiveRows:
         if not self.finished:
             self.free.append(slot)
         elif len(self.done) < self.finished:
+            self.done_at[len(self.done)] = slot
             self.done.append(slot)
         else:
             self.free.append(self.done[self.next])
             self.done[self.next] = slot
+            self.done_at[self.next] = slot
         self.next = (self.next + 1) % max(self.finished, 1)
 
     def rows(self, at: torch.Tensor) -> torch.Tensor:
         """The running rows' slots `at`, the finished answers' after them (ring order): [B + done]."""
-        if not self.done:
-            return at
-        return torch.cat([at, torch.as_tensor(self.done, dtype=torch.int64).to(self.device, non_blocking=True)])
+        return torch.cat([at, self.done_at[: len(self.done)]]) if self.done else at
 
     def siblings(self, rows: torch.Tensor, G: int) -> tuple:
         """ops.prompt_siblings of `rows` (self.rows(at)) for groups of G, computed again only when
@@ -230,6 +234,9 @@ class LiveRows:
     def _advance(self, slot, src, src_rows, lengths, width: int | None) -> None:
         """Copy each row's tokens from its last length to `lengths` (at most width of them, None:
         as many as any row gained) and link them."""
+        if self.kernels:   # all of it in one launch
+            from rlspec.speculation.history.device import kernels
+            return kernels.advance(self, slot, src, src_rows.long(), lengths, self.keys)
         W = self.tok.shape[1]
         old, new = self.n[slot], lengths.long().clamp(max=W)
         if width is None:

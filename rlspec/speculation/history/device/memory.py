@@ -61,12 +61,22 @@ def table_width(max_model_len: int) -> int:
 
 def live_bytes(rows: int, max_model_len: int, levels: int, table: bool) -> int:
     """The call's rows (live.LiveRows): per slot (2 x rows: running and finished) a token row, a
-    length, a prompt length and a salt; with the table, per slot and key length an int64
-    fingerprint, a used flag and an int32 head per entry and an int32 link per position."""
+    length, a prompt length and a salt, and per finished slot its place in the ring; with the
+    table, per slot and key length an int64 fingerprint, a used flag and an int32 head per entry
+    and an int32 link per position."""
     per_slot = 4 * max_model_len + 24
     if table:
         per_slot += levels * (13 * table_width(max_model_len) + 4 * (max_model_len + 1))
-    return 2 * rows * per_slot
+    return 2 * rows * per_slot + 8 * max(rows, 1) + 8 * levels
+
+
+def workspace_bytes(rows: int, k: int, levels: int, max_match: int, max_siblings: int) -> int:
+    """A kernel step's memory (kernels.Workspace), for 2 x rows slots: per slot six int64s, a flag,
+    an int32 count, its context, its live positions and their rows (G x levels each), three int32
+    drafts and two int64 rows of k; and the kernels' constants."""
+    S = 2 * rows
+    G = min(max_siblings, S)
+    return S * (6 * 8 + 1 + 4 + 8 * max_match + 16 * G * levels + 12 * k + 16 * k) + 8 * levels + 16
 
 
 def working_bytes(rows: int, max_model_len: int, k: int, levels: int, width: int, max_match: int,

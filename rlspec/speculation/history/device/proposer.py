@@ -56,7 +56,7 @@ def _proposer_class(base):
             self.pending_ids: list[str] = []
             # the call's rows by slot, the finished answers its running siblings read among them: a
             # request leaving the batch (vLLM's hook for request-scoped state) keeps its slot
-            self.live = live_rows(vllm_config, self.history, device)
+            self.live, self.work = live_rows(vllm_config, self.history, device, self.k)
             self.batch_rows = torch.arange(rows, device=device)
             if runner is not None:
                 removed = runner._on_request_state_removed
@@ -163,7 +163,7 @@ def _speculator_class(base):
             # request keeps its slot as vLLM frees its state (a preempted request's too: V2 frees it
             # alike; V2 frees a call's last requests at the next call's first step, when the call's
             # slots are already cleared)
-            self.live = live_rows(vllm_config, self.history, device)
+            self.live, self.work = live_rows(vllm_config, self.history, device, self.k)
             freed = req_states.remove_request
             req_states.remove_request = lambda req_id: (self.live.finish(req_id), freed(req_id))[1]
 
@@ -214,8 +214,12 @@ def _speculator_class(base):
 
 def draft_rows(p, at, active, k: int):
     """A step's drafts for the batch's rows (their slots `at` [B] in p.live, active [B]), the
-    call's finished answers read after them: drafts [B, k], counts [B], sources [B, k]."""
+    call's finished answers read after them: drafts [B, k], counts [B], sources [B, k]. Where the
+    drafter runs kernels, kernels.step in p.work's memory."""
     live, B = p.live, at.shape[0]
+    if p.history.kernels and B:
+        from rlspec.speculation.history.device import kernels
+        return kernels.step(p.history, live, p.work, at, active, k)
     rows = live.rows(at)
     act = torch.cat([active, active.new_zeros(rows.shape[0] - B)])
     drafts, counts, src = p.history.propose(live.tok, live.n[rows], live.salt[rows], live.plen[rows], k, act,
@@ -229,8 +233,12 @@ def profile_step(p, rows: int) -> None:
     many finished answers, every row drafting k. vLLM sizes the KV cache from the peak memory of
     its profile run: run in it, the step's working tensors, which grow with rows x max_model_len
     (rlspec/speculation/history/device/memory.py), are kept out of the KV cache as the model's
-    activations are. The call's rows are left as they were (nothing is written to them)."""
+    activations are. The call's rows are left as they were (nothing is written to them). A step
+    in kernels with the live table allocates nothing (kernels.Workspace, allocated with the
+    drafter): none is run."""
     live, dev = p.live, p.device
+    if p.work is not None and live.table is not None:
+        return
     S = min(2 * rows, live.tok.shape[0])
     with torch.inference_mode():   # V1 calls it after its profile run's own inference mode ends
         at = torch.arange(S, device=dev)
@@ -240,14 +248,19 @@ def profile_step(p, rows: int) -> None:
                           done=S - rows, at=at, table=live.table)
 
 
-def live_rows(vllm_config, history: DeviceHistory, device) -> LiveRows:
+def live_rows(vllm_config, history: DeviceHistory, device, k: int) -> tuple:
     """The call's rows (live.LiveRows): max_num_seqs running and as many finished answers, with
-    the live table under speculation.history.device.lookup=table."""
+    the live table under speculation.history.device.lookup=table; and where the drafter runs
+    kernels, their step's memory (kernels.Workspace), else None."""
     rows = int(vllm_config.scheduler_config.max_num_seqs)
     cfg = history_settings(vllm_config)
     table = bool(cfg) and cfg["device"].get("lookup", "scan") == "table"
-    return LiveRows(rows, rows, int(vllm_config.model_config.max_model_len), history.prompt_keys, device, table,
+    live = LiveRows(rows, rows, int(vllm_config.model_config.max_model_len), history.prompt_keys, device, table,
                     history.kernels)
+    if not history.kernels:
+        return live, None
+    from rlspec.speculation.history.device.kernels import Workspace
+    return live, Workspace(history, live, k)
 
 
 def shadow_rows(vllm_config) -> int:
@@ -260,9 +273,11 @@ def settings(vllm_config) -> dict:
     cfg = history_settings(vllm_config)
     if not cfg:
         return {}
+    kernels = str(cfg["device"].get("kernels", "auto")).lower()
     return {"max_tokens": cfg["device"]["max_tokens"], "max_match": cfg["max_match"], "min_prob": cfg["min_prob"],
             "prompt_keys": tuple(cfg["prompt_keys"]), "width": cfg["max_candidates"],
-            "max_per_prompt": cfg["max_rollouts_per_prompt"], "global_source": bool(cfg["global_source"])}
+            "max_per_prompt": cfg["max_rollouts_per_prompt"], "global_source": bool(cfg["global_source"]),
+            "kernels": None if kernels == "auto" else kernels == "true"}
 
 
 def install() -> None:
