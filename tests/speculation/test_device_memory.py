@@ -124,11 +124,19 @@ def test_the_dry_run_takes_the_device_drafters_memory_from_the_engines_kv_cache(
     d, h = dm.roles[0], hm.roles[0]
     hist, L = device.speculation.history, device.model.max_model_len
     rows = 1024
+    # on a GPU the step runs in kernels, their memory allocated with the drafter (kernels.Workspace)
     resident = (store_bytes(hist.device.max_tokens, 3, hist.max_candidates, True, COUNT_WIDTH)
-                + live_bytes(rows, L, 3, False)) / 2**30
+                + live_bytes(rows, L, 3, False)
+                + workspace_bytes(rows, device.speculation.k_max, 3, hist.max_match, MAX_SIBLINGS)) / 2**30
     working = planned(rows, L, device.speculation.k_max, DEFAULTS) / 2**30
     assert device_drafter_gib(device) == pytest.approx((resident, working)) and d.drafter == pytest.approx(
         resident + working) and d.drafter > 1.0
+    # with the live table, a step in the kernels allocates nothing beside them; in torch it would
+    on_table = [*over, "speculation.history.drafter=device", "speculation.history.device.lookup=table"]
+    table = resolve_auto(compose(on_table, plain=False))
+    assert device_drafter_gib(table)[1] == 0.0 and device_drafter_gib(table)[0] > resident
+    torch_table = resolve_auto(compose([*on_table, "speculation.history.device.kernels=false"], plain=False))
+    assert device_drafter_gib(torch_table)[1] == pytest.approx(working)
     assert h.drafter == 0.0 and d.engine == pytest.approx(h.engine - d.drafter) and d.total == pytest.approx(h.total)
     assert device.generation.sleep_mode and device.cluster.placement == "colocated"
     assert dm.stages["train"] - hm.stages["train"] == pytest.approx(resident)

@@ -1,6 +1,6 @@
 """The device drafter's Triton kernels, no host sync, each tested in Triton's interpreter against
 the torch code it stands for (tests/speculation/test_device_live.py, test_device_kernels.py):
-live.py's LiveTable append, a step's live lookups (store.py's _live_positions through the table),
+live.py's LiveTable append, a step's live lookups (store.py's live_positions through the table),
 the own draft (the candidates and their vote) and the count table's walk (counts.CountTable.draft),
 each a program a row. Hashes in uint64 arithmetic, which wraps by definition in Triton and numpy alike,
 as the torch code's int64 arithmetic wraps."""
@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from rlspec.speculation.history.device.ops import Rows
 
 BLOCK = 64
 OWN_WARPS = 8   # _own_draft's: at 4, ptxas spills three times the bytes a thread
@@ -317,7 +319,7 @@ def own_draft(h, rows, ctx: torch.Tensor, n: torch.Tensor, salt: torch.Tensor, p
               k: int, active: torch.Tensor | None = None, out=None, consts=None):
     """DeviceHistory's own draft in one launch (a program for each of ctx's B rows, the first B
     of n's; the candidates' rows may be any of n's): the stored candidates of its
-    buckets and the live ones at p in rows `row` (_live_positions), checked, deduplicated, the
+    buckets and the live ones at p in rows `row` (live_positions), checked, deduplicated, the
     longest match's max_voters of highest rank voting token by token -> drafts [B, k] int32,
     own_best [B] and each drafted token's top voter's rank [B, k] (its source). out: those three to
     write (default new); consts: the prompt key lengths and min_prob on the device (default made)."""
@@ -349,7 +351,7 @@ def own_draft(h, rows, ctx: torch.Tensor, n: torch.Tensor, salt: torch.Tensor, p
 def _live_lookup(ctx_ptr, n_ptr, plen_ptr, at_ptr, sib_ptr, listed_ptr, keys_ptr, fp_ptr, used_ptr, head_ptr, prev_ptr,
                  p_ptr, row_ptr, M: tl.constexpr, LP: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
                  LPREV: tl.constexpr, MB: tl.constexpr, GB: tl.constexpr):
-    """One program a row: store.py's _live_positions through the live table (its queries, each
+    """One program a row: store.py's live_positions through the live table (its queries, each
     level's lookups in the row's siblings and in itself) -> p and row [B, G * LP]."""
     r = tl.program_id(0)
     n = tl.load(n_ptr + r)
@@ -377,7 +379,7 @@ def _live_lookup(ctx_ptr, n_ptr, plen_ptr, at_ptr, sib_ptr, listed_ptr, keys_ptr
 
 def live_lookup(table, ctx: torch.Tensor, n: torch.Tensor, plen: torch.Tensor, at: torch.Tensor, sib: torch.Tensor,
                 listed: torch.Tensor, out=None, keys: torch.Tensor | None = None):
-    """DeviceHistory._live_positions with the live table in one launch (a program a row): p and row
+    """DeviceHistory.live_positions with the live table in one launch (a program a row): p and row
     [B, G * levels], level-major, each level's G-1 siblings then the row itself (out: the two to
     write, default new; keys: the table's key lengths on the device, default made)."""
     B, M = ctx.shape
@@ -486,7 +488,6 @@ def step(h, live, work: Workspace, at: torch.Tensor, active: torch.Tensor, k: in
     finished answers read after them) in kernels, into work: _gather, the live lookups
     (live_lookup, or under lookup=scan store.py's scan in torch), own_draft, count_walk and
     _choose. -> drafts [B, k] int32, counts [B] int32, sources [B, k] (views of work)."""
-    from rlspec.speculation.history.device.store import _Rows
     B, D = at.shape[0], len(live.done)
     R = B + D
     if B == 0 or k == 0 or k > work.k:
@@ -496,14 +497,14 @@ def step(h, live, work: Workspace, at: torch.Tensor, active: torch.Tensor, k: in
     ctx = ctx.view(R, h.max_match)
     G = min(h.max_siblings, R)
     sib, reader, listed = live.siblings(rows, G)
-    view = _Rows(live.tok, rows)
+    view = Rows(live.tok, rows)
     GL = G * len(h.prompt_keys)
     # the running rows' programs only: the finished answers draft nothing (they are read, by row)
     if live.table is not None:
         p, row = work.p[: B * GL].view(B, GL), work.row[: B * GL].view(B, GL)
         live_lookup(live.table, ctx[:B], n, plen, rows, sib[:B], listed[:B], out=(p, row), keys=work.keys)
     else:
-        p, row = (x[:B] for x in h._live_positions(view, n, salt, plen, ctx, D, None, (sib, reader, listed)))
+        p, row = (x[:B] for x in h.live_positions(view, n, salt, plen, ctx, D, None, (sib, reader, listed)))
     act = work.act[:B]
     own = work.own[: B * k].view(B, k), work.own_best[:B], work.won[: B * k].view(B, k)
     own_draft(h, view, ctx[:B], n, salt[:B], p, row, k, act, out=own, consts=(work.keys, work.min_prob))

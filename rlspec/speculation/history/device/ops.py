@@ -129,3 +129,16 @@ def _place_in_group(salt: torch.Tensor, offset: float) -> torch.Tensor:
     size = torch.searchsorted(order.values, salt, right=True) - first
     rank = torch.empty_like(first).scatter_(0, order.indices, torch.arange(salt.shape[0], device=salt.device)) - first
     return (rank.double() + offset) / size.clamp(min=1).double()
+
+
+class Rows:
+    """The rows a step drafts for: token_ids' rows, or with at, its rows at[i]."""
+
+    def __init__(self, tok: torch.Tensor, at: torch.Tensor | None):
+        self.tok, self.at = tok, at
+
+    def read(self, row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        return self.tok[row if self.at is None else self.at[row], col]
+
+    def whole(self) -> torch.Tensor:
+        return self.tok if self.at is None else self.tok[self.at]

@@ -44,8 +44,8 @@ from rlspec.speculation import GLOBAL, HISTORY, MAX_SIBLINGS, MAX_VOTERS, PROMPT
 from rlspec.speculation.history.device.counts import MIN_PROB, WIDTH, CountTable
 from rlspec.speculation.history.device.memory import count_buckets as default_count_buckets
 from rlspec.speculation.history.device.memory import ring_buckets
-from rlspec.speculation.history.device.ops import (_P, first_of, fold, last_true, leading_run, prompt_hash,
-                                         prompt_siblings, salted, window_keys, window_prints)
+from rlspec.speculation.history.device.ops import (_P, Rows, first_of, fold, last_true, leading_run, prompt_hash,
+                                                   prompt_siblings, salted, window_keys, window_prints)
 from rlspec.speculation.history.device.ring import EMPTY, END, RingSequences
 from rlspec.speculation.history.device.state import RingCheckpoint
 from rlspec.speculation.history.stats import replay_in_shadow, shadow_groups
@@ -54,19 +54,6 @@ UNKNOWN = -2  # past a running row's last token: not yet written
 _LIVE = 1 << 42   # ranks: a running row's position outranks any stored one; the row itself the others
 _SELF = 1 << 41
 _COUNT = 1 << 48  # a vote's score: count first, rank second
-
-
-class _Rows:
-    """The rows a step drafts for: token_ids' rows, or with at, its rows at[i]."""
-
-    def __init__(self, tok: torch.Tensor, at: torch.Tensor | None):
-        self.tok, self.at = tok, at
-
-    def read(self, row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        return self.tok[row if self.at is None else self.at[row], col]
-
-    def whole(self) -> torch.Tensor:
-        return self.tok if self.at is None else self.tok[self.at]
 
 
 @dataclass
@@ -301,9 +288,9 @@ class DeviceHistory(RingCheckpoint):
         int32, -1: none); with sources, also each own token's source [B, k] (its highest-ranked
         voter's: HISTORY, SIBLINGS or PROMPT, the row itself). at, table, siblings: as propose's."""
         n = lengths.long()
-        rows = _Rows(token_ids, at)
+        rows = Rows(token_ids, at)
         ctx = self._context(rows, n)                                             # [B, M]
-        p, row = self._live_positions(rows, n, prompt_ids.long(), prompt_lens.long(), ctx, done, table, siblings)
+        p, row = self.live_positions(rows, n, prompt_ids.long(), prompt_lens.long(), ctx, done, table, siblings)
         if self.kernels:   # the candidates, their longest match and its vote in one kernel
             from rlspec.speculation.history.device.kernels import own_draft
             drafts, own_best, won = own_draft(self, rows, ctx, n, prompt_ids.long(), p, row, k, active)
@@ -338,7 +325,7 @@ class DeviceHistory(RingCheckpoint):
         top = torch.where(alive, rank, -1).topk(min(self.max_voters, alive.shape[1]), 1)
         return top.values >= 0, top.values, nxt.gather(1, top.indices[:, :, None].expand(-1, -1, k))
 
-    def _context(self, rows: "_Rows", n: torch.Tensor) -> torch.Tensor:
+    def _context(self, rows: "Rows", n: torch.Tensor) -> torch.Tensor:
         """The rows' last max_match tokens, newest first: [B, M] (-5 before a row's start)."""
         back = n[:, None] - 1 - torch.arange(self.max_match, device=n.device)
         got = rows.read(torch.arange(n.shape[0], device=n.device)[:, None], back.clamp(min=0)).long()
@@ -367,7 +354,7 @@ class DeviceHistory(RingCheckpoint):
         nxt = torch.where(fwd < self.written, nxt, UNKNOWN)
         return Candidates(first_of(valid, pos), length, pos, nxt)
 
-    def _live_positions(self, rows: "_Rows", n, salt, plen, ctx, done=0, table=None, siblings=None):
+    def live_positions(self, rows: "Rows", n, salt, plen, ctx, done=0, table=None, siblings=None):
         """Per prompt key length m, the latest position p whose m tokens before it have the row's
         last m tokens' fingerprint: in the row itself (any position), and in each of its
         max_siblings - 1 siblings (an answer position), the rows of its prompt that follow it in the
@@ -391,8 +378,8 @@ class DeviceHistory(RingCheckpoint):
             cands.append(torch.where(ok, torch.cat([p_sib, p_self[:, None]], 1), -1))
         return torch.cat(cands, 1), torch.cat([sib, idx[:, None]], 1).repeat(1, len(levels))
 
-    def _live_candidates(self, rows: "_Rows", n, ctx, p, row, k) -> Candidates:
-        """The candidates at the live positions p in rows `row` (_live_positions): the match checked
+    def _live_candidates(self, rows: "Rows", n, ctx, p, row, k) -> Candidates:
+        """The candidates at the live positions p in rows `row` (live_positions): the match checked
         token by token, the next k tokens, ranked the row itself first, then the latest."""
         B, L = n.shape[0], rows.tok.shape[1]
         dev, G = n.device, p.shape[1] // len(self.prompt_keys)
