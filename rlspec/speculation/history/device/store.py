@@ -366,9 +366,6 @@ class DeviceHistory(RingCheckpoint):
         B = n.shape[0]
         dev, G = n.device, min(self.max_siblings, B)
         sib, reader, listed = siblings or prompt_siblings(salt, G, done)            # [B, G-1] each
-        if table is not None and self.kernels:
-            from rlspec.speculation.history.device.kernels import live_lookup
-            return live_lookup(table, ctx, n, plen, rows.at, sib, listed)
         idx = torch.arange(B, device=dev)
         find = self._scan_matches if table is None else self._table_matches
         cands, levels = [], self.prompt_keys
